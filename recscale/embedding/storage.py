@@ -1,0 +1,82 @@
+"""Where embedding rows and their optimizer state live.
+
+The table-batched operator never touches a weight buffer directly for updates; it asks a
+``RowStorage`` to map row ids to lookup slots, to gather rows (weights and state, as float32)
+and to scatter them back. ``DenseRowStorage`` keeps every row in one device buffer. A sharded
+storage (only this rank's rows) or a tiered storage (a slow store behind a cache of hot rows,
+where ``slots_for`` admits missing rows) implements the same four methods, so the model, the
+optimizer definitions and the training loop do not change.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class RowStorage(ABC):
+    """Rows of one group of same-dim tables, addressed by group-global row id."""
+
+    num_rows: int
+    dim: int
+
+    @property
+    @abstractmethod
+    def weight(self) -> torch.Tensor:
+        """``[slots, dim]`` buffer that the forward lookup reads."""
+
+    @abstractmethod
+    def slots_for(self, rows: torch.Tensor) -> torch.Tensor:
+        """Map row ids to slots of ``weight`` (identity for dense storage)."""
+
+    @abstractmethod
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """float32 copies of the weights and state of ``slots``."""
+
+    @abstractmethod
+    def scatter(self, slots: torch.Tensor, w: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """Write updated rows back (rounded to the storage dtype)."""
+
+    @abstractmethod
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Every state tensor, by name, for checkpoints and tests."""
+
+
+class DenseRowStorage(RowStorage):
+    """All rows in one buffer on one device; optimizer state alongside, in float32."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        state_columns: dict[str, int],
+    ) -> None:
+        if weight.dim() != 2:
+            raise ValueError(f"weight must be 2-D [rows, dim], got shape {tuple(weight.shape)}")
+        self.num_rows, self.dim = weight.shape
+        self._weight = weight
+        self._state = {
+            name: torch.zeros(self.num_rows, cols, dtype=torch.float32, device=weight.device)
+            for name, cols in state_columns.items()
+        }
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._weight
+
+    def slots_for(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows
+
+    def gather(self, slots):
+        w = self._weight.index_select(0, slots)
+        if w.dtype != torch.float32:
+            w = w.float()
+        return w, {k: v.index_select(0, slots) for k, v in self._state.items()}
+
+    def scatter(self, slots, w, state):
+        self._weight.index_copy_(0, slots, w.to(self._weight.dtype))
+        for k, v in state.items():
+            self._state[k].index_copy_(0, slots, v)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return self._state

@@ -1,0 +1,276 @@
+"""Table-batched embedding bags with the optimizer fused into backward.
+
+All tables of the same dim and dtype share one weight buffer with per-table row offsets, so a
+batch of every feature is pooled by a single ``embedding_bag`` call. Backward never builds a
+gradient of table size: it turns pooled-output gradients into per-id gradients, sums the
+gradients of duplicate rows (sorted, so the result is the same on every run), and hands the
+unique rows to the optimizer, which updates each row exactly once.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recscale.embedding.config import TableConfig, check_tables
+from recscale.embedding.optimizers import SparseOptimizer
+from recscale.embedding.storage import DenseRowStorage, RowStorage
+from recscale.sparse import JaggedBatch, SparseInputError
+
+
+@dataclass
+class TableGroup:
+    """Tables that share one row storage (same dim and dtype)."""
+
+    dim: int
+    dtype: torch.dtype
+    tables: list[TableConfig]
+    features: tuple[str, ...]
+    table_row_offsets: list[int]  # first row of each table in the group buffer
+    feature_row_offset: torch.Tensor  # [num features] first row of each feature's table
+    feature_is_mean: torch.Tensor  # [num features] bool
+    storage: RowStorage
+    step: int = 0
+    has_mean: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.has_mean = bool(self.feature_is_mean.any())
+
+
+def init_table_rows(table: TableConfig, seed: int) -> torch.Tensor:
+    """Initial rows of one table; depends only on the table and the seed, never on grouping
+    or placement, so a sharded model starts from exactly the same weights."""
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(table.name.encode())) % (2**63))
+    lo, hi = table.bounds
+    w = torch.empty(table.num_rows, table.dim, dtype=torch.float32)
+    w.uniform_(lo, hi, generator=gen)
+    return w.to(table.torch_dtype)
+
+
+class TableBatchedEmbeddingBags(nn.Module):
+    """Pooled lookups of many tables in one operator; updates rows itself during backward.
+
+    ``forward(batch)`` returns ``[B, sum of feature dims]`` in ``self.feature_names`` order.
+    The optimizer runs inside ``loss.backward()``; there is no separate ``step()``.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        optimizer: SparseOptimizer,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        tables = list(tables)
+        if not tables:
+            raise ValueError("tables: at least one embedding table is required")
+        check_tables(tables)
+        self.tables = tables
+        self.optimizer = optimizer
+        self.device = torch.device(device)
+        self.groups: list[TableGroup] = []
+        by_kind: dict[tuple[int, torch.dtype], list[TableConfig]] = {}
+        for t in tables:
+            by_kind.setdefault((t.dim, t.torch_dtype), []).append(t)
+        for (dim, dtype), group_tables in by_kind.items():
+            self.groups.append(self._build_group(dim, dtype, group_tables, seed))
+        self.feature_names: tuple[str, ...] = tuple(f for g in self.groups for f in g.features)
+        self.feature_dims: tuple[int, ...] = tuple(g.dim for g in self.groups for _ in g.features)
+        self.num_rows_by_feature = {f: t.num_rows for t in tables for f in t.features}
+        # Anchor that makes the pooled output require grad, so autograd calls our backward.
+        self._grad_anchor = nn.Parameter(torch.zeros(0), requires_grad=True)
+        self._register_state_dict_hook(_state_dict_hook)
+        self._register_load_state_dict_pre_hook(self._load_hook, with_module=False)
+
+    def _build_group(self, dim: int, dtype: torch.dtype, tables: list[TableConfig], seed: int) -> TableGroup:
+        offsets, rows = [], 0
+        for t in tables:
+            offsets.append(rows)
+            rows += t.num_rows
+        weight = torch.cat([init_table_rows(t, seed) for t in tables]).to(self.device)
+        storage = DenseRowStorage(weight, self.optimizer.state_columns(dim))
+        features = tuple(f for t in tables for f in t.features)
+        feat_off = [off for t, off in zip(tables, offsets) for _ in t.features]
+        feat_mean = [t.pooling == "mean" for t in tables for _ in t.features]
+        return TableGroup(
+            dim=dim,
+            dtype=dtype,
+            tables=tables,
+            features=features,
+            table_row_offsets=offsets,
+            feature_row_offset=torch.tensor(feat_off, dtype=torch.int64, device=self.device),
+            feature_is_mean=torch.tensor(feat_mean, dtype=torch.bool, device=self.device),
+            storage=storage,
+        )
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, batch: JaggedBatch) -> torch.Tensor:
+        outs = [self._pool_group(g, batch.select(g.features)) for g in self.groups]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    def _pool_group(self, g: TableGroup, batch: JaggedBatch) -> torch.Tensor:
+        k, b = len(g.features), batch.batch_size
+        lengths = batch.lengths
+        n = batch.values.numel()
+        per_key = lengths.view(k, b).sum(1)
+        rows = batch.values + torch.repeat_interleave(g.feature_row_offset, per_key, output_size=n)
+        slots = g.storage.slots_for(rows)
+        offsets = batch.offsets()
+        weights = batch.weights
+        if g.has_mean:
+            inv = 1.0 / lengths.clamp(min=1).to(torch.float32)
+            is_mean = g.feature_is_mean.repeat_interleave(b)
+            bag_scale = torch.where(is_mean, inv, torch.ones_like(inv))
+            id_scale = torch.repeat_interleave(bag_scale, lengths, output_size=n)
+            weights = id_scale if weights is None else weights.to(torch.float32) * id_scale
+        if torch.is_grad_enabled():
+            pooled = _FusedPooling.apply(self._grad_anchor, self, g, slots, offsets, weights)
+        else:
+            pooled = _pool(g.storage.weight, slots, offsets, weights)
+        return pooled.view(k, b, g.dim).transpose(0, 1).reshape(b, k * g.dim)
+
+    # ------------------------------------------------------------------ fused backward
+    def _apply_gradients(self, g: TableGroup, slots: torch.Tensor, id_grads: torch.Tensor) -> None:
+        """Sum duplicate rows' gradients, then update each unique row once."""
+        unique, summed = sum_duplicate_rows(slots, id_grads)
+        g.step += 1
+        w, state = g.storage.gather(unique)
+        self.optimizer.update(w, summed, state, g.step)
+        g.storage.scatter(unique, w, state)
+
+    # ------------------------------------------------------------------ access
+    def validate(self, batch: JaggedBatch) -> None:
+        """Check ids against table sizes (clear error naming the feature)."""
+        missing = [f for f in self.feature_names if f not in batch.keys]
+        if missing:
+            raise SparseInputError(f"batch lacks features {missing} that the embedding tables expect")
+        batch.validate(self.num_rows_by_feature)
+
+    def _locate(self, table: str) -> tuple[TableGroup, int, TableConfig]:
+        for g in self.groups:
+            for t, off in zip(g.tables, g.table_row_offsets):
+                if t.name == table:
+                    return g, off, t
+        raise KeyError(f"no embedding table named '{table}'")
+
+    def table_weight(self, table: str) -> torch.Tensor:
+        """A view of one table's rows (in its storage dtype)."""
+        g, off, t = self._locate(table)
+        return g.storage.weight[off : off + t.num_rows]
+
+    def table_state(self, table: str) -> dict[str, torch.Tensor]:
+        """Views of one table's optimizer state rows."""
+        g, off, t = self._locate(table)
+        return {k: v[off : off + t.num_rows] for k, v in g.storage.state_tensors().items()}
+
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        # Follow device moves (model.to(device)); the storage keeps its own dtypes.
+        device = fn(torch.empty(0)).device
+        if device != self.device:
+            self.device = device
+            for g in self.groups:
+                _move_group(g, device)
+        return super()._apply(fn, recurse)
+
+    def _load_hook(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        for t in self.tables:
+            key = f"{prefix}tables.{t.name}.weight"
+            if key in state_dict:
+                src = state_dict.pop(key)
+                dst = self.table_weight(t.name)
+                if src.shape != dst.shape:
+                    error_msgs.append(f"{key}: shape {tuple(src.shape)} does not match table {tuple(dst.shape)}")
+                    continue
+                dst.copy_(src)
+            elif strict:
+                missing_keys.append(key)
+            for name, dst in self.table_state(t.name).items():
+                skey = f"{prefix}tables.{t.name}.{name}"
+                if skey in state_dict:
+                    dst.copy_(state_dict.pop(skey))
+                elif strict:
+                    missing_keys.append(skey)
+        step_key = f"{prefix}step"
+        if step_key in state_dict:
+            step = int(state_dict.pop(step_key))
+            for g in self.groups:
+                g.step = step
+
+
+def _state_dict_hook(module: TableBatchedEmbeddingBags, state_dict, prefix, local_metadata):
+    state_dict.pop(f"{prefix}_grad_anchor", None)
+    for t in module.tables:
+        state_dict[f"{prefix}tables.{t.name}.weight"] = module.table_weight(t.name)
+        for name, v in module.table_state(t.name).items():
+            state_dict[f"{prefix}tables.{t.name}.{name}"] = v
+    state_dict[f"{prefix}step"] = torch.tensor(module.groups[0].step)
+    return state_dict
+
+
+def _move_group(g: TableGroup, device: torch.device) -> None:
+    st = g.storage
+    if not isinstance(st, DenseRowStorage):
+        raise NotImplementedError(f"{type(st).__name__} cannot be moved between devices")
+    st._weight = st._weight.to(device)
+    st._state = {k: v.to(device) for k, v in st._state.items()}
+    g.feature_row_offset = g.feature_row_offset.to(device)
+    g.feature_is_mean = g.feature_is_mean.to(device)
+
+
+def _pool(weight: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    if w is not None and w.dtype != weight.dtype:
+        w = w.to(weight.dtype)
+    out = F.embedding_bag(slots, weight, offsets, mode="sum", per_sample_weights=w, include_last_offset=True)
+    return out if out.dtype == torch.float32 else out.float()
+
+
+def sum_duplicate_rows(rows: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unique rows (ascending) and the sum of the gradients of each, in a fixed order.
+
+    On CPU ``index_add_`` adds sources in index order, so the sum is the same on every run.
+    On other devices it uses atomics, so the sum is built from a stable sort and a segment
+    reduction instead, which is deterministic by construction.
+    """
+    unique, inverse, counts = torch.unique(rows, sorted=True, return_inverse=True, return_counts=True)
+    if rows.device.type == "cpu":
+        summed = torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype)
+        summed.index_add_(0, inverse, grads)
+        return unique, summed
+    order = torch.argsort(inverse, stable=True)
+    summed = torch.segment_reduce(grads.index_select(0, order), "sum", lengths=counts, axis=0)
+    return unique, summed
+
+
+class _FusedPooling(torch.autograd.Function):
+    """Pooled lookup whose backward updates the rows instead of returning a weight gradient."""
+
+    @staticmethod
+    def forward(ctx, anchor, module, group, slots, offsets, weights):  # type: ignore[override]
+        ctx.module, ctx.group = module, group
+        ctx.save_for_backward(slots, offsets, weights if weights is not None else torch.empty(0))
+        ctx.has_weights = weights is not None
+        return _pool(group.storage.weight, slots, offsets, weights)
+
+    @staticmethod
+    def backward(ctx, grad_pooled):  # type: ignore[override]
+        slots, offsets, weights = ctx.saved_tensors
+        grad_pooled = grad_pooled.contiguous()
+        num_bags = offsets.numel() - 1
+        lengths = offsets[1:] - offsets[:-1]
+        if slots.numel() == num_bags and bool((lengths == 1).all()):
+            id_grads = grad_pooled  # one id per bag: bag gradient is the id gradient
+        else:
+            bag_of_id = torch.repeat_interleave(
+                torch.arange(num_bags, device=slots.device), lengths, output_size=slots.numel()
+            )
+            id_grads = grad_pooled.index_select(0, bag_of_id)
+        if ctx.has_weights:
+            id_grads = id_grads * weights.to(id_grads.dtype).unsqueeze(1)
+        ctx.module._apply_gradients(ctx.group, slots, id_grads)
+        return None, None, None, None, None, None
