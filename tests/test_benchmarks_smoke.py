@@ -1,0 +1,48 @@
+"""Smoke test of the embedding operator benchmark: it runs, prints its table, writes its JSON.
+
+No timing assertions: only that the script works end to end in its --quick mode.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_embedding_op_quick(tmp_path: Path) -> None:
+    out = tmp_path / "embedding_op.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/embedding_op.py", "--quick", "--threads", "1", "--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    header = [line for line in proc.stdout.splitlines() if line.startswith("config")]
+    assert header, proc.stdout
+    for col in ("impl", "forward ms", "bwd+update ms", "total ms", "samples/s", "total x"):
+        assert col in header[0]
+    assert "recscale" in proc.stdout and "plain_pytorch" in proc.stdout
+
+    data = json.loads(out.read_text())
+    assert {"benchmark", "environment", "args", "configs"} <= set(data)
+    assert data["benchmark"] == "embedding_op"
+    assert data["args"]["quick"] is True
+    (rep,) = data["configs"]
+    assert rep["config"] == "criteo"
+    assert rep["optimizer"] == "rowwise_adagrad"
+    assert rep["num_tables"] == 26 and rep["row_cap"] == 10_000
+    assert {"recscale", "plain_pytorch"} <= set(rep["results"])
+    for r in rep["results"].values():
+        for phase in ("forward", "backward_update", "total"):
+            assert {"median", "min", "max"} <= set(r[phase])
+            assert r[phase]["min"] <= r[phase]["median"] <= r[phase]["max"]
+        assert r["samples_per_s"] > 0
+    assert set(rep["ratio_vs_recscale"]["plain_pytorch"]) == {"forward", "backward_update", "total"}
+    assert isinstance(rep["notes"], list)
+    assert not list(tmp_path.glob(".*.tmp")), "write-then-rename left a temporary file"
