@@ -1,0 +1,5 @@
+import sys
+
+from recscale.cli import main
+
+sys.exit(main())

@@ -1,0 +1,7 @@
+"""Models: MLP towers, feature interactions and DLRM."""
+
+from recscale.model.dlrm import DLRM
+from recscale.model.interaction import DotInteraction
+from recscale.model.mlp import MLP
+
+__all__ = ["DLRM", "MLP", "DotInteraction"]

@@ -1,0 +1,1 @@
+"""Training: typed config, the loop, evaluation metrics."""

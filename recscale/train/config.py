@@ -1,0 +1,251 @@
+"""The training job's configuration: typed sections read from TOML, overridable with --set.
+
+Every key is a dataclass field with a type, so an unknown key, a wrong type or a bad value is
+a one-line error that names the key and what is expected, before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key or path and the fix."""
+
+
+DataSource = Literal["synthetic", "criteo_tsv", "criteo_encoded_csv"]
+
+
+@dataclass
+class DataConfig:
+    source: DataSource = "synthetic"
+    train_path: str = ""
+    eval_path: str = ""
+    # Share of the training file held out for evaluation when eval_path is empty.
+    eval_fraction: float = 0.1
+    num_workers: int = 1
+    skip_bad_rows: bool = False
+    shuffle: bool = True
+    # Synthetic data only.
+    num_samples: int = 200_000
+    eval_samples: int = 20_000
+    pooling_factors: list[int] = field(default_factory=list)
+    zipf_alpha: float = 1.05
+
+
+@dataclass
+class ModelConfig:
+    embedding_dim: int = 16
+    # One table per sparse feature; a single number applies to every feature.
+    table_rows: list[int] = field(default_factory=lambda: [100_000] * 26)
+    pooling: Literal["sum", "mean"] = "sum"
+    embedding_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
+    bottom_mlp: list[int] = field(default_factory=lambda: [64, 16])
+    top_mlp: list[int] = field(default_factory=lambda: [64, 1])
+
+
+@dataclass
+class EmbeddingOptimizerConfig:
+    name: Literal["sgd", "rowwise_adagrad", "adagrad", "adam"] = "rowwise_adagrad"
+    lr: float = 0.05
+    eps: float = 1e-8
+    beta1: float = 0.9
+    beta2: float = 0.999
+
+
+@dataclass
+class DenseOptimizerConfig:
+    name: Literal["sgd", "adagrad", "adam"] = "adagrad"
+    lr: float = 0.01
+    weight_decay: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 256
+    epochs: int = 1
+    # Stop after this many steps (0: run every epoch to the end).
+    max_steps: int = 0
+    # Evaluate every this many steps as well as at the end (0: only at the end).
+    eval_every_steps: int = 0
+    eval_batch_size: int = 4096
+    seed: int = 0
+    # torch threads (0: leave PyTorch's default).
+    threads: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    embedding_optimizer: EmbeddingOptimizerConfig = field(default_factory=EmbeddingOptimizerConfig)
+    dense_optimizer: DenseOptimizerConfig = field(default_factory=DenseOptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------- loading
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML file (or defaults when ``path`` is None), apply ``section.key=value``
+    overrides, and validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{p}' does not exist")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file '{p}' is not valid TOML: {e}") from None
+    for item in overrides or []:
+        _apply_override(raw, item)
+    cfg = _build(Config, raw, "")
+    validate(cfg)
+    return cfg
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--set '{item}': expected section.key=value, e.g. train.batch_size=512")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # a bare word is a string: --set data.source=synthetic
+    section = raw.setdefault(parts[0], {})
+    if not isinstance(section, dict):
+        raise ConfigError(f"--set '{item}': '{parts[0]}' is not a section")
+    section[parts[1]] = value
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"config section [{where}] must be a table, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            name = f"{where}.{key}" if where else key
+            near = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean '{near[0]}'?" if near else f"; known keys: {', '.join(sorted(fields))}"
+            raise ConfigError(f"unknown config key '{name}'{hint}")
+    kwargs = {}
+    for key, value in data.items():
+        name = f"{where}.{key}" if where else key
+        kwargs[key] = _coerce(hints[key], value, name)
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, name: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, name)
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"config key '{name}': expected one of {list(choices)}, got {value!r}")
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = [value]
+        if not isinstance(value, list):
+            raise ConfigError(f"config key '{name}': expected a list, got {value!r}")
+        return [_coerce(item_tp, v, f"{name}[{i}]") for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        raise ConfigError(f"config key '{name}': unsupported type {tp}")  # not used by any field
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config key '{name}': expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config key '{name}': expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"config key '{name}': expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"config key '{name}': expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"config key '{name}': unsupported type {tp}")  # pragma: no cover
+
+
+# ---------------------------------------------------------------------- validation
+def validate(cfg: Config) -> None:
+    """Value checks that types alone cannot express."""
+    d, m, t = cfg.data, cfg.model, cfg.train
+    _positive("train.batch_size", t.batch_size)
+    _positive("train.epochs", t.epochs)
+    _positive("train.eval_batch_size", t.eval_batch_size)
+    _non_negative("train.max_steps", t.max_steps)
+    _non_negative("train.eval_every_steps", t.eval_every_steps)
+    _non_negative("train.threads", t.threads)
+    _non_negative("data.num_workers", d.num_workers)
+    _positive("model.embedding_dim", m.embedding_dim)
+    _positive("embedding_optimizer.lr", cfg.embedding_optimizer.lr)
+    _positive("dense_optimizer.lr", cfg.dense_optimizer.lr)
+    if not m.table_rows or any(r <= 0 for r in m.table_rows):
+        raise ConfigError("config key 'model.table_rows': expected positive row counts, one per sparse feature")
+    for key in ("bottom_mlp", "top_mlp"):
+        sizes = getattr(m, key)
+        if not sizes or any(s <= 0 for s in sizes):
+            raise ConfigError(f"config key 'model.{key}': expected a non-empty list of positive layer sizes")
+    if m.bottom_mlp[-1] != m.embedding_dim:
+        raise ConfigError(
+            f"config key 'model.bottom_mlp': must end with model.embedding_dim ({m.embedding_dim}), "
+            f"got {m.bottom_mlp}"
+        )
+    if m.top_mlp[-1] != 1:
+        raise ConfigError(f"config key 'model.top_mlp': must end with 1 (the logit), got {m.top_mlp}")
+    if not 0.0 <= d.eval_fraction < 1.0:
+        raise ConfigError(f"config key 'data.eval_fraction': expected a value in [0, 1), got {d.eval_fraction}")
+    if d.source == "synthetic":
+        _positive("data.num_samples", d.num_samples)
+        _non_negative("data.eval_samples", d.eval_samples)
+        if d.pooling_factors and len(d.pooling_factors) not in (1, len(m.table_rows)):
+            raise ConfigError(
+                f"config key 'data.pooling_factors': expected 1 or {len(m.table_rows)} values "
+                f"(one per table), got {len(d.pooling_factors)}"
+            )
+        if d.zipf_alpha <= 0:
+            raise ConfigError(f"config key 'data.zipf_alpha': expected > 0, got {d.zipf_alpha}")
+    else:
+        if not d.train_path:
+            raise ConfigError(f"config key 'data.train_path': required for data.source = '{d.source}'")
+        for key in ("train_path", "eval_path"):
+            p = getattr(d, key)
+            if p and not Path(p).is_file():
+                raise ConfigError(
+                    f"config key 'data.{key}': file '{p}' does not exist "
+                    f"(relative paths are resolved from the current directory {Path.cwd()})"
+                )
+
+
+def _positive(name: str, v: float) -> None:
+    if v <= 0:
+        raise ConfigError(f"config key '{name}': expected a value > 0, got {v}")
+
+
+def _non_negative(name: str, v: float) -> None:
+    if v < 0:
+        raise ConfigError(f"config key '{name}': expected a value >= 0, got {v}")

@@ -1,0 +1,103 @@
+"""Turn the ``[data]`` config section into train and eval batch streams."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from recscale.data import (
+    ClickBatches,
+    ClickData,
+    SyntheticClickData,
+    SyntheticConfig,
+    make_loader,
+    read_criteo_tsv,
+    read_encoded_csv,
+)
+from recscale.train.config import Config, ConfigError
+
+
+@dataclass
+class DataSplits:
+    train: ClickBatches
+    eval: ClickBatches
+    num_workers: int
+    sparse_names: tuple[str, ...]
+    num_dense: int
+    description: str
+
+    def train_loader(self) -> torch.utils.data.DataLoader:
+        # A new loader per epoch, so worker processes see the dataset's current epoch.
+        return make_loader(self.train, num_workers=self.num_workers)
+
+    def eval_loader(self) -> torch.utils.data.DataLoader:
+        return make_loader(self.eval, num_workers=self.num_workers)
+
+
+def _table_rows(cfg: Config, num_sparse: int) -> list[int]:
+    rows = cfg.model.table_rows
+    if len(rows) == 1:
+        return rows * num_sparse
+    if len(rows) != num_sparse:
+        raise ConfigError(
+            f"config key 'model.table_rows' has {len(rows)} values but the data has {num_sparse} "
+            "sparse features; give one value per feature or a single value"
+        )
+    return rows
+
+
+def _hold_out(data: ClickData, fraction: float) -> tuple[ClickData, ClickData]:
+    """Last ``fraction`` of the rows for evaluation (file order, so no leakage by shuffling)."""
+    n = len(data.labels)
+    n_eval = max(1, int(round(n * fraction)))
+    if n_eval >= n:
+        raise ConfigError(f"config key 'data.eval_fraction': leaves no training rows out of {n}")
+    cut = n - n_eval
+    return data.slice(0, cut), data.slice(cut, n)
+
+
+def build_data(cfg: Config) -> DataSplits:
+    d, t = cfg.data, cfg.train
+    if d.source == "synthetic":
+        rows = cfg.model.table_rows
+        pf = d.pooling_factors or [1]
+        if len(pf) == 1:
+            pf = pf * len(rows)
+        base = dict(
+            num_dense=13,
+            table_rows=tuple(rows),
+            pooling_factors=tuple(pf),
+            zipf_alpha=d.zipf_alpha,
+            seed=t.seed,
+        )
+        train_src = SyntheticClickData(SyntheticConfig(num_samples=d.num_samples, **base))
+        # Evaluation samples come from a disjoint part of the same stream.
+        eval_src = SyntheticClickData(SyntheticConfig(num_samples=d.eval_samples, **base), offset=d.num_samples)
+        desc = (
+            f"synthetic ({d.num_samples:,} train / {d.eval_samples:,} eval samples, "
+            f"{len(rows)} tables, zipf alpha {d.zipf_alpha})"
+        )
+        names = train_src.sparse_names
+        num_dense = 13
+    else:
+        reader = read_encoded_csv if d.source == "criteo_encoded_csv" else read_criteo_tsv
+        rows = _table_rows(cfg, 26)
+        train_src = reader(d.train_path, rows, skip_bad_rows=d.skip_bad_rows)
+        if d.eval_path:
+            eval_src = reader(d.eval_path, rows, skip_bad_rows=d.skip_bad_rows)
+        else:
+            train_src, eval_src = _hold_out(train_src, d.eval_fraction)
+        skipped = train_src.skipped_rows + eval_src.skipped_rows
+        desc = (
+            f"{d.source} {d.train_path} ({len(train_src.labels):,} train rows, "
+            f"{len(eval_src.labels):,} eval rows from {d.eval_path or 'a held-out tail'}"
+            f"{f', {skipped} bad rows skipped' if skipped else ''}; "
+            f"positive rate {float(np.mean(train_src.labels)):.3f})"
+        )
+        names = tuple(train_src.sparse_names)
+        num_dense = train_src.dense.shape[1]
+    train = ClickBatches(train_src, batch_size=t.batch_size, shuffle=d.shuffle, seed=t.seed, drop_last=False)
+    evaluation = ClickBatches(eval_src, batch_size=t.eval_batch_size, shuffle=False, seed=t.seed, drop_last=False)
+    return DataSplits(train, evaluation, d.num_workers, tuple(names), num_dense, desc)

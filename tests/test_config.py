@@ -1,0 +1,80 @@
+from pathlib import Path
+
+import pytest
+
+from recscale.cli import main
+from recscale.train.config import Config, ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_are_valid():
+    cfg = load_config(None)
+    assert isinstance(cfg, Config)
+    assert cfg.train.batch_size == 256
+
+
+def test_shipped_configs_parse(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    load_config(ROOT / "configs" / "synthetic.toml")
+    if (ROOT.parent / "shared" / "data" / "criteo").is_dir():
+        cfg = load_config(ROOT / "configs" / "criteo_10k.toml")
+        assert len(cfg.model.table_rows) == 26
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("[train]\nbatchsize = 3\n", "unknown config key 'train.batchsize'; did you mean 'batch_size'?"),
+        ("[nope]\nx = 1\n", "unknown config key 'nope'"),
+        ("[train]\nbatch_size = 'big'\n", "'train.batch_size': expected an integer, got 'big'"),
+        ("[train]\nbatch_size = 0\n", "'train.batch_size': expected a value > 0"),
+        ("[train]\nprogress = 1\n", "'train.progress': expected true or false"),
+        ("[embedding_optimizer]\nname = 'lamb'\n", "'embedding_optimizer.name': expected one of"),
+        ("[model]\nbottom_mlp = [64, 8]\n", "'model.bottom_mlp': must end with model.embedding_dim (16)"),
+        ("[model]\ntop_mlp = [64, 2]\n", "'model.top_mlp': must end with 1"),
+        ("[data]\nsource = 'criteo_tsv'\n", "'data.train_path': required"),
+        ("[data]\nsource = 'criteo_tsv'\ntrain_path = 'no/such.tsv'\n", "'data.train_path': file 'no/such.tsv' does not exist"),
+        ("[train\n", "is not valid TOML"),
+    ],
+)
+def test_bad_config_gets_one_clear_error(tmp_path, text, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, text))
+    assert fragment in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_set_overrides_parse_toml_values(tmp_path):
+    cfg = load_config(
+        write(tmp_path, "[train]\nbatch_size = 8\n"),
+        ["train.batch_size=32", "model.top_mlp=[8, 1]", "data.source=synthetic", "train.progress=false"],
+    )
+    assert cfg.train.batch_size == 32
+    assert cfg.model.top_mlp == [8, 1]
+    assert cfg.data.source == "synthetic"
+    assert cfg.train.progress is False
+
+
+def test_set_with_bad_syntax():
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        load_config(None, ["batch_size=3"])
+
+
+def test_cli_reports_config_errors_on_one_line_with_exit_2(tmp_path, capsys):
+    code = main(["train", "--config", str(write(tmp_path, "[train]\nbatch_sise = 3\n"))])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.strip().count("\n") == 0
+    assert "train.batch_sise" in err
+
+
+def test_cli_missing_config_file(capsys):
+    assert main(["train", "--config", "does/not/exist.toml"]) == 2
+    assert "does/not/exist.toml" in capsys.readouterr().err
