@@ -142,7 +142,7 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
             dense_opt.step()
             state.step += 1
             state.samples += batch.batch_size
-            running_loss += float(loss) * batch.batch_size
+            running_loss += loss.item() * batch.batch_size
             running_n += batch.batch_size
             if state.step % 20 == 0 or state.step == total_steps:
                 elapsed = state.train_seconds + time.perf_counter() - t0

@@ -1,0 +1,261 @@
+"""Readers for Criteo click logs: the raw Kaggle/1TB TSV and the pre-encoded CSV.
+
+Both parse a whole (small) file into memory. A malformed row is an error naming the file and
+line, or, with ``skip_bad_rows``, counted and skipped; it is never silently mis-parsed.
+Large logs go through columnar preparation instead (a later layer).
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from recscale.data.errors import DataFormatError
+
+NUM_DENSE = 13
+NUM_SPARSE = 26
+DENSE_NAMES = tuple(f"I{i + 1}" for i in range(NUM_DENSE))
+SPARSE_NAMES = tuple(f"C{i + 1}" for i in range(NUM_SPARSE))
+
+
+@dataclass
+class ClickData:
+    """A click log in memory: one id per sparse feature per sample."""
+
+    dense: np.ndarray  # float32 [N, num_dense]
+    sparse: np.ndarray  # int64 [N, num_sparse]
+    labels: np.ndarray  # float32 [N]
+    dense_names: tuple[str, ...] = DENSE_NAMES
+    sparse_names: tuple[str, ...] = SPARSE_NAMES
+    skipped_rows: int = 0
+    source: str = ""
+    skipped_examples: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def slice(self, start: int, stop: int) -> ClickData:
+        return ClickData(
+            self.dense[start:stop],
+            self.sparse[start:stop],
+            self.labels[start:stop],
+            self.dense_names,
+            self.sparse_names,
+            0,
+            self.source,
+        )
+
+
+def _open_text(path: Path) -> io.TextIOBase:
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", newline="")  # type: ignore[return-value]
+    return open(path, newline="")
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    with _open_text(path) as f:
+        for lineno, line in enumerate(f, start=1):
+            line = line.rstrip("\r\n")
+            if line:
+                yield lineno, line
+
+
+class _Rows:
+    """Collects parsed rows and bad-row bookkeeping for one file."""
+
+    def __init__(self, path: Path, skip_bad_rows: bool) -> None:
+        self.path, self.skip = path, skip_bad_rows
+        self.dense: list[list[float]] = []
+        self.sparse: list[list[int]] = []
+        self.labels: list[float] = []
+        self.skipped = 0
+        self.examples: list[str] = []
+
+    def bad(self, lineno: int, problem: str) -> None:
+        msg = f"{self.path.name}:{lineno}: {problem}"
+        if not self.skip:
+            raise DataFormatError(msg + " (set data.skip_bad_rows = true to skip such rows)")
+        self.skipped += 1
+        if len(self.examples) < 5:
+            self.examples.append(msg)
+
+    def result(self, num_dense: int, num_sparse: int) -> ClickData:
+        return ClickData(
+            dense=np.log1p(np.asarray(self.dense, dtype=np.float64).reshape(-1, num_dense)).astype(np.float32),
+            sparse=np.asarray(self.sparse, dtype=np.int64).reshape(-1, num_sparse),
+            labels=np.asarray(self.labels, dtype=np.float32),
+            skipped_rows=self.skipped,
+            source=str(self.path),
+            skipped_examples=self.examples,
+        )
+
+
+def _check_path(path: str | Path) -> Path:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"data file '{p}' does not exist")
+    return p
+
+
+def _check_table_rows(table_rows: Sequence[int] | None) -> None:
+    if table_rows is not None and len(table_rows) != NUM_SPARSE:
+        raise ValueError(f"table_rows: expected {NUM_SPARSE} row counts (C1..C26), got {len(table_rows)}")
+
+
+def read_criteo_tsv(
+    path: str | Path,
+    table_rows: Sequence[int],
+    skip_bad_rows: bool = False,
+    max_rows: int | None = None,
+    has_label: bool = True,
+) -> ClickData:
+    """Raw Criteo TSV: label, I1..I13 integers, C1..C26 8-hex-digit hashes; empty = missing.
+
+    Dense: missing -> 0, negatives clipped to 0, then log(1 + x). Categorical: missing -> id 0;
+    otherwise ``1 + int(hex, 16) % (rows - 1)`` so id 0 stays reserved for "missing".
+    """
+    p = _check_path(path)
+    _check_table_rows(table_rows)
+    mods = [max(int(r) - 1, 1) for r in table_rows]
+    ncols = (1 if has_label else 0) + NUM_DENSE + NUM_SPARSE
+    first_dense = 1 if has_label else 0
+    rows = _Rows(p, skip_bad_rows)
+    for lineno, line in _lines(p):
+        if max_rows is not None and len(rows.labels) >= max_rows:
+            break
+        cols = line.split("\t")
+        if len(cols) != ncols:
+            rows.bad(lineno, f"expected {ncols} tab-separated columns (label, 13 dense, 26 categorical), got {len(cols)}")
+            continue
+        label = 0.0
+        if has_label:
+            if cols[0] not in ("0", "1"):
+                rows.bad(lineno, f"label must be 0 or 1, got {cols[0]!r}")
+                continue
+            label = float(cols[0])
+        dense = []
+        problem = None
+        for j in range(NUM_DENSE):
+            text = cols[first_dense + j]
+            if not text:
+                dense.append(0.0)
+                continue
+            try:
+                v = float(text)
+            except ValueError:
+                problem = f"dense feature {DENSE_NAMES[j]} must be a number, got {text!r}"
+                break
+            if not math.isfinite(v):
+                problem = f"dense feature {DENSE_NAMES[j]} must be finite, got {text!r}"
+                break
+            dense.append(max(v, 0.0))
+        if problem:
+            rows.bad(lineno, problem)
+            continue
+        sparse = []
+        for j in range(NUM_SPARSE):
+            text = cols[first_dense + NUM_DENSE + j]
+            if not text:
+                sparse.append(0)
+                continue
+            try:
+                h = int(text, 16)
+            except ValueError:
+                problem = f"categorical feature {SPARSE_NAMES[j]} must be a hex string, got {text!r}"
+                break
+            sparse.append(1 + h % mods[j] if table_rows[j] > 1 else 0)
+        if problem:
+            rows.bad(lineno, problem)
+            continue
+        rows.dense.append(dense)
+        rows.sparse.append(sparse)
+        rows.labels.append(label)
+    return rows.result(NUM_DENSE, NUM_SPARSE)
+
+
+def read_encoded_csv(
+    path: str | Path,
+    table_rows: Sequence[int] | None = None,
+    skip_bad_rows: bool = False,
+) -> ClickData:
+    """Pre-encoded Criteo CSV: 40 integers per row (label, 13 bucketised dense, 26 ids from 0).
+
+    Dense values become log(1 + max(x, 0)). With ``table_rows``, an id outside its table is a
+    bad row (named by file, line and feature).
+    """
+    p = _check_path(path)
+    _check_table_rows(table_rows)
+    ncols = 1 + NUM_DENSE + NUM_SPARSE
+    if p.suffix != ".gz":
+        fast = _encoded_fast(p, ncols)
+        if fast is not None and _encoded_ids_ok(fast, table_rows):
+            return ClickData(
+                dense=np.log1p(np.maximum(fast[:, 1 : 1 + NUM_DENSE], 0)).astype(np.float32),
+                sparse=np.ascontiguousarray(fast[:, 1 + NUM_DENSE :]),
+                labels=fast[:, 0].astype(np.float32),
+                source=str(p),
+            )
+    rows = _Rows(p, skip_bad_rows)
+    for lineno, line in _lines(p):
+        cols = line.split(",")
+        if len(cols) != ncols:
+            rows.bad(lineno, f"expected {ncols} comma-separated columns (label, 13 dense, 26 categorical), got {len(cols)}")
+            continue
+        try:
+            values = [int(c) for c in cols]
+        except ValueError:
+            bad = next(c for c in cols if not _is_int(c))
+            rows.bad(lineno, f"every column must be an integer, got {bad!r}")
+            continue
+        if values[0] not in (0, 1):
+            rows.bad(lineno, f"label must be 0 or 1, got {values[0]}")
+            continue
+        ids = values[1 + NUM_DENSE :]
+        if table_rows is not None:
+            out = [(j, v) for j, v in enumerate(ids) if not 0 <= v < table_rows[j]]
+            if out:
+                j, v = out[0]
+                rows.bad(
+                    lineno,
+                    f"categorical feature {SPARSE_NAMES[j]}: id {v} is outside its table of {table_rows[j]} rows "
+                    f"(raise model.table_rows for {SPARSE_NAMES[j]})",
+                )
+                continue
+        rows.labels.append(float(values[0]))
+        rows.dense.append([float(max(v, 0)) for v in values[1 : 1 + NUM_DENSE]])
+        rows.sparse.append(ids)
+    return rows.result(NUM_DENSE, NUM_SPARSE)
+
+
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _encoded_fast(p: Path, ncols: int) -> np.ndarray | None:
+    """Whole-file parse with NumPy; None when any row is malformed (then the slow path names it)."""
+    try:
+        arr = np.loadtxt(p, delimiter=",", dtype=np.int64, ndmin=2)
+    except ValueError:
+        return None
+    if arr.shape[1] != ncols or arr.size == 0:
+        return None
+    if not np.isin(arr[:, 0], (0, 1)).all():
+        return None
+    return arr
+
+
+def _encoded_ids_ok(arr: np.ndarray, table_rows: Sequence[int] | None) -> bool:
+    ids = arr[:, 1 + NUM_DENSE :]
+    if table_rows is None:
+        return bool((ids >= 0).all())
+    return bool(((ids >= 0) & (ids < np.asarray(table_rows, dtype=np.int64))).all())
