@@ -106,7 +106,7 @@ class SyntheticClickData:
         logit = dense.astype(np.float64) @ self._dense_w
         values, lengths = [], []
         for t, (rows, pf) in enumerate(zip(cfg.table_rows, cfg.pooling_factors)):
-            lens = np.ones(count, dtype=np.int64) if pf == 1 else rng.integers(0, 2 * pf, size=count)
+            lens = np.ones(count, dtype=np.int64) if pf == 1 else rng.integers(0, 2 * pf + 1, size=count)
             ids = self._scatter(t, zipf_ranks(rng, int(lens.sum()), rows, cfg.zipf_alpha))
             eff = self._effects(t, ids)
             bag = np.repeat(np.arange(count), lens)
