@@ -10,8 +10,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from recscale.embedding.storage import RowStorage
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,12 @@ class SparseOptimizer(ABC):
     def update(self, w: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], step: int) -> None:
         """Update gathered rows ``w`` in place from summed gradients ``g``; ``step`` counts from 1."""
 
+    def apply(self, storage: RowStorage, rows: torch.Tensor, g: torch.Tensor, step: int) -> None:
+        """Update unique ``rows`` of ``storage``: gather, ``update``, scatter back."""
+        w, state = storage.gather(rows)
+        self.update(w, g, state, step)
+        storage.scatter(rows, w, state)
+
 
 @dataclass(frozen=True)
 class SGD(SparseOptimizer):
@@ -44,6 +54,10 @@ class SGD(SparseOptimizer):
 
     def update(self, w, g, state, step):
         w.add_(g, alpha=-self.lr)
+
+    def apply(self, storage, rows, g, step):
+        # Stateless: add straight into the stored rows, no gather and scatter.
+        storage.add_rows(rows, g, alpha=-self.lr)
 
 
 @dataclass(frozen=True)

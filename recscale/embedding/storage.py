@@ -42,6 +42,12 @@ class RowStorage(ABC):
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Every state tensor, by name, for checkpoints and tests."""
 
+    def add_rows(self, slots: torch.Tensor, delta: torch.Tensor, alpha: float = 1.0) -> None:
+        """``rows[slots] += alpha * delta`` for unique slots (stateless optimizers)."""
+        w, state = self.gather(slots)
+        w.add_(delta, alpha=alpha)
+        self.scatter(slots, w, state)
+
 
 class DenseRowStorage(RowStorage):
     """All rows in one buffer on one device; optimizer state alongside, in float32."""
@@ -80,3 +86,9 @@ class DenseRowStorage(RowStorage):
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return self._state
+
+    def add_rows(self, slots, delta, alpha=1.0):
+        if self._weight.dtype == torch.float32:
+            self._weight.index_add_(0, slots, delta, alpha=alpha)
+        else:
+            super().add_rows(slots, delta, alpha)

@@ -120,8 +120,6 @@ class TableBatchedEmbeddingBags(nn.Module):
         n = batch.values.numel()
         per_key = lengths.view(k, b).sum(1)
         rows = batch.values + torch.repeat_interleave(g.feature_row_offset, per_key, output_size=n)
-        slots = g.storage.slots_for(rows)
-        offsets = batch.offsets()
         weights = batch.weights
         if g.has_mean:
             inv = 1.0 / lengths.clamp(min=1).to(torch.float32)
@@ -129,20 +127,23 @@ class TableBatchedEmbeddingBags(nn.Module):
             bag_scale = torch.where(is_mean, inv, torch.ones_like(inv))
             id_scale = torch.repeat_interleave(bag_scale, lengths, output_size=n)
             weights = id_scale if weights is None else weights.to(torch.float32) * id_scale
+        # Pool bags in sample-major order so the output is [B, K * dim] without a transpose:
+        # permuting 8-byte ids is far cheaper than permuting dim-wide output rows.
+        rows, lengths_sm, weights = _to_sample_major(rows, lengths, weights, k, b)
+        slots = g.storage.slots_for(rows)
+        offsets = torch.zeros(k * b + 1, dtype=torch.int64, device=slots.device)
+        torch.cumsum(lengths_sm, 0, out=offsets[1:])
         if torch.is_grad_enabled():
             pooled = _FusedPooling.apply(self._grad_anchor, self, g, slots, offsets, weights)
         else:
             pooled = _pool(g.storage.weight, slots, offsets, weights)
-        return pooled.view(k, b, g.dim).transpose(0, 1).reshape(b, k * g.dim)
+        return pooled.view(b, k * g.dim)
 
     # ------------------------------------------------------------------ fused backward
-    def _apply_gradients(self, g: TableGroup, slots: torch.Tensor, id_grads: torch.Tensor) -> None:
-        """Sum duplicate rows' gradients, then update each unique row once."""
-        unique, summed = sum_duplicate_rows(slots, id_grads)
+    def _apply_gradients(self, g: TableGroup, unique: torch.Tensor, summed: torch.Tensor) -> None:
+        """Update each unique row once with its summed gradient."""
         g.step += 1
-        w, state = g.storage.gather(unique)
-        self.optimizer.update(w, summed, state, g.step)
-        g.storage.scatter(unique, w, state)
+        self.optimizer.apply(g.storage, unique, summed, g.step)
 
     # ------------------------------------------------------------------ access
     def validate(self, batch: JaggedBatch) -> None:
@@ -223,6 +224,26 @@ def _move_group(g: TableGroup, device: torch.device) -> None:
     g.feature_is_mean = g.feature_is_mean.to(device)
 
 
+def _to_sample_major(
+    ids: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None, k: int, b: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Reorder key-major bags (feature, sample) into sample-major (sample, feature) order."""
+    if k == 1 or b == 1:
+        return ids, lengths, weights
+    if ids.numel() == k * b and bool((lengths == 1).all()):  # one id per bag: a transpose
+        ids = ids.view(k, b).t().reshape(-1)
+        if weights is not None:
+            weights = weights.view(k, b).t().reshape(-1)
+        return ids, lengths, weights
+    starts = torch.cumsum(lengths, 0) - lengths  # key-major start of each bag
+    lengths_sm = lengths.view(k, b).t().reshape(-1)
+    starts_sm = starts.view(k, b).t().reshape(-1)
+    n = ids.numel()
+    new_starts = torch.cumsum(lengths_sm, 0) - lengths_sm
+    perm = torch.arange(n, device=ids.device) + torch.repeat_interleave(starts_sm - new_starts, lengths_sm, output_size=n)
+    return ids[perm], lengths_sm, None if weights is None else weights[perm]
+
+
 def _pool(weight: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
     if w is not None and w.dtype != weight.dtype:
         w = w.to(weight.dtype)
@@ -230,20 +251,32 @@ def _pool(weight: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor, w: t
     return out if out.dtype == torch.float32 else out.float()
 
 
-def sum_duplicate_rows(rows: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unique rows (ascending) and the sum of the gradients of each, in a fixed order.
+def row_gradients(
+    slots: torch.Tensor, offsets: torch.Tensor, grad_pooled: torch.Tensor, weights: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unique rows (ascending) and the summed gradient of each, never forming per-id gradients.
 
-    On CPU ``index_add_`` adds sources in index order, so the sum is the same on every run.
-    On other devices it uses atomics, so the sum is built from a stable sort and a segment
-    reduction instead, which is deterministic by construction.
+    The gradient of row r is the sum, over the ids equal to r, of (id weight) x (gradient of the
+    id's bag). That is itself an embedding-bag: one bag per unique row, listing the bags its ids
+    came from, pooled over ``grad_pooled``. A stable sort fixes the order of every sum, so the
+    result is the same on every run and every device.
     """
-    unique, inverse, counts = torch.unique(rows, sorted=True, return_inverse=True, return_counts=True)
-    if rows.device.type == "cpu":
-        summed = torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype)
-        summed.index_add_(0, inverse, grads)
-        return unique, summed
-    order = torch.argsort(inverse, stable=True)
-    summed = torch.segment_reduce(grads.index_select(0, order), "sum", lengths=counts, axis=0)
+    n = slots.numel()
+    sorted_slots, order = torch.sort(slots, stable=True)
+    unique, counts = torch.unique_consecutive(sorted_slots, return_counts=True)
+    row_offsets = torch.zeros(unique.numel() + 1, dtype=torch.int64, device=slots.device)
+    torch.cumsum(counts, 0, out=row_offsets[1:])
+    num_bags = offsets.numel() - 1
+    lengths = offsets[1:] - offsets[:-1]
+    if n == num_bags and bool((lengths == 1).all()):  # one id per bag: id i belongs to bag i
+        bag_of_sorted = order
+    else:
+        bag_of_id = torch.repeat_interleave(torch.arange(num_bags, device=slots.device), lengths, output_size=n)
+        bag_of_sorted = bag_of_id[order]
+    psw = None if weights is None else weights[order].to(grad_pooled.dtype)
+    summed = F.embedding_bag(
+        bag_of_sorted, grad_pooled, row_offsets, mode="sum", per_sample_weights=psw, include_last_offset=True
+    )
     return unique, summed
 
 
@@ -260,17 +293,8 @@ class _FusedPooling(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_pooled):  # type: ignore[override]
         slots, offsets, weights = ctx.saved_tensors
-        grad_pooled = grad_pooled.contiguous()
-        num_bags = offsets.numel() - 1
-        lengths = offsets[1:] - offsets[:-1]
-        if slots.numel() == num_bags and bool((lengths == 1).all()):
-            id_grads = grad_pooled  # one id per bag: bag gradient is the id gradient
-        else:
-            bag_of_id = torch.repeat_interleave(
-                torch.arange(num_bags, device=slots.device), lengths, output_size=slots.numel()
-            )
-            id_grads = grad_pooled.index_select(0, bag_of_id)
-        if ctx.has_weights:
-            id_grads = id_grads * weights.to(id_grads.dtype).unsqueeze(1)
-        ctx.module._apply_gradients(ctx.group, slots, id_grads)
+        unique, summed = row_gradients(
+            slots, offsets, grad_pooled.contiguous(), weights if ctx.has_weights else None
+        )
+        ctx.module._apply_gradients(ctx.group, unique, summed)
         return None, None, None, None, None, None
