@@ -18,7 +18,9 @@ from recscale.sparse import JaggedBatch
 
 
 class ClickBatches(Dataset):
-    """Fixed-size batches of a click log; shuffled per epoch from (seed, epoch) when asked."""
+    """Fixed-size global batches of a click log, shuffled per epoch from (seed, epoch) when
+    asked. With ``world_size > 1`` item ``i`` is this rank's share of global batch ``i`` (shares
+    differ by at most one sample), so N ranks together see exactly the batches of one process."""
 
     def __init__(
         self,
@@ -27,6 +29,8 @@ class ClickBatches(Dataset):
         shuffle: bool = False,
         seed: int = 0,
         drop_last: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         if batch_size <= 0:
             raise ValueError(f"batch_size must be > 0, got {batch_size}")
@@ -35,6 +39,9 @@ class ClickBatches(Dataset):
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside a world of {world_size}")
+        self.rank, self.world_size = rank, world_size
         self.epoch = 0
         self._order: np.ndarray | None = None
 
@@ -55,6 +62,12 @@ class ClickBatches(Dataset):
         n = self.num_samples
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
+    def _rank_share(self, start: int, stop: int) -> tuple[int, int]:
+        """This rank's consecutive part of samples [start, stop)."""
+        base, extra = divmod(stop - start, self.world_size)
+        lo = start + self.rank * base + min(self.rank, extra)
+        return lo, lo + base + (1 if self.rank < extra else 0)
+
     def _sample_order(self) -> np.ndarray:
         if self._order is None:
             rng = np.random.default_rng([self.seed, self.epoch, 0xC0FFEE])
@@ -64,15 +77,14 @@ class ClickBatches(Dataset):
     def __getitem__(self, index: int) -> Batch:
         if not 0 <= index < len(self):
             raise IndexError(f"batch {index} out of range [0, {len(self)})")
+        src = self.source
+        if isinstance(src, SyntheticClickData) and self.shuffle:
+            # Shuffle whole batches of the stream: samples are i.i.d. already.
+            index = int(np.random.default_rng([self.seed, self.epoch, 0xBA7C4]).permutation(len(self))[index])
         start = index * self.batch_size
         stop = min(start + self.batch_size, self.num_samples)
-        src = self.source
+        start, stop = self._rank_share(start, stop)
         if isinstance(src, SyntheticClickData):
-            if self.shuffle:
-                # Shuffle whole batches of the stream: samples are i.i.d. already.
-                perm = np.random.default_rng([self.seed, self.epoch, 0xBA7C4]).permutation(len(self))
-                start = int(perm[index]) * self.batch_size
-                stop = min(start + self.batch_size, self.num_samples)
             return src.make_samples(start, stop - start)
         rows = self._sample_order()[start:stop] if self.shuffle else slice(start, stop)
         return Batch(

@@ -10,7 +10,7 @@ unique rows to the optimizer, which updates each row exactly once.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +20,7 @@ from torch import nn
 from recscale.embedding.config import TableConfig, check_tables
 from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.storage import DenseRowStorage, RowStorage
-from recscale.sparse import JaggedBatch, SparseInputError
+from recscale.sparse import JaggedBatch, SparseInputError, permute_bags
 
 
 @dataclass
@@ -42,14 +42,53 @@ class TableGroup:
         self.has_mean = bool(self.feature_is_mean.any())
 
 
-def init_table_rows(table: TableConfig, seed: int) -> torch.Tensor:
-    """Initial rows of one table; depends only on the table and the seed, never on grouping
-    or placement, so a sharded model starts from exactly the same weights."""
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(table.name.encode())) % (2**63))
+INIT_CHUNK_ROWS = 4096
+
+
+def init_rows(table: TableConfig, seed: int, row_offset: int = 0, num_rows: int | None = None,
+              col_offset: int = 0, num_cols: int | None = None) -> torch.Tensor:
+    """Initial values of a rectangle of one table.
+
+    Rows are drawn in fixed chunks, each from a generator seeded by (seed, table, chunk), so the
+    value of a cell depends only on the table, the seed and its position: a shard built on any
+    rank starts from exactly the rows the whole table would have.
+    """
+    num_rows = table.num_rows - row_offset if num_rows is None else num_rows
+    num_cols = table.dim - col_offset if num_cols is None else num_cols
     lo, hi = table.bounds
-    w = torch.empty(table.num_rows, table.dim, dtype=torch.float32)
-    w.uniform_(lo, hi, generator=gen)
-    return w.to(table.torch_dtype)
+    out = torch.empty(num_rows, num_cols, dtype=torch.float32)
+    base = (seed * 1_000_003 + zlib.crc32(table.name.encode())) % (2**62)
+    first, last = row_offset // INIT_CHUNK_ROWS, (row_offset + num_rows - 1) // INIT_CHUNK_ROWS
+    for chunk in range(first, last + 1):
+        start = chunk * INIT_CHUNK_ROWS
+        rows = min(INIT_CHUNK_ROWS, table.num_rows - start)
+        gen = torch.Generator().manual_seed(base * 65_537 + chunk)
+        block = torch.empty(rows, table.dim).uniform_(lo, hi, generator=gen)
+        a, b = max(start, row_offset), min(start + rows, row_offset + num_rows)
+        out[a - row_offset : b - row_offset] = block[a - start : b - start, col_offset : col_offset + num_cols]
+    return out.to(table.torch_dtype)
+
+
+def init_table_rows(table: TableConfig, seed: int) -> torch.Tensor:
+    """Initial rows of a whole table (see ``init_rows``)."""
+    return init_rows(table, seed)
+
+
+def group_tables(tables: Sequence[TableConfig]) -> list[list[TableConfig]]:
+    """Tables that share a weight buffer (same dim and dtype), in first-appearance order."""
+    by_kind: dict[tuple[int, torch.dtype], list[TableConfig]] = {}
+    for t in tables:
+        by_kind.setdefault((t.dim, t.torch_dtype), []).append(t)
+    return list(by_kind.values())
+
+
+def output_feature_order(tables: Sequence[TableConfig]) -> tuple[str, ...]:
+    """The order of features in the operator's output columns."""
+    return tuple(f for group in group_tables(tables) for t in group for f in t.features)
+
+
+GradReducer = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+InitFn = Callable[[TableConfig], torch.Tensor]
 
 
 class TableBatchedEmbeddingBags(nn.Module):
@@ -65,7 +104,12 @@ class TableBatchedEmbeddingBags(nn.Module):
         optimizer: SparseOptimizer,
         seed: int = 0,
         device: torch.device | str = "cpu",
+        init_fn: InitFn | None = None,
+        grad_reducer: GradReducer | None = None,
     ) -> None:
+        """``init_fn`` gives a table's initial rows (default: ``init_table_rows``);
+        ``grad_reducer`` combines (unique rows, summed gradients) across replicas before the
+        optimizer runs (data-parallel tables)."""
         super().__init__()
         tables = list(tables)
         if not tables:
@@ -74,12 +118,12 @@ class TableBatchedEmbeddingBags(nn.Module):
         self.tables = tables
         self.optimizer = optimizer
         self.device = torch.device(device)
+        self.grad_reducer = grad_reducer
+        self._init_fn = init_fn or (lambda t: init_table_rows(t, seed))
+        self.global_batch_size = 0
         self.groups: list[TableGroup] = []
-        by_kind: dict[tuple[int, torch.dtype], list[TableConfig]] = {}
-        for t in tables:
-            by_kind.setdefault((t.dim, t.torch_dtype), []).append(t)
-        for (dim, dtype), group_tables in by_kind.items():
-            self.groups.append(self._build_group(dim, dtype, group_tables, seed))
+        for members in group_tables(tables):
+            self.groups.append(self._build_group(members[0].dim, members[0].torch_dtype, members, seed))
         self.feature_names: tuple[str, ...] = tuple(f for g in self.groups for f in g.features)
         self.feature_dims: tuple[int, ...] = tuple(g.dim for g in self.groups for _ in g.features)
         self.num_rows_by_feature = {f: t.num_rows for t in tables for f in t.features}
@@ -93,7 +137,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         for t in tables:
             offsets.append(rows)
             rows += t.num_rows
-        weight = torch.cat([init_table_rows(t, seed) for t in tables]).to(self.device)
+        weight = torch.cat([self._init_fn(t) for t in tables]).to(self.device)
         storage = DenseRowStorage(weight, self.optimizer.state_columns(dim))
         features = tuple(f for t in tables for f in t.features)
         feat_off = [off for t, off in zip(tables, offsets) for _ in t.features]
@@ -111,6 +155,7 @@ class TableBatchedEmbeddingBags(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, batch: JaggedBatch) -> torch.Tensor:
+        self.global_batch_size = batch.batch_size
         outs = [self._pool_group(g, batch.select(g.features)) for g in self.groups]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
@@ -142,6 +187,8 @@ class TableBatchedEmbeddingBags(nn.Module):
     # ------------------------------------------------------------------ fused backward
     def _apply_gradients(self, g: TableGroup, unique: torch.Tensor, summed: torch.Tensor) -> None:
         """Update each unique row once with its summed gradient."""
+        if self.grad_reducer is not None:
+            unique, summed = self.grad_reducer(unique, summed)
         g.step += 1
         self.optimizer.apply(g.storage, unique, summed, g.step)
 
@@ -235,13 +282,8 @@ def _to_sample_major(
         if weights is not None:
             weights = weights.view(k, b).t().reshape(-1)
         return ids, lengths, weights
-    starts = torch.cumsum(lengths, 0) - lengths  # key-major start of each bag
-    lengths_sm = lengths.view(k, b).t().reshape(-1)
-    starts_sm = starts.view(k, b).t().reshape(-1)
-    n = ids.numel()
-    new_starts = torch.cumsum(lengths_sm, 0) - lengths_sm
-    perm = torch.arange(n, device=ids.device) + torch.repeat_interleave(starts_sm - new_starts, lengths_sm, output_size=n)
-    return ids[perm], lengths_sm, None if weights is None else weights[perm]
+    bag_order = torch.arange(k * b, device=ids.device).view(k, b).t().reshape(-1)
+    return permute_bags(ids, lengths, weights, bag_order)
 
 
 def _pool(weight: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:

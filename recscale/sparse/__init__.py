@@ -1,5 +1,5 @@
 """Jagged sparse input: the batch type every layer above consumes."""
 
-from recscale.sparse.jagged import JaggedBatch, SparseInputError
+from recscale.sparse.jagged import JaggedBatch, SparseInputError, permute_bags
 
-__all__ = ["JaggedBatch", "SparseInputError"]
+__all__ = ["JaggedBatch", "SparseInputError", "permute_bags"]

@@ -237,3 +237,20 @@ def _cat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     if not parts:
         return like.new_empty((0,))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def permute_bags(
+    values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None, bag_order: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Reorder whole bags: bag ``i`` of the result is bag ``bag_order[i]`` of the input.
+
+    Moves ids (8 bytes each) instead of anything dim-wide; used to turn key-major bags into
+    sample-major ones and to regroup bags received from several ranks.
+    """
+    new_lengths = lengths[bag_order]
+    n = values.numel()
+    starts = torch.cumsum(lengths, 0) - lengths
+    new_starts = torch.cumsum(new_lengths, 0) - new_lengths
+    shift = torch.repeat_interleave(starts[bag_order] - new_starts, new_lengths, output_size=n)
+    perm = torch.arange(n, device=values.device) + shift
+    return values[perm], new_lengths, None if weights is None else weights[perm]

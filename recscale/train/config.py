@@ -88,6 +88,46 @@ class TrainConfig:
     progress: bool = True
 
 
+ShardingTypeName = Literal["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]
+Precision = Literal["fp32", "fp16", "bf16", "int8"]
+
+
+@dataclass
+class TableShardingConfig:
+    type: ShardingTypeName = "table_wise"
+    # column_wise only: number of column shards (0: one per rank, at most the dim).
+    shards: int = 0
+
+
+@dataclass
+class ShardingConfig:
+    # Sharding type of every table without an entry in [sharding.tables].
+    default: ShardingTypeName = "table_wise"
+    # A plan JSON file; when set it replaces the default placement.
+    plan: str = ""
+    tables: dict[str, TableShardingConfig] = field(default_factory=dict)
+
+
+@dataclass
+class CommConfig:
+    # Wire precision of the forward all-to-all of pooled embeddings.
+    forward: Precision = "fp32"
+    # Wire precision of the backward all-to-all of embedding gradients.
+    backward: Precision = "fp32"
+    # Wire precision of the dense gradient all-reduce (int8 is not offered for sums).
+    dense: Literal["fp32", "fp16", "bf16"] = "fp32"
+    # Multiplies fp16 gradients on the wire so small values do not flush to zero.
+    loss_scale: float = 1024.0
+
+
+@dataclass
+class DistConfig:
+    # Ranks per host (0: torchrun's LOCAL_WORLD_SIZE); set it to test a multi-host layout on one machine.
+    ranks_per_host: int = 0
+    # Every collective fails after this many seconds without progress.
+    timeout_s: float = 300.0
+
+
 @dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
@@ -95,6 +135,9 @@ class Config:
     embedding_optimizer: EmbeddingOptimizerConfig = field(default_factory=EmbeddingOptimizerConfig)
     dense_optimizer: DenseOptimizerConfig = field(default_factory=DenseOptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -162,6 +205,11 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
         if value not in choices:
             raise ConfigError(f"config key '{name}': expected one of {list(choices)}, got {value!r}")
         return value
+    if origin is dict:
+        _, val_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{name}': expected a table, got {value!r}")
+        return {str(k): _coerce(val_tp, v, f"{name}.{k}") for k, v in value.items()}
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -217,6 +265,13 @@ def validate(cfg: Config) -> None:
         )
     if m.top_mlp[-1] != 1:
         raise ConfigError(f"config key 'model.top_mlp': must end with 1 (the logit), got {m.top_mlp}")
+    _positive("dist.timeout_s", cfg.dist.timeout_s)
+    _non_negative("dist.ranks_per_host", cfg.dist.ranks_per_host)
+    _positive("comm.loss_scale", cfg.comm.loss_scale)
+    if cfg.sharding.plan and not Path(cfg.sharding.plan).is_file():
+        raise ConfigError(f"config key 'sharding.plan': file '{cfg.sharding.plan}' does not exist")
+    for name, ts in cfg.sharding.tables.items():
+        _non_negative(f"sharding.tables.{name}.shards", ts.shards)
     if not 0.0 <= d.eval_fraction < 1.0:
         raise ConfigError(f"config key 'data.eval_fraction': expected a value in [0, 1), got {d.eval_fraction}")
     if d.source == "synthetic":

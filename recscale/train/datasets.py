@@ -58,7 +58,8 @@ def _hold_out(data: ClickData, fraction: float) -> tuple[ClickData, ClickData]:
     return data.slice(0, cut), data.slice(cut, n)
 
 
-def build_data(cfg: Config) -> DataSplits:
+def build_data(cfg: Config, rank: int = 0, world_size: int = 1) -> DataSplits:
+    """Train and eval batches; with several ranks each rank builds only its share of every batch."""
     d, t = cfg.data, cfg.train
     if d.source == "synthetic":
         rows = cfg.model.table_rows
@@ -98,6 +99,6 @@ def build_data(cfg: Config) -> DataSplits:
         )
         names = tuple(train_src.sparse_names)
         num_dense = train_src.dense.shape[1]
-    train = ClickBatches(train_src, batch_size=t.batch_size, shuffle=d.shuffle, seed=t.seed, drop_last=False)
-    evaluation = ClickBatches(eval_src, batch_size=t.eval_batch_size, shuffle=False, seed=t.seed, drop_last=False)
+    train = ClickBatches(train_src, t.batch_size, d.shuffle, t.seed, drop_last=False, rank=rank, world_size=world_size)
+    evaluation = ClickBatches(eval_src, t.eval_batch_size, False, t.seed, drop_last=False, rank=rank, world_size=world_size)
     return DataSplits(train, evaluation, d.num_workers, tuple(names), num_dense, desc)

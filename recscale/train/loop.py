@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -13,11 +14,18 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
+from recscale.comm.collectives import CommStats, all_gather_object_check, all_gather_rows
+from recscale.comm.dense_sync import DenseGradSync
+from recscale.comm.process_group import ProcessGroups, destroy_process_groups, env_topology, init_process_groups
 from recscale.data import Batch
 from recscale.embedding import TableBatchedEmbeddingBags, TableConfig, make_optimizer
 from recscale.model import DLRM
+from recscale.sharding.collection import CommPrecision, ShardedEmbeddingCollection
+from recscale.sharding.default_plan import TableSharding, default_plan
+from recscale.sharding.plan import ShardingPlan
 from recscale.train.config import Config, ConfigError
 from recscale.train.datasets import DataSplits, build_data
 from recscale.train.metrics import EvalMetrics, evaluate_predictions
@@ -60,17 +68,46 @@ def build_tables(cfg: Config, sparse_names: tuple[str, ...]) -> list[TableConfig
     ]
 
 
-def build_model(cfg: Config, sparse_names: tuple[str, ...], num_dense: int, device: torch.device) -> DLRM:
+def build_plan(cfg: Config, tables: list[TableConfig], groups: ProcessGroups) -> ShardingPlan:
+    """The plan file when given, else the default placement with per-table overrides."""
+    if cfg.sharding.plan:
+        plan = ShardingPlan.load(cfg.sharding.plan)
+        if plan.world_size != groups.world_size:
+            raise ConfigError(
+                f"config key 'sharding.plan': '{cfg.sharding.plan}' is for {plan.world_size} ranks, "
+                f"the job has {groups.world_size}"
+            )
+        plan.validate(tables)
+        return plan
+    overrides = {k: TableSharding(v.type, v.shards) for k, v in cfg.sharding.tables.items()}
+    return default_plan(tables, groups.topology, cfg.sharding.default, overrides)
+
+
+def build_model(
+    cfg: Config,
+    sparse_names: tuple[str, ...],
+    num_dense: int,
+    device: torch.device,
+    groups: ProcessGroups | None = None,
+    stats: CommStats | None = None,
+) -> DLRM:
     eo = cfg.embedding_optimizer
     opt_kwargs: dict[str, float] = {"lr": eo.lr}
     if eo.name != "sgd":
         opt_kwargs["eps"] = eo.eps
     if eo.name == "adam":
         opt_kwargs.update(beta1=eo.beta1, beta2=eo.beta2)
-    embeddings = TableBatchedEmbeddingBags(
-        build_tables(cfg, sparse_names), make_optimizer(eo.name, **opt_kwargs), seed=cfg.train.seed, device=device
-    )
-    model = DLRM(embeddings, num_dense, cfg.model.bottom_mlp, cfg.model.top_mlp)
+    optimizer = make_optimizer(eo.name, **opt_kwargs)
+    tables = build_tables(cfg, sparse_names)
+    embeddings: torch.nn.Module
+    if groups is None or groups.world_size == 1:
+        embeddings = TableBatchedEmbeddingBags(tables, optimizer, seed=cfg.train.seed, device=device)
+    else:
+        plan = build_plan(cfg, tables, groups)
+        all_gather_object_check(plan.digest(), groups.dense, "sharding plans")
+        precision = CommPrecision(cfg.comm.forward, cfg.comm.backward, cfg.comm.loss_scale)
+        embeddings = ShardedEmbeddingCollection(tables, optimizer, plan, groups, cfg.train.seed, precision, stats)
+    model = DLRM(embeddings, num_dense, cfg.model.bottom_mlp, cfg.model.top_mlp)  # type: ignore[arg-type]
     return model.to(device)
 
 
@@ -84,16 +121,22 @@ def build_dense_optimizer(cfg: Config, params: list[torch.nn.Parameter]) -> torc
 
 
 @torch.no_grad()
-def evaluate(model: DLRM, batches: Iterable[Batch], device: torch.device) -> EvalMetrics:
+def evaluate(model: DLRM, batches: Iterable[Batch], device: torch.device, group=None) -> EvalMetrics:
+    """Metrics over every rank's predictions (gathered when ``group`` is given)."""
     was_training = model.training
     model.eval()
     logits, labels = [], []
     for batch in batches:
         batch = batch.to(device)
-        logits.append(model(batch.dense, batch.sparse).float().cpu())
-        labels.append(batch.labels.cpu())
+        logits.append(model(batch.dense, batch.sparse).float())
+        labels.append(batch.labels.float())
     model.train(was_training)
-    return evaluate_predictions(torch.cat(logits), torch.cat(labels))
+    pred, lab = torch.cat(logits), torch.cat(labels)
+    if group is not None:
+        pair = torch.stack([pred, lab], dim=1)
+        pair = torch.cat(all_gather_rows(pair, group, name="eval_gather"))
+        pred, lab = pair[:, 0], pair[:, 1]
+    return evaluate_predictions(pred.cpu(), lab.cpu())
 
 
 @dataclass
@@ -103,22 +146,42 @@ class TrainState:
     train_seconds: float = 0.0
 
 
+def config_digest(cfg: Config) -> str:
+    return hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()
+
+
 def train(cfg: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Train and evaluate as configured; returns the summary dict."""
+    """Train and evaluate as configured (one process, or every rank of a torchrun job)."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    seed_everything(cfg.train.seed)
     device = pick_device(cfg.train.device)
-    data: DataSplits = build_data(cfg)
+    groups = init_process_groups(env_topology(cfg.dist.ranks_per_host), cfg.dist.timeout_s, device=device)
+    try:
+        return _train(cfg, groups, log if groups.rank == 0 else (lambda _: None))
+    finally:
+        if groups.world_size > 1:
+            destroy_process_groups()
+
+
+def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None]) -> dict[str, Any]:
+    seed_everything(cfg.train.seed)
+    device = groups.device
+    world, rank = groups.world_size, groups.rank
+    if world > 1:
+        all_gather_object_check(config_digest(cfg), groups.dense, "configs")
+    data: DataSplits = build_data(cfg, rank, world)
     log(f"data: {data.description}")
-    model = build_model(cfg, data.sparse_names, data.num_dense, device)
-    dense_opt = build_dense_optimizer(cfg, model.dense_parameters())
-    loss_fn = torch.nn.BCEWithLogitsLoss()
+    stats = CommStats()
+    model = build_model(cfg, data.sparse_names, data.num_dense, device, groups, stats)
+    dense_params = model.dense_parameters()
+    dense_opt = build_dense_optimizer(cfg, dense_params)
+    sync = DenseGradSync(dense_params, groups.dense, cfg.comm.dense, cfg.comm.loss_scale, stats)
     log(
         f"model: DLRM, {len(model.embeddings.tables)} tables, "
         f"{sum(t.num_rows for t in model.embeddings.tables):,} embedding rows x dim {cfg.model.embedding_dim}, "
-        f"{sum(p.numel() for p in model.dense_parameters()):,} dense parameters, device {device}"
+        f"{sum(p.numel() for p in dense_params):,} dense parameters, device {device}, world size {world}"
     )
+    eval_group = groups.dense if world > 1 else None
 
     state = TrainState()
     evals: list[dict[str, float]] = []
@@ -126,7 +189,7 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
     total_steps = len(data.train) * cfg.train.epochs
     if max_steps:
         total_steps = min(total_steps, max_steps)
-    bar = tqdm(total=total_steps, disable=not cfg.train.progress, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=total_steps, disable=not cfg.train.progress or rank != 0, unit="step", dynamic_ncols=True)
     running_loss, running_n = 0.0, 0
     done = False
     for epoch in range(cfg.train.epochs):
@@ -136,23 +199,27 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
             batch = batch.to(device, non_blocking=True)
             model.embeddings.validate(batch.sparse)
             logits = model(batch.dense, batch.sparse)
-            loss = loss_fn(logits, batch.labels)
+            global_batch = model.embeddings.global_batch_size
+            # Sum over local samples / global batch: summing over ranks gives the global mean.
+            loss_sum = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
             dense_opt.zero_grad(set_to_none=True)
-            loss.backward()  # embedding rows are updated here, fused into backward
+            (loss_sum / global_batch).backward()  # embedding rows are updated here, fused into backward
+            sync.finish()
             dense_opt.step()
             state.step += 1
-            state.samples += batch.batch_size
-            running_loss += loss.item() * batch.batch_size
+            state.samples += global_batch
+            running_loss += loss_sum.item()
             running_n += batch.batch_size
             if state.step % 20 == 0 or state.step == total_steps:
                 elapsed = state.train_seconds + time.perf_counter() - t0
-                bar.set_postfix(loss=f"{running_loss / running_n:.4f}", samples_per_s=f"{state.samples / elapsed:,.0f}")
+                bar.set_postfix(loss=f"{running_loss / max(running_n, 1):.4f}", samples_per_s=f"{state.samples / elapsed:,.0f}")
             bar.update(1)
             if cfg.train.eval_every_steps and state.step % cfg.train.eval_every_steps == 0:
                 state.train_seconds += time.perf_counter() - t0
-                m = evaluate(model, data.eval_loader(), device)
+                m = evaluate(model, data.eval_loader(), device, eval_group)
                 evals.append({"step": state.step, **m.as_dict()})
-                bar.write(f"step {state.step}: eval auc {m.auc:.4f}, logloss {m.logloss:.4f}, ne {m.ne:.4f}")
+                if rank == 0:
+                    bar.write(f"step {state.step}: eval auc {m.auc:.4f}, logloss {m.logloss:.4f}, ne {m.ne:.4f}")
                 t0 = time.perf_counter()
             if max_steps and state.step >= max_steps:
                 done = True
@@ -161,8 +228,9 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
         if done:
             break
     bar.close()
+    comm_bytes = {k: v / max(state.step, 1) for k, v in stats.snapshot().items()}
 
-    final = evaluate(model, data.eval_loader(), device)
+    final = evaluate(model, data.eval_loader(), device, eval_group)
     summary: dict[str, Any] = {
         **final.as_dict(),
         "train_logloss": running_loss / max(running_n, 1),
@@ -170,7 +238,10 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
         "train_seconds": state.train_seconds,
         "steps": state.step,
         "samples": state.samples,
-        "world_size": 1,
+        "world_size": world,
+        "rank": rank,
+        "comm_bytes_per_step": comm_bytes,
+        "comm_precision": {"forward": cfg.comm.forward, "backward": cfg.comm.backward, "dense": cfg.comm.dense},
         "device": str(device),
         "data": data.description,
         "evals": evals,

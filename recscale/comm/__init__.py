@@ -1,0 +1,1 @@
+"""Communication: process groups, collectives with timeouts, wire codecs."""

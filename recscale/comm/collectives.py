@@ -1,0 +1,156 @@
+"""Collectives used by the sharded embeddings and the dense all-reduce.
+
+Thin, typed wrappers over ``torch.distributed`` that (1) count the bytes this rank sends to
+other ranks, per named collective, and (2) turn a failed or timed-out collective into one
+``DistributedError`` that names this rank and the collective.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from recscale.comm.process_group import DistributedError
+
+
+@dataclass
+class CommStats:
+    """Bytes sent to other ranks and number of calls, per collective name."""
+
+    bytes_sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, name: str, nbytes: int) -> None:
+        self.bytes_sent[name] += int(nbytes)
+        self.calls[name] += 1
+
+    def reset(self) -> None:
+        self.bytes_sent.clear()
+        self.calls.clear()
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self.bytes_sent)
+
+
+def _fail(name: str, err: Exception) -> DistributedError:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return DistributedError(
+        f"rank {rank}: collective '{name}' failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+        "another rank probably died or hung past the timeout"
+    )
+
+
+def all_to_all(
+    x: torch.Tensor,
+    send_splits: Sequence[int],
+    recv_splits: Sequence[int],
+    group: dist.ProcessGroup | None,
+    stats: CommStats | None = None,
+    name: str = "all_to_all",
+) -> torch.Tensor:
+    """Exchange dim-0 slices: ``send_splits[d]`` rows go to rank d; returns the received rows."""
+    out = x.new_empty((int(sum(recv_splits)),) + tuple(x.shape[1:]))
+    if group is None:  # single process: the only peer is ourselves
+        out.copy_(x)
+        return out
+    if stats is not None:
+        me = dist.get_rank(group)
+        row_bytes = x.element_size() * _row_numel(x)
+        stats.add(name, (int(sum(send_splits)) - int(send_splits[me])) * row_bytes)
+    try:
+        dist.all_to_all_single(out, x.contiguous(), list(map(int, recv_splits)), list(map(int, send_splits)), group=group)
+    except RuntimeError as e:
+        raise _fail(name, e) from e
+    return out
+
+
+def _row_numel(x: torch.Tensor) -> int:
+    n = 1
+    for s in x.shape[1:]:
+        n *= int(s)
+    return n
+
+
+def exchange_counts(send_counts: torch.Tensor, group: dist.ProcessGroup | None, name: str = "counts") -> torch.Tensor:
+    """Each rank tells every rank how many items it will send it; returns counts to receive."""
+    if group is None:
+        return send_counts.clone()
+    out = torch.empty_like(send_counts)
+    try:
+        dist.all_to_all_single(out, send_counts.contiguous(), group=group)
+    except RuntimeError as e:
+        raise _fail(name, e) from e
+    return out
+
+
+def all_gather_sizes(n: int, group: dist.ProcessGroup | None, device: torch.device, name: str = "sizes") -> list[int]:
+    if group is None:
+        return [n]
+    world = dist.get_world_size(group)
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    out = [torch.empty_like(t) for _ in range(world)]
+    try:
+        dist.all_gather(out, t, group=group)
+    except RuntimeError as e:
+        raise _fail(name, e) from e
+    return [int(v) for v in out]
+
+
+def all_gather_rows(
+    x: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    stats: CommStats | None = None,
+    name: str = "all_gather",
+) -> list[torch.Tensor]:
+    """Gather tensors whose dim 0 differs across ranks (padded to the largest, then trimmed)."""
+    if group is None:
+        return [x]
+    sizes = all_gather_sizes(x.shape[0], group, x.device, name + ".sizes")
+    biggest = max(sizes)
+    padded = x.new_zeros((biggest,) + tuple(x.shape[1:]))
+    padded[: x.shape[0]] = x
+    out = [torch.empty_like(padded) for _ in sizes]
+    if stats is not None:
+        stats.add(name, x.element_size() * _row_numel(x) * biggest * (len(sizes) - 1))
+    try:
+        dist.all_gather(out, padded, group=group)
+    except RuntimeError as e:
+        raise _fail(name, e) from e
+    return [t[:n] for t, n in zip(out, sizes)]
+
+
+def all_reduce_sum(
+    x: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats | None = None, name: str = "all_reduce", async_op: bool = False
+):
+    """In-place sum over ranks; with ``async_op`` returns the work handle."""
+    if group is None:
+        return None
+    if stats is not None:
+        world = dist.get_world_size(group)
+        # A ring all-reduce sends 2 (N - 1) / N of the buffer from each rank.
+        stats.add(name, int(2 * (world - 1) / world * x.numel() * x.element_size()))
+    try:
+        return dist.all_reduce(x, group=group, async_op=async_op)
+    except RuntimeError as e:
+        raise _fail(name, e) from e
+
+
+def all_gather_object_check(value: str, group: dist.ProcessGroup | None, what: str) -> None:
+    """Raise on every rank when ranks disagree on ``value`` (e.g. a config or plan digest)."""
+    if group is None:
+        return
+    values: list[str] = [""] * dist.get_world_size(group)
+    try:
+        dist.all_gather_object(values, value, group=group)
+    except RuntimeError as e:
+        raise _fail(f"check {what}", e) from e
+    if len(set(values)) > 1:
+        groups: dict[str, list[int]] = defaultdict(list)
+        for r, v in enumerate(values):
+            groups[v].append(r)
+        parts = "; ".join(f"ranks {ranks} have {v[:12]}" for v, ranks in groups.items())
+        raise DistributedError(f"ranks were started with different {what}: {parts}; start every rank with the same one")

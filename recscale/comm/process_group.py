@@ -1,0 +1,126 @@
+"""Process groups for one job: the world, the ranks of one host, and the ranks across hosts.
+
+Launched by ``torchrun`` (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT in the
+environment) or by tests that pass rank and world size explicitly. gloo on CPU, NCCL on CUDA.
+Every collective inherits the group's timeout, so a dead or hung peer ends the job with an
+error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class DistributedError(RuntimeError):
+    """A collective failed: a peer died, hung past the timeout, or disagrees with this rank."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """World size, this rank, and how ranks group into hosts (consecutive ranks share a host)."""
+
+    world_size: int = 1
+    rank: int = 0
+    ranks_per_host: int = 1
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside a world of {self.world_size}")
+        if self.ranks_per_host < 1 or self.world_size % self.ranks_per_host:
+            raise ValueError(
+                f"ranks_per_host {self.ranks_per_host} must divide the world size {self.world_size}"
+            )
+
+    @property
+    def num_hosts(self) -> int:
+        return self.world_size // self.ranks_per_host
+
+    def host_of(self, rank: int) -> int:
+        return rank // self.ranks_per_host
+
+    def ranks_of_host(self, host: int) -> list[int]:
+        return list(range(host * self.ranks_per_host, (host + 1) * self.ranks_per_host))
+
+
+@dataclass
+class ProcessGroups:
+    """The groups a job uses. ``embedding`` carries sparse all-to-alls, ``embedding_grads`` the
+    data-parallel row-gradient gathers, ``dense`` the gradient all-reduce: separate groups keep
+    the order of collectives on each group identical on every rank even when several are issued
+    during backward."""
+
+    topology: Topology
+    embedding: dist.ProcessGroup | None
+    embedding_grads: dist.ProcessGroup | None
+    dense: dist.ProcessGroup | None
+    intra_host: dist.ProcessGroup | None
+    cross_host: dist.ProcessGroup | None
+    device: torch.device
+    timeout_s: float
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+
+def env_topology(ranks_per_host: int = 0) -> Topology:
+    """Topology from torchrun's environment; ``ranks_per_host`` 0 means LOCAL_WORLD_SIZE."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    per_host = ranks_per_host or int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return Topology(world, rank, per_host)
+
+
+def init_process_groups(
+    topology: Topology,
+    timeout_s: float = 300.0,
+    init_method: str | None = None,
+    device: torch.device | None = None,
+) -> ProcessGroups:
+    """Start (or join) the default group and build the sub-groups."""
+    if device is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if topology.world_size == 1 and not dist.is_initialized():
+        return ProcessGroups(topology, None, None, None, None, None, device, timeout_s)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend,
+            init_method=init_method or "env://",
+            rank=topology.rank,
+            world_size=topology.world_size,
+            timeout=timeout,
+        )
+    everyone = list(range(topology.world_size))
+    embedding = dist.new_group(everyone, timeout=timeout, backend=backend)
+    embedding_grads = dist.new_group(everyone, timeout=timeout, backend=backend)
+    dense = dist.new_group(everyone, timeout=timeout, backend=backend)
+    intra = cross = None
+    # new_group must be called by every rank for every group, in the same order.
+    for host in range(topology.num_hosts):
+        g = dist.new_group(topology.ranks_of_host(host), timeout=timeout, backend=backend)
+        if host == topology.host_of(topology.rank):
+            intra = g
+    for local in range(topology.ranks_per_host):
+        members = [h * topology.ranks_per_host + local for h in range(topology.num_hosts)]
+        g = dist.new_group(members, timeout=timeout, backend=backend)
+        if local == topology.rank % topology.ranks_per_host:
+            cross = g
+    return ProcessGroups(topology, embedding, embedding_grads, dense, intra, cross, device, timeout_s)
+
+
+def destroy_process_groups() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,379 @@
+"""Embedding tables sharded over ranks by a plan, with the same interface as the single-process
+operator: ``forward(local batch) -> [local batch, sum of dims]``, optimizer fused into backward.
+
+One step, for every sharding type but data-parallel:
+  1. input distribution: each rank sends every other rank the ids of its own samples that the
+     receiver's shards serve (row-split types: only the ids in the shard's row range, rebased),
+     lengths first, then ids and weights (mean pooling is folded into per-id weights here, at
+     the source, where the whole bag is known);
+  2. each rank pools the ids it received with one table-batched fused operator over its shards;
+  3. output distribution: each rank returns to every source the partial pooled outputs of that
+     source's samples; the source adds each shard's output into the shard's column range, which
+     concatenates column shards and sums row shards (reduce-scatter as all-to-all + local sum,
+     so it also works on gloo, which has no reduce-scatter);
+  backward runs the same collectives in reverse, and each rank updates only the rows it owns.
+Data-parallel tables are looked up locally; their row gradients are all-gathered and summed
+before the same fused optimizer updates every replica identically.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from recscale.comm.codecs import get_codec
+from recscale.comm.collectives import CommStats, all_gather_rows, all_gather_sizes, all_to_all
+from recscale.comm.process_group import ProcessGroups
+from recscale.embedding import SparseOptimizer, TableBatchedEmbeddingBags, TableConfig
+from recscale.embedding.table_batched import init_rows, output_feature_order, row_gradients
+from recscale.sharding.plan import ShardingPlan
+from recscale.sparse import JaggedBatch, SparseInputError, permute_bags
+
+
+@dataclass(frozen=True)
+class CommPrecision:
+    """Wire precision per collective; ``loss_scale`` multiplies fp16 gradients on the wire."""
+
+    forward: str = "fp32"
+    backward: str = "fp32"
+    loss_scale: float = 1024.0
+
+
+@dataclass(frozen=True)
+class _ShardFeature:
+    """One feature as served by one shard: what a rank pools for that feature."""
+
+    key: str  # local feature name on the owner, e.g. "C1#0"
+    feature: str
+    table: str
+    row_offset: int
+    num_rows: int
+    col_offset: int
+    num_cols: int
+    routes_by_row: bool
+
+
+def _shard_table_name(table: str, index: int) -> str:
+    return f"{table}#{index}"
+
+
+class ShardedEmbeddingCollection(nn.Module):
+    def __init__(
+        self,
+        tables: list[TableConfig],
+        optimizer: SparseOptimizer,
+        plan: ShardingPlan,
+        groups: ProcessGroups,
+        seed: int = 0,
+        precision: CommPrecision = CommPrecision(),
+        stats: CommStats | None = None,
+    ) -> None:
+        super().__init__()
+        plan.validate(tables)
+        if plan.world_size != groups.world_size:
+            raise SparseInputError(f"the plan is for {plan.world_size} ranks but the job has {groups.world_size}")
+        self.tables = list(tables)
+        self.optimizer = optimizer
+        self.plan = plan
+        self.groups = groups
+        self.rank = groups.rank
+        self.world = groups.world_size
+        self.precision = precision
+        self.stats = stats if stats is not None else CommStats()
+        self.fwd_codec = get_codec(precision.forward)
+        self.bwd_codec = get_codec(precision.backward)
+        self.global_batch_size = 0
+        by_name = {t.name: t for t in tables}
+        self.feature_names = output_feature_order(tables)
+        self.feature_dims = tuple(next(t.dim for t in tables if f in t.features) for f in self.feature_names)
+        self.num_rows_by_feature = {f: t.num_rows for t in tables for f in t.features}
+        col = 0
+        self._feature_col: dict[str, int] = {}
+        for f, d in zip(self.feature_names, self.feature_dims):
+            self._feature_col[f] = col
+            col += d
+        self.total_dim = col
+        self._mean_features = {f for t in tables if t.pooling == "mean" for f in t.features}
+
+        # Shards of every rank, as local tables, and the features each rank serves, in the
+        # order of that rank's operator output (every rank computes this for every rank).
+        local_tables: list[list[TableConfig]] = [[] for _ in range(self.world)]
+        origin: dict[str, tuple[TableConfig, object, int]] = {}
+        self._dp_tables: list[TableConfig] = []
+        for tp in plan.tables:
+            t = by_name[tp.table]
+            if tp.sharding_type == "data_parallel":
+                self._dp_tables.append(t)
+                continue
+            for i, s in enumerate(tp.shards):
+                name = _shard_table_name(t.name, i)
+                local_tables[s.rank].append(
+                    TableConfig(name, s.num_rows, s.num_cols, tuple(f"{f}#{i}" for f in t.features), "sum", None, t.dtype)
+                )
+                origin[name] = (t, s, tp.routes_by_row)
+        self._served: list[list[_ShardFeature]] = []
+        for r in range(self.world):
+            served = []
+            for key in output_feature_order(local_tables[r]):
+                feature, idx = key.rsplit("#", 1)
+                t, s, by_row = origin[_shard_table_name(next(x.name for x in tables if feature in x.features), int(idx))]
+                served.append(_ShardFeature(key, feature, t.name, s.row_offset, s.num_rows, s.col_offset, s.num_cols, by_row))
+            self._served.append(served)
+        self._local_dims = [sum(sf.num_cols for sf in served) for served in self._served]
+
+        def shard_init(local: TableConfig) -> torch.Tensor:
+            t, s, _ = origin[local.name]
+            return init_rows(t, seed, s.row_offset, s.num_rows, s.col_offset, s.num_cols)
+
+        device = groups.device
+        self.local = (
+            TableBatchedEmbeddingBags(local_tables[self.rank], optimizer, seed, device, init_fn=shard_init)
+            if local_tables[self.rank]
+            else None
+        )
+        self.dp = (
+            TableBatchedEmbeddingBags(self._dp_tables, optimizer, seed, device, grad_reducer=self._reduce_dp_grads)
+            if self._dp_tables
+            else None
+        )
+        # Output columns each owner's shards fill, in that owner's output order.
+        self._colmaps = [
+            torch.tensor(
+                [self._feature_col[sf.feature] + sf.col_offset + c for sf in served for c in range(sf.num_cols)],
+                dtype=torch.int64,
+                device=device,
+            )
+            for served in self._served
+        ]
+        if self.dp is not None:
+            self._dp_cols = torch.tensor(
+                [self._feature_col[f] + c for f, d in zip(self.dp.feature_names, self.dp.feature_dims) for c in range(d)],
+                dtype=torch.int64,
+                device=device,
+            )
+        self._row_bounds = {
+            tp.table: torch.tensor([s.row_offset for s in tp.shards] + [by_name[tp.table].num_rows], device=device)
+            for tp in plan.tables
+            if tp.routes_by_row
+        }
+        self._shard_index = {
+            (tp.table, s.row_offset, s.col_offset): i for tp in plan.tables for i, s in enumerate(tp.shards)
+        }
+        # Makes the output require grad on every rank, so every rank joins the backward collectives.
+        self._anchor = nn.Parameter(torch.zeros(0, device=device))
+
+    # ------------------------------------------------------------------ forward
+    def validate(self, batch: JaggedBatch) -> None:
+        missing = [f for f in self.feature_names if f not in batch.keys]
+        if missing:
+            raise SparseInputError(f"batch lacks features {missing} that the embedding tables expect")
+        batch.validate(self.num_rows_by_feature)
+
+    def forward(self, batch: JaggedBatch) -> torch.Tensor:
+        pg = self.groups.embedding
+        b_local = batch.batch_size
+        sizes = all_gather_sizes(b_local, pg, self.groups.device, "batch_sizes")
+        self.global_batch_size = sum(sizes)
+        received = self._distribute_input(batch, sizes)
+        if self.local is not None:
+            pooled = self.local(received)
+        else:
+            pooled = torch.zeros(self.global_batch_size, 0, device=self.groups.device)
+        out = _OutputDist.apply(self._anchor, self, pooled, sizes)
+        if self.dp is not None:
+            dp_out = self.dp(batch.select(self.dp.feature_names))
+            out = out.index_add(1, self._dp_cols, dp_out)
+        return out
+
+    def _feature_ids(self, batch: JaggedBatch) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """Per feature: ids, lengths and weights, mean pooling folded into the weights."""
+        out = {}
+        offsets = batch.offsets()
+        b = batch.batch_size
+        for k, f in enumerate(batch.keys):
+            if f not in self._feature_col:
+                continue
+            lo, hi = int(offsets[k * b]), int(offsets[(k + 1) * b])
+            vals, lens = batch.values[lo:hi], batch.lengths[k * b : (k + 1) * b]
+            w = None if batch.weights is None else batch.weights[lo:hi].float()
+            if f in self._mean_features:
+                inv = torch.repeat_interleave(1.0 / lens.clamp(min=1).float(), lens, output_size=vals.numel())
+                w = inv if w is None else w * inv
+            out[f] = (vals, lens, w)
+        return out
+
+    def _distribute_input(self, batch: JaggedBatch, sizes: list[int]) -> JaggedBatch:
+        me, b = self.rank, batch.batch_size
+        need_weights = batch.weights is not None or bool(self._mean_features)
+        per_feature = self._feature_ids(batch)
+        routed = self._route_row_split(per_feature, b)
+        lens_out, vals_out, wts_out = [], [], []
+        len_splits, val_splits = [], []
+        for served in self._served:
+            n_vals = 0
+            for sf in served:
+                if sf.routes_by_row:
+                    vals, lens, w = routed[(sf.table, sf.row_offset, sf.feature)]
+                else:
+                    vals, lens, w = per_feature[sf.feature]
+                lens_out.append(lens)
+                vals_out.append(vals)
+                if need_weights:
+                    wts_out.append(w if w is not None else torch.ones(vals.numel(), device=vals.device))
+                n_vals += vals.numel()
+            len_splits.append(len(served) * b)
+            val_splits.append(n_vals)
+        dev = self.groups.device
+        lens_send = torch.cat(lens_out) if lens_out else torch.zeros(0, dtype=torch.int64, device=dev)
+        mine = self._served[me]
+        len_recv_splits = [len(mine) * sizes[s] for s in range(self.world)]
+        pg = self.groups.embedding
+        lens_recv = all_to_all(lens_send, len_splits, len_recv_splits, pg, self.stats, "input_lengths")
+        per_src = torch.split(lens_recv, len_recv_splits)
+        val_recv_splits = [int(x.sum()) for x in per_src]
+        vals_send = torch.cat(vals_out) if vals_out else torch.zeros(0, dtype=torch.int64, device=dev)
+        vals_recv = all_to_all(vals_send, val_splits, val_recv_splits, pg, self.stats, "input_ids")
+        wts_recv = None
+        if need_weights:
+            wts_send = torch.cat(wts_out) if wts_out else torch.zeros(0, device=dev)
+            wts_recv = all_to_all(wts_send, val_splits, val_recv_splits, pg, self.stats, "input_weights")
+        # Received bags are ordered (source, feature, sample); the operator wants (feature, source, sample).
+        k = len(mine)
+        if k == 0:
+            return JaggedBatch((), vals_recv, lens_recv, wts_recv)
+        bag_order = []
+        src_start = [0]
+        for s in range(self.world):
+            src_start.append(src_start[-1] + k * sizes[s])
+        for j in range(k):
+            for s in range(self.world):
+                start = src_start[s] + j * sizes[s]
+                bag_order.append(torch.arange(start, start + sizes[s], device=dev))
+        order = torch.cat(bag_order)
+        vals, lens, wts = permute_bags(vals_recv, lens_recv, wts_recv, order)
+        return JaggedBatch(tuple(sf.key for sf in mine), vals, lens, wts)
+
+    def _route_row_split(self, per_feature, b: int):
+        """For row-split tables: per (table, shard row offset, feature) the ids in that shard's
+        row range, rebased to the shard, in sample order, with per-sample counts."""
+        routed = {}
+        for tp in self.plan.tables:
+            if not tp.routes_by_row:
+                continue
+            bounds = self._row_bounds[tp.table]
+            n_shards = len(tp.shards)
+            t = next(x for x in self.tables if x.name == tp.table)
+            for f in t.features:
+                if f not in per_feature:
+                    continue
+                vals, lens, w = per_feature[f]
+                shard_of = torch.searchsorted(bounds, vals, right=True) - 1
+                sample_of = torch.repeat_interleave(torch.arange(b, device=vals.device), lens, output_size=vals.numel())
+                counts = torch.bincount(shard_of * b + sample_of, minlength=n_shards * b).view(n_shards, b)
+                order = torch.argsort(shard_of, stable=True)
+                sorted_vals = vals[order] - bounds[shard_of[order]]
+                sorted_w = None if w is None else w[order]
+                per_shard = counts.sum(1).tolist()
+                start = 0
+                for i, s in enumerate(tp.shards):
+                    n = per_shard[i]
+                    routed[(tp.table, s.row_offset, f)] = (
+                        sorted_vals[start : start + n],
+                        counts[i],
+                        None if sorted_w is None else sorted_w[start : start + n],
+                    )
+                    start += n
+        return routed
+
+    # ------------------------------------------------------------------ data-parallel gradients
+    def _reduce_dp_grads(self, unique: torch.Tensor, summed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum the row gradients of every replica, in rank order (the same on every rank)."""
+        pg = self.groups.embedding_grads
+        rows = all_gather_rows(unique, pg, self.stats, "dp_grad_rows")
+        grads = all_gather_rows(summed, pg, self.stats, "dp_grad_values")
+        all_rows, all_grads = torch.cat(rows), torch.cat(grads)
+        offsets = torch.arange(all_rows.numel() + 1, device=all_rows.device)
+        return row_gradients(all_rows, offsets, all_grads, None)
+
+    # ------------------------------------------------------------------ access (collective)
+    def full_table(self, name: str) -> torch.Tensor:
+        """The whole table assembled from every rank's shards (a collective: call on all ranks)."""
+        return self._assemble(name, lambda tbe, local: tbe.table_weight(local).float())
+
+    def full_state(self, name: str) -> dict[str, torch.Tensor]:
+        t = next(x for x in self.tables if x.name == name)
+        names = self.optimizer.state_columns(t.dim)
+        out = {}
+        for key, cols in names.items():
+            out[key] = self._assemble(name, lambda tbe, local, key=key: tbe.table_state(local)[key], state_cols=cols)
+        return out
+
+    def _assemble(self, name: str, get, state_cols: int | None = None) -> torch.Tensor:
+        tp = self.plan.table(name)
+        t = next(x for x in self.tables if x.name == name)
+        if tp.sharding_type == "data_parallel":
+            return get(self.dp, name).clone()
+        elementwise = state_cols is None or state_cols == t.dim  # shaped like the weights
+        width = t.dim if state_cols is None else state_cols
+        full = torch.zeros(t.num_rows, width, device=self.groups.device)
+        for i, s in enumerate(tp.shards):
+            shape = (s.num_rows, s.num_cols if elementwise else width)
+            if s.rank == self.rank:
+                part = get(self.local, _shard_table_name(name, i)).float().contiguous()
+            else:
+                part = torch.zeros(shape, device=full.device)
+            if self.groups.embedding is not None:
+                torch.distributed.broadcast(part, s.rank, group=self.groups.embedding)
+            if elementwise:
+                full[s.row_offset : s.row_offset + s.num_rows, s.col_offset : s.col_offset + s.num_cols] = part
+            else:  # one value per row (each column shard keeps its own; the last one wins here)
+                full[s.row_offset : s.row_offset + s.num_rows] = part
+        return full
+
+
+class _OutputDist(torch.autograd.Function):
+    """Pooled shard outputs back to their source ranks, summed into column ranges; backward
+    sends the gradient columns of each shard back to its owner."""
+
+    @staticmethod
+    def forward(ctx, anchor, coll: ShardedEmbeddingCollection, pooled: torch.Tensor, sizes: list[int]):  # type: ignore[override]
+        ctx.coll, ctx.sizes = coll, sizes
+        me, world = coll.rank, coll.world
+        codec = coll.fwd_codec
+        local_dim = coll._local_dims[me]
+        payload = codec.encode(pooled.detach().float().contiguous())  # [B_total, row_bytes]
+        send = [sizes[s] * codec.row_bytes(local_dim) for s in range(world)]
+        recv = [sizes[me] * codec.row_bytes(coll._local_dims[d]) for d in range(world)]
+        got = all_to_all(payload.reshape(-1), send, recv, coll.groups.embedding, coll.stats, "output_a2a")
+        b = sizes[me]
+        out = torch.zeros(b, coll.total_dim, device=pooled.device)
+        for d, part in enumerate(torch.split(got, recv)):
+            dim_d = coll._local_dims[d]
+            if dim_d == 0:
+                continue
+            block = codec.decode(part.view(b, codec.row_bytes(dim_d)), dim_d)
+            out.index_add_(1, coll._colmaps[d], block)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        coll, sizes = ctx.coll, ctx.sizes
+        me, world = coll.rank, coll.world
+        codec = coll.bwd_codec
+        scale = coll.precision.loss_scale if codec.name == "fp16" else 1.0
+        grad_out = grad_out.contiguous()
+        parts, send = [], []
+        for d in range(world):
+            dim_d = coll._local_dims[d]
+            g = grad_out.index_select(1, coll._colmaps[d]) if dim_d else grad_out.new_zeros(sizes[me], 0)
+            parts.append(codec.encode(g * scale if scale != 1.0 else g).reshape(-1))
+            send.append(sizes[me] * codec.row_bytes(dim_d))
+        local_dim = coll._local_dims[me]
+        recv = [sizes[s] * codec.row_bytes(local_dim) for s in range(world)]
+        got = all_to_all(torch.cat(parts), send, recv, coll.groups.embedding, coll.stats, "grad_a2a")
+        grad_pooled = codec.decode(got.view(sum(sizes), codec.row_bytes(local_dim)), local_dim)
+        if scale != 1.0:
+            grad_pooled = grad_pooled / scale
+        return None, None, grad_pooled, None

@@ -1,0 +1,45 @@
+"""A simple default placement: a default type for every table, per-table overrides, and the
+largest tables placed first on the least-loaded rank. (The cost-model planner is separate.)"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from recscale.comm.process_group import Topology
+from recscale.embedding import TableConfig
+from recscale.sharding.plan import SHARDING_TYPES, PlanError, ShardingPlan, ShardingType, TablePlan
+from recscale.sharding.types import SHARD_MAKERS
+
+
+@dataclass(frozen=True)
+class TableSharding:
+    """A per-table choice: its type, and for column-wise the number of column shards (0 = auto)."""
+
+    type: ShardingType
+    shards: int = 0
+
+
+def default_plan(
+    tables: list[TableConfig],
+    topology: Topology,
+    default: ShardingType = "table_wise",
+    overrides: Mapping[str, TableSharding] | None = None,
+) -> ShardingPlan:
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - {t.name for t in tables})
+    if unknown:
+        raise PlanError(f"sharding overrides name unknown tables {unknown}; known: {[t.name for t in tables]}")
+    if default not in SHARDING_TYPES:
+        raise PlanError(f"default sharding type {default!r} is unknown; expected one of {list(SHARDING_TYPES)}")
+    loads = [0.0] * topology.world_size
+    placed: dict[str, TablePlan] = {}
+    for t in sorted(tables, key=lambda t: (-t.num_rows * t.dim, t.name)):
+        choice = overrides.get(t.name, TableSharding(default))
+        if choice.type == "column_wise" and choice.shards > t.dim:
+            raise PlanError(f"table '{t.name}': {choice.shards} column shards exceed its dim {t.dim}")
+        shards = SHARD_MAKERS[choice.type](t, topology, loads, choice.shards)
+        placed[t.name] = TablePlan(t.name, choice.type, shards)
+    plan = ShardingPlan(topology.world_size, topology.ranks_per_host, tuple(placed[t.name] for t in tables))
+    plan.validate(tables)
+    return plan

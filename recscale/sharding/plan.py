@@ -1,0 +1,158 @@
+"""Sharding plans: which part of which table lives on which rank, readable as JSON.
+
+JSON layout (version 1)::
+
+    {"version": 1, "world_size": 4, "ranks_per_host": 2,
+     "tables": [{"table": "t_C1", "sharding_type": "row_wise",
+                 "shards": [{"rank": 0, "row_offset": 0, "num_rows": 500, "col_offset": 0, "num_cols": 16}, ...]},
+                ...]}
+
+Every shard is a rectangle of its table (a row range times a column range) on one rank.
+Table-wise: one shard, the whole table. Column-wise: column ranges. Row-wise: row ranges over
+every rank. Table-row-wise: row ranges over the ranks of one host. Data-parallel: the whole
+table on every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+from recscale.embedding import TableConfig
+
+ShardingType = Literal["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]
+SHARDING_TYPES: tuple[str, ...] = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
+PLAN_VERSION = 1
+
+
+class PlanError(ValueError):
+    """A plan that does not match its tables or topology; the message names the table."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int
+    row_offset: int
+    num_rows: int
+    col_offset: int
+    num_cols: int
+
+
+@dataclass(frozen=True)
+class TablePlan:
+    table: str
+    sharding_type: ShardingType
+    shards: tuple[Shard, ...]
+
+    @property
+    def routes_by_row(self) -> bool:
+        """Row-split types send each id only to the shard whose row range holds it."""
+        return self.sharding_type in ("row_wise", "table_row_wise")
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    world_size: int
+    ranks_per_host: int
+    tables: tuple[TablePlan, ...]
+
+    def table(self, name: str) -> TablePlan:
+        for t in self.tables:
+            if t.table == name:
+                return t
+        raise PlanError(f"the plan has no table '{name}'")
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict:
+        return {
+            "version": PLAN_VERSION,
+            "world_size": self.world_size,
+            "ranks_per_host": self.ranks_per_host,
+            "tables": [
+                {"table": t.table, "sharding_type": t.sharding_type, "shards": [asdict(s) for s in t.shards]}
+                for t in self.tables
+            ],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.to_json() + "\n")
+        os.replace(tmp, path)
+
+    @staticmethod
+    def from_dict(d: dict, source: str = "plan") -> ShardingPlan:
+        try:
+            if d.get("version") != PLAN_VERSION:
+                raise PlanError(f"{source}: unknown plan version {d.get('version')!r}; expected {PLAN_VERSION}")
+            tables = []
+            for t in d["tables"]:
+                if t["sharding_type"] not in SHARDING_TYPES:
+                    raise PlanError(
+                        f"{source}: table '{t['table']}' has sharding_type {t['sharding_type']!r}; "
+                        f"expected one of {list(SHARDING_TYPES)}"
+                    )
+                shards = tuple(Shard(**{k: int(s[k]) for k in Shard.__dataclass_fields__}) for s in t["shards"])
+                tables.append(TablePlan(t["table"], t["sharding_type"], shards))
+            return ShardingPlan(int(d["world_size"]), int(d["ranks_per_host"]), tuple(tables))
+        except (KeyError, TypeError) as e:
+            raise PlanError(f"{source}: malformed plan ({type(e).__name__}: {e})") from None
+
+    @staticmethod
+    def load(path: str | Path) -> ShardingPlan:
+        p = Path(path)
+        if not p.is_file():
+            raise PlanError(f"plan file '{p}' does not exist")
+        try:
+            d = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise PlanError(f"plan file '{p}' is not valid JSON: {e}") from None
+        return ShardingPlan.from_dict(d, str(p))
+
+    # ------------------------------------------------------------------ checks
+    def validate(self, tables: list[TableConfig]) -> None:
+        """Every table planned once; shards cover each table exactly; ranks exist."""
+        by_name = {t.name: t for t in tables}
+        planned = [t.table for t in self.tables]
+        missing = sorted(set(by_name) - set(planned))
+        extra = sorted(set(planned) - set(by_name))
+        if missing or extra or len(planned) != len(set(planned)):
+            raise PlanError(f"plan and model disagree: unplanned tables {missing}, unknown tables {extra}")
+        for tp in self.tables:
+            cfg = by_name[tp.table]
+            if not tp.shards:
+                raise PlanError(f"table '{tp.table}': no shards")
+            for s in tp.shards:
+                if not 0 <= s.rank < self.world_size:
+                    raise PlanError(f"table '{tp.table}': shard on rank {s.rank}, outside world size {self.world_size}")
+                if s.num_rows <= 0 or s.num_cols <= 0 or s.row_offset < 0 or s.col_offset < 0:
+                    raise PlanError(f"table '{tp.table}': empty or negative shard {s}")
+                if s.row_offset + s.num_rows > cfg.num_rows or s.col_offset + s.num_cols > cfg.dim:
+                    raise PlanError(f"table '{tp.table}': shard {s} exceeds the table ({cfg.num_rows} x {cfg.dim})")
+            if tp.sharding_type == "data_parallel":
+                if sorted(s.rank for s in tp.shards) != list(range(self.world_size)) or any(
+                    (s.num_rows, s.num_cols) != (cfg.num_rows, cfg.dim) for s in tp.shards
+                ):
+                    raise PlanError(f"table '{tp.table}': data_parallel needs a whole copy on every rank")
+                continue
+            area = sum(s.num_rows * s.num_cols for s in tp.shards)
+            if area != cfg.num_rows * cfg.dim:
+                raise PlanError(f"table '{tp.table}': shards cover {area} of {cfg.num_rows * cfg.dim} cells; they must tile it once")
+            if tp.routes_by_row and any(s.num_cols != cfg.dim for s in tp.shards):
+                raise PlanError(f"table '{tp.table}': {tp.sharding_type} shards must span every column")
+            if tp.sharding_type in ("table_wise", "column_wise") and any(s.num_rows != cfg.num_rows for s in tp.shards):
+                raise PlanError(f"table '{tp.table}': {tp.sharding_type} shards must span every row")
+            if tp.sharding_type == "table_row_wise":
+                hosts = {s.rank // self.ranks_per_host for s in tp.shards}
+                if len(hosts) != 1:
+                    raise PlanError(f"table '{tp.table}': table_row_wise shards must all be on one host, got hosts {sorted(hosts)}")

@@ -1,0 +1,60 @@
+"""Spawning N gloo ranks on 127.0.0.1 for tests: free port, timeouts, no leaked processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    try:
+        result = fn(rank, world, *args)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    except Exception:
+        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 120.0) -> list:
+    """Run ``fn(rank, world, *args)`` in ``world`` processes; return each rank's result."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(
+            _worker, args=(world, free_port(), fn, args, out_dir), nprocs=world, join=False, start_method="spawn"
+        )
+        try:
+            import time
+
+            deadline = time.monotonic() + timeout_s
+            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks did not finish within {timeout_s} s")
+        except Exception:
+            errs = sorted(Path(out_dir).glob("*.err"))
+            detail = "\n".join(e.read_text() for e in errs)
+            raise AssertionError(f"distributed test failed:\n{detail}") from None
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]

@@ -1,0 +1,145 @@
+"""N ranks equal one process: every sharding type, alone and mixed, on gloo over 127.0.0.1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+from recscale.comm.process_group import Topology, init_process_groups
+from recscale.embedding import Adagrad, RowWiseAdagrad, TableBatchedEmbeddingBags, TableConfig
+from recscale.sharding.collection import CommPrecision, ShardedEmbeddingCollection
+from recscale.sharding.default_plan import TableSharding, default_plan
+from recscale.sparse import JaggedBatch
+
+TABLES = [
+    TableConfig("a", 40, 8, ("fa",)),
+    TableConfig("b", 23, 8, ("fb1", "fb2"), pooling="mean"),  # two features share it
+    TableConfig("c", 17, 6, ("fc",)),  # another dim: a second storage group
+    TableConfig("d", 31, 8, ("fd",)),
+    TableConfig("e", 12, 8, ("fe",)),
+]
+GLOBAL_BATCH = 12
+STEPS = 20
+SEED = 5
+
+
+def global_batches(weighted: bool) -> list[JaggedBatch]:
+    """Skewed ids (heavy duplication within and across ranks), multi-hot and empty bags."""
+    gen = torch.Generator().manual_seed(11)
+    out = []
+    for _ in range(STEPS):
+        feats, wts = {}, {}
+        for t in TABLES:
+            for f in t.features:
+                bags = []
+                for _ in range(GLOBAL_BATCH):
+                    n = int(torch.randint(0, 4, (1,), generator=gen))
+                    hot = torch.randint(0, 3, (n,), generator=gen)
+                    cold = torch.randint(0, t.num_rows, (n,), generator=gen)
+                    pick = torch.rand(n, generator=gen) < 0.5
+                    bags.append(torch.where(pick, hot, cold).tolist())
+                feats[f] = bags
+                wts[f] = [[0.5 + 0.25 * (i % 3) for i in range(len(b))] for b in bags]
+        out.append(JaggedBatch.from_lists(feats, wts if weighted else None))
+    return out
+
+
+def upstream_grads() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    total = sum(t.dim * len(t.features) for t in TABLES)
+    return [torch.randn(GLOBAL_BATCH, total, generator=gen) for _ in range(STEPS)]
+
+
+def make_optimizer(name: str):
+    return RowWiseAdagrad(lr=0.1) if name == "rowwise_adagrad" else Adagrad(lr=0.1)
+
+
+def shares(world: int) -> list[int]:
+    return [len(c) for c in torch.arange(GLOBAL_BATCH).tensor_split(world)]
+
+
+def reference(opt_name: str, weighted: bool):
+    module = TableBatchedEmbeddingBags(TABLES, make_optimizer(opt_name), seed=SEED)
+    outs = []
+    for batch, grad in zip(global_batches(weighted), upstream_grads()):
+        out = module(batch)
+        outs.append(out.detach().clone())
+        out.backward(grad)
+    tables = {t.name: module.table_weight(t.name).float().clone() for t in TABLES}
+    states = {t.name: {k: v.clone() for k, v in module.table_state(t.name).items()} for t in TABLES}
+    return outs, tables, states
+
+
+def sharded_worker(rank, world, ranks_per_host, default, overrides, opt_name, weighted, precision):
+    topo = Topology(world, rank, ranks_per_host)
+    groups = init_process_groups(topo, timeout_s=60)
+    plan = default_plan(TABLES, topo, default, {k: TableSharding(*v) for k, v in overrides.items()})
+    coll = ShardedEmbeddingCollection(TABLES, make_optimizer(opt_name), plan, groups, SEED, CommPrecision(*precision))
+    sizes = shares(world)
+    start = sum(sizes[:rank])
+    outs = []
+    for batch, grad in zip(global_batches(weighted), upstream_grads()):
+        local = batch.split(sizes)[rank]
+        out = coll(local)
+        outs.append(out.detach().clone())
+        out.backward(grad[start : start + sizes[rank]])
+    tables = {t.name: coll.full_table(t.name) for t in TABLES}
+    states = {t.name: coll.full_state(t.name) for t in TABLES}
+    return {"outs": outs, "tables": tables, "states": states, "bytes": coll.stats.snapshot(), "plan": plan.to_dict()}
+
+
+def check(world, ranks_per_host, default, overrides=None, opt_name="rowwise_adagrad", weighted=True,
+          precision=("fp32", "fp32"), rtol=1e-5, atol=1e-6):
+    ref_outs, ref_tables, ref_states = reference(opt_name, weighted)
+    results = run_ranks(sharded_worker, world, ranks_per_host, default, overrides or {}, opt_name, weighted, precision)
+    sizes = shares(world)
+    for rank, res in enumerate(results):
+        start = sum(sizes[:rank])
+        for step, (got, want) in enumerate(zip(res["outs"], ref_outs)):
+            torch.testing.assert_close(got, want[start : start + sizes[rank]], rtol=rtol, atol=atol,
+                                       msg=lambda m: f"rank {rank} step {step} output: {m}")
+        for t in TABLES:
+            torch.testing.assert_close(res["tables"][t.name], ref_tables[t.name], rtol=rtol, atol=atol,
+                                       msg=lambda m: f"rank {rank} table {t.name}: {m}")
+            for k, v in ref_states[t.name].items():
+                torch.testing.assert_close(res["states"][t.name][k], v, rtol=rtol, atol=atol,
+                                           msg=lambda m: f"rank {rank} table {t.name} state {k}: {m}")
+    return results
+
+
+MIX = {"a": ("table_wise",), "b": ("row_wise",), "c": ("column_wise", 2), "d": ("table_row_wise",), "e": ("data_parallel",)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("default", ["table_wise", "row_wise", "table_row_wise", "data_parallel"])
+def test_each_sharding_type_equals_one_process_rowwise_adagrad(world, default):
+    check(world, 2 if world == 4 else world, default)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_column_wise_equals_one_process(world):
+    # Element-wise state shards exactly with the columns (see the note on row-wise state).
+    check(world, world, "column_wise", opt_name="adagrad")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_mix_of_all_five_types_equals_one_process(world):
+    check(world, 2, "table_wise", MIX, opt_name="adagrad")
+
+
+def test_table_row_wise_on_two_hosts_of_two_ranks_stays_on_one_host():
+    results = check(4, 2, "table_row_wise")
+    for t in results[0]["plan"]["tables"]:
+        assert len({s["rank"] // 2 for s in t["shards"]}) == 1
+
+
+@pytest.mark.parametrize("fwd,bwd,tol", [("fp16", "fp16", 2e-3), ("bf16", "bf16", 2e-2), ("int8", "int8", 3e-2)])
+def test_reduced_precision_stays_close_and_sends_fewer_bytes(fwd, bwd, tol):
+    full = run_ranks(sharded_worker, 2, 2, "table_wise", {}, "rowwise_adagrad", True, ("fp32", "fp32"))
+    low = run_ranks(sharded_worker, 2, 2, "table_wise", {}, "rowwise_adagrad", True, (fwd, bwd))
+    for t in TABLES:
+        torch.testing.assert_close(low[0]["tables"][t.name], full[0]["tables"][t.name], rtol=0, atol=tol)
+    for name in ("output_a2a", "grad_a2a"):
+        ratio = low[0]["bytes"][name] / full[0]["bytes"][name]
+        assert ratio < 0.6 if fwd != "int8" else ratio < 0.6, (name, ratio)
