@@ -15,6 +15,8 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.set)
     summary = train(cfg)
+    if summary.get("rank", 0) != 0:
+        return 0  # rank 0 reports for the whole job
     print(format_summary(summary))
     if args.summary_json:
         write_json_atomic(args.summary_json, summary)
@@ -41,16 +43,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from recscale.comm.process_group import DistributedError
     from recscale.data.errors import DataFormatError
+    from recscale.sharding.plan import PlanError
     from recscale.sparse import SparseInputError
     from recscale.train.config import ConfigError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, DataFormatError, SparseInputError, FileNotFoundError) as e:
+    except (ConfigError, DataFormatError, SparseInputError, PlanError, FileNotFoundError) as e:
         print(f"recscale: error: {e}", file=sys.stderr)
         return 2
+    except DistributedError as e:
+        print(f"recscale: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("recscale: interrupted", file=sys.stderr)
         return 130

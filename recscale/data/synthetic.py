@@ -18,7 +18,8 @@ import torch
 from recscale.data.batch import Batch
 from recscale.sparse import JaggedBatch
 
-_MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
+# Samples are generated in blocks of this many, each from its own seed.
+BLOCK = 1024
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class SyntheticClickData:
         self._dense_w = rng.normal(0.0, 0.6 / math.sqrt(max(cfg.num_dense, 1)), cfg.num_dense)
         self._salt = rng.integers(1, 2**62, size=len(cfg.table_rows), dtype=np.int64).astype(np.uint64)
         self._effect_scale = 1.6 / math.sqrt(len(cfg.table_rows))
+        self._cache: tuple[int, tuple] | None = None
         self._bias = self._calibrate_bias()
 
     def __len__(self) -> int:
@@ -100,6 +102,7 @@ class SyntheticClickData:
         return (_splitmix64(ranks.astype(np.uint64) + self._salt[table]) % np.uint64(rows)).astype(np.int64)
 
     def _latent(self, start: int, count: int) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray], np.ndarray]:
+        """Samples [start, start + count) of the stream (seeded by ``start``)."""
         cfg = self.cfg
         rng = np.random.default_rng([cfg.seed, start])
         dense = np.log1p(rng.exponential(3.0, size=(count, cfg.num_dense))).astype(np.float32)
@@ -116,6 +119,36 @@ class SyntheticClickData:
             lengths.append(lens)
         return dense, values, lengths, logit
 
+    def _block(self, index: int) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray], np.ndarray, np.ndarray]:
+        """Block ``index`` of BLOCK samples: dense, ids, lengths, logits, labels. A sample's
+        content depends only on its global position, however requests split the stream."""
+        if self._cache is not None and self._cache[0] == index:
+            return self._cache[1]
+        dense, values, lengths, logit = self._latent(index * BLOCK, BLOCK)
+        logit = logit + self._bias
+        p = 1.0 / (1.0 + np.exp(-logit))
+        labels = (np.random.default_rng([self.cfg.seed, index, 1]).random(BLOCK) < p).astype(np.float32)
+        block = (dense, values, lengths, logit, labels)
+        self._cache = (index, block)
+        return block
+
+    def _range(self, start: int, count: int):
+        """Pieces of the blocks covering global samples [start, start + count)."""
+        pieces = []
+        pos, end = start, start + count
+        while pos < end:
+            index, lo = divmod(pos, BLOCK)
+            hi = min(BLOCK, lo + end - pos)
+            dense, values, lengths, logit, labels = self._block(index)
+            ids, lens = [], []
+            for v, l in zip(values, lengths):
+                offs = np.concatenate([[0], np.cumsum(l)])
+                ids.append(v[offs[lo] : offs[hi]])
+                lens.append(l[lo:hi])
+            pieces.append((dense[lo:hi], ids, lens, logit[lo:hi], labels[lo:hi]))
+            pos += hi - lo
+        return pieces
+
     def _calibrate_bias(self) -> float:
         """Bias that gives the configured positive rate (bisection on a fixed sample)."""
         _, _, _, logit = self._latent(2**62, 4096)  # a start no real batch uses
@@ -128,19 +161,21 @@ class SyntheticClickData:
 
     def planted_logits(self, start: int, count: int) -> np.ndarray:
         """The true logits of samples [start, start + count) (for tests of learnability)."""
-        return self._latent(self.offset + start, count)[3] + self._bias
+        return np.concatenate([p[3] for p in self._range(self.offset + start, count)] or [np.zeros(0)])
 
     def make_samples(self, start: int, count: int) -> Batch:
         """Samples [start, start + count) of this stream as a Batch."""
         if start < 0 or count < 0 or start + count > self.cfg.num_samples:
             raise IndexError(f"samples [{start}, {start + count}) outside [0, {self.cfg.num_samples})")
-        dense, values, lengths, logit = self._latent(self.offset + start, count)
-        p = 1.0 / (1.0 + np.exp(-(logit + self._bias)))
-        label_rng = np.random.default_rng([self.cfg.seed, self.offset + start, 1])
-        labels = (label_rng.random(count) < p).astype(np.float32)
+        pieces = self._range(self.offset + start, count)
+        num_tables = len(self.cfg.table_rows)
+        dense = np.concatenate([p[0] for p in pieces]) if pieces else np.zeros((0, self.cfg.num_dense), np.float32)
+        labels = np.concatenate([p[4] for p in pieces]) if pieces else np.zeros(0, np.float32)
+        values = [np.concatenate([p[1][t] for p in pieces] or [np.zeros(0, np.int64)]) for t in range(num_tables)]
+        lengths = [np.concatenate([p[2][t] for p in pieces] or [np.zeros(0, np.int64)]) for t in range(num_tables)]
         sparse = JaggedBatch(
             self.sparse_names,
             torch.from_numpy(np.concatenate(values)),
             torch.from_numpy(np.concatenate(lengths)),
         )
-        return Batch(torch.from_numpy(dense), sparse, torch.from_numpy(labels))
+        return Batch(torch.from_numpy(np.ascontiguousarray(dense)), sparse, torch.from_numpy(labels))

@@ -256,6 +256,12 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"({summary['eval_num_samples']:,} samples)\n"
         f"train: {summary['steps']:,} steps, {summary['samples']:,} samples in {summary['train_seconds']:.1f} s "
         f"({summary['train_samples_per_sec']:,.0f} samples/s), world size {summary['world_size']}"
+        + (
+            "\ncomm bytes sent per step by rank 0: "
+            + ", ".join(f"{k} {v:,.0f}" for k, v in sorted(summary["comm_bytes_per_step"].items()))
+            if summary.get("comm_bytes_per_step")
+            else ""
+        )
     )
 
 

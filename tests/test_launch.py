@@ -1,0 +1,159 @@
+"""Real launches with torchrun: multi-rank and simulated multi-host training, a killed rank,
+and ranks started with different configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dist_utils import free_port, run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+TINY = [
+    "data.source=synthetic",
+    "data.num_samples=8192",
+    "data.eval_samples=2048",
+    "data.pooling_factors=[1, 3, 2, 1]",
+    "data.num_workers=0",
+    "model.table_rows=[1000, 5000, 300, 50]",
+    "train.batch_size=512",
+    "train.progress=false",
+    "dist.timeout_s=30",
+]
+
+
+def sets(overrides: list[str]) -> list[str]:
+    out: list[str] = []
+    for o in overrides:
+        out += ["--set", o]
+    return out
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e["OMP_NUM_THREADS"] = "1"
+    return e
+
+
+def train_cmd(summary: Path, overrides: list[str]) -> list[str]:
+    return ["-m", "recscale", "train", "--summary-json", str(summary)] + sets(TINY + overrides)
+
+
+def test_two_ranks_match_one_process(tmp_path):
+    one = tmp_path / "one.json"
+    subprocess.run([sys.executable] + train_cmd(one, []), check=True, cwd=ROOT, env=env(), timeout=120)
+    two = tmp_path / "two.json"
+    port = str(free_port())
+    subprocess.run(
+        TORCHRUN + ["--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}"]
+        + train_cmd(two, ["sharding.default=row_wise"]),
+        check=True, cwd=ROOT, env=env(), timeout=180,
+    )
+    a, b = json.loads(one.read_text()), json.loads(two.read_text())
+    assert b["world_size"] == 2 and a["world_size"] == 1
+    assert a["steps"] == b["steps"] and a["samples"] == b["samples"]
+    assert abs(a["eval_auc"] - b["eval_auc"]) < 1e-4, (a["eval_auc"], b["eval_auc"])
+    assert abs(a["eval_logloss"] - b["eval_logloss"]) < 1e-4
+    for name in ("input_ids", "output_a2a", "grad_a2a", "dense_allreduce"):
+        assert b["comm_bytes_per_step"][name] > 0
+
+
+def test_two_hosts_simulated_train_table_row_wise(tmp_path):
+    port = str(free_port())
+    summary = tmp_path / "s.json"
+    procs = []
+    for node in (0, 1):
+        cmd = TORCHRUN + [
+            "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=2",
+            "--master_addr=127.0.0.1", f"--master_port={port}",
+        ] + train_cmd(summary, ["sharding.default=table_row_wise", "train.max_steps=6"])
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    s = json.loads(summary.read_text())
+    assert s["world_size"] == 4 and s["steps"] == 6
+    assert "world size 4" in outs[0]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        children = (task / "children").read_text().split() if (task / "children").exists() else []
+        for c in map(int, children):
+            out.append(c)
+            out.extend(_children(c))
+    return out
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for item in environ:
+        if item.startswith(b"RANK="):
+            return int(item[5:])
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc to find worker processes")
+def test_killing_a_rank_ends_the_job_with_a_clear_error_and_no_orphans(tmp_path):
+    timeout_s = 20
+    port = str(free_port())
+    cmd = TORCHRUN + ["--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}"] + train_cmd(
+        tmp_path / "s.json", ["data.num_samples=2000000", f"dist.timeout_s={timeout_s}"]
+    )
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        victim = None
+        deadline = time.monotonic() + 60
+        while victim is None and time.monotonic() < deadline:
+            time.sleep(1.0)
+            for c in _children(proc.pid):
+                if _rank_of(c) == 1:
+                    victim = c
+        assert victim is not None, "rank 1 never started"
+        time.sleep(6.0)  # let training get going
+        workers = [c for c in _children(proc.pid) if _rank_of(c) is not None]
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        out, _ = proc.communicate(timeout=timeout_s + 60)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert elapsed < timeout_s + 30, elapsed
+    # torchrun names the failed rank; the surviving rank says its collective failed.
+    assert "rank" in out and ("SIGKILL" in out or "Signal 9" in out or "exitcode: -9" in out), out[-3000:]
+    time.sleep(1.0)
+    alive = [w for w in workers if Path(f"/proc/{w}").exists() and "zombie" not in Path(f"/proc/{w}/status").read_text().lower()]
+    assert not alive, f"orphan worker processes: {alive}"
+
+
+def _mismatch_worker(rank, world):
+    from recscale.comm.process_group import DistributedError
+    from recscale.train.config import load_config
+    from recscale.train.loop import train
+
+    cfg = load_config(None, TINY + [f"embedding_optimizer.lr={0.05 if rank == 0 else 0.07}", "train.max_steps=1"])
+    try:
+        train(cfg, log=lambda _: None)
+    except DistributedError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_with_different_configs_are_refused():
+    msgs = run_ranks(_mismatch_worker, 2)
+    for m in msgs:
+        assert "ranks were started with different configs" in m and "ranks [0]" in m and "ranks [1]" in m, m
