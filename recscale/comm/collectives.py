@@ -7,8 +7,10 @@ other ranks, per named collective, and (2) turn a failed or timed-out collective
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -23,14 +25,25 @@ class CommStats:
 
     bytes_sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
     def add(self, name: str, nbytes: int) -> None:
         self.bytes_sent[name] += int(nbytes)
         self.calls[name] += 1
 
+    @contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        """Add the wall time of the block to ``name`` (blocking time of this rank)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - t0
+
     def reset(self) -> None:
         self.bytes_sent.clear()
         self.calls.clear()
+        self.seconds.clear()
 
     def snapshot(self) -> dict[str, int]:
         return dict(self.bytes_sent)
@@ -62,10 +75,16 @@ def all_to_all(
         row_bytes = x.element_size() * _row_numel(x)
         stats.add(name, (int(sum(send_splits)) - int(send_splits[me])) * row_bytes)
     try:
-        dist.all_to_all_single(out, x.contiguous(), list(map(int, recv_splits)), list(map(int, send_splits)), group=group)
+        with stats.timed(name) if stats is not None else _nothing():
+            dist.all_to_all_single(out, x.contiguous(), list(map(int, recv_splits)), list(map(int, send_splits)), group=group)
     except RuntimeError as e:
         raise _fail(name, e) from e
     return out
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
 
 
 def _row_numel(x: torch.Tensor) -> int:
@@ -117,7 +136,8 @@ def all_gather_rows(
     if stats is not None:
         stats.add(name, x.element_size() * _row_numel(x) * biggest * (len(sizes) - 1))
     try:
-        dist.all_gather(out, padded, group=group)
+        with stats.timed(name) if stats is not None else _nothing():
+            dist.all_gather(out, padded, group=group)
     except RuntimeError as e:
         raise _fail(name, e) from e
     return [t[:n] for t, n in zip(out, sizes)]

@@ -75,7 +75,11 @@ class DenseGradSync:
             if i not in launched:
                 self._launch(i)
         for i, wire, work in sorted(self._pending, key=lambda x: x[0]):
-            work.wait()
+            if self.stats is not None:
+                with self.stats.timed("dense_allreduce"):
+                    work.wait()
+            else:
+                work.wait()
             flat = wire.float()
             if self.scale != 1.0:
                 flat = flat / self.scale

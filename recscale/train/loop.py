@@ -229,6 +229,7 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None]) -> di
             break
     bar.close()
     comm_bytes = {k: v / max(state.step, 1) for k, v in stats.snapshot().items()}
+    comm_seconds = {k: v / max(state.step, 1) for k, v in stats.seconds.items()}
 
     final = evaluate(model, data.eval_loader(), device, eval_group)
     summary: dict[str, Any] = {
@@ -241,6 +242,7 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None]) -> di
         "world_size": world,
         "rank": rank,
         "comm_bytes_per_step": comm_bytes,
+        "comm_seconds_per_step": comm_seconds,
         "comm_precision": {"forward": cfg.comm.forward, "backward": cfg.comm.backward, "dense": cfg.comm.dense},
         "device": str(device),
         "data": data.description,
