@@ -46,3 +46,15 @@ def test_embedding_op_quick(tmp_path: Path) -> None:
     assert set(rep["ratio_vs_recscale"]["plain_pytorch"]) == {"forward", "backward_update", "total"}
     assert isinstance(rep["notes"], list)
     assert not list(tmp_path.glob(".*.tmp")), "write-then-rename left a temporary file"
+
+
+def test_scaling_benchmark_quick_runs(tmp_path):
+    out = tmp_path / "scaling.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/scaling.py", "--quick", "--sharding", "row_wise", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "samples/s" in proc.stdout and "output_a2a %" in proc.stdout
+    data = json.loads(out.read_text())
+    assert [r["setup"] for r in data["results"]] == ["1 process", "2 ranks"]
