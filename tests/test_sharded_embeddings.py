@@ -118,14 +118,16 @@ def test_each_sharding_type_equals_one_process_rowwise_adagrad(world, default):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_column_wise_equals_one_process(world):
-    # Element-wise state shards exactly with the columns (see the note on row-wise state).
-    check(world, world, "column_wise", opt_name="adagrad")
+@pytest.mark.parametrize("opt_name", ["rowwise_adagrad", "adagrad"])
+def test_column_wise_equals_one_process(world, opt_name):
+    # Row-wise state needs each row's mean square over all column shards; element-wise state
+    # shards with the columns.
+    check(world, world, "column_wise", opt_name=opt_name)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_mix_of_all_five_types_equals_one_process(world):
-    check(world, 2, "table_wise", MIX, opt_name="adagrad")
+    check(world, 2, "table_wise", MIX)
 
 
 def test_table_row_wise_on_two_hosts_of_two_ranks_stays_on_one_host():

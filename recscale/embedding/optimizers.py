@@ -34,14 +34,25 @@ class SparseOptimizer(ABC):
     def state_columns(self, dim: int) -> dict[str, int]:
         """Name -> columns per row of each state tensor (float32)."""
 
-    @abstractmethod
-    def update(self, w: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], step: int) -> None:
-        """Update gathered rows ``w`` in place from summed gradients ``g``; ``step`` counts from 1."""
+    # True when the optimizer keeps one statistic per row over the whole row (row-wise
+    # Adagrad): a column shard then needs the full row's mean square, passed as row_mean_sq.
+    uses_row_mean_sq = False
 
-    def apply(self, storage: RowStorage, rows: torch.Tensor, g: torch.Tensor, step: int) -> None:
+    @abstractmethod
+    def update(
+        self, w: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], step: int,
+        row_mean_sq: torch.Tensor | None = None,
+    ) -> None:
+        """Update gathered rows ``w`` in place from summed gradients ``g``; ``step`` counts from 1.
+        ``row_mean_sq`` ([U]) overrides ``mean(g^2)`` per row where only some columns are here."""
+
+    def apply(
+        self, storage: RowStorage, rows: torch.Tensor, g: torch.Tensor, step: int,
+        row_mean_sq: torch.Tensor | None = None,
+    ) -> None:
         """Update unique ``rows`` of ``storage``: gather, ``update``, scatter back."""
         w, state = storage.gather(rows)
-        self.update(w, g, state, step)
+        self.update(w, g, state, step, row_mean_sq)
         storage.scatter(rows, w, state)
 
 
@@ -52,10 +63,10 @@ class SGD(SparseOptimizer):
     def state_columns(self, dim: int) -> dict[str, int]:
         return {}
 
-    def update(self, w, g, state, step):
+    def update(self, w, g, state, step, row_mean_sq=None):
         w.add_(g, alpha=-self.lr)
 
-    def apply(self, storage, rows, g, step):
+    def apply(self, storage, rows, g, step, row_mean_sq=None):
         # Stateless: add straight into the stored rows, no gather and scatter.
         storage.add_rows(rows, g, alpha=-self.lr)
 
@@ -66,13 +77,14 @@ class RowWiseAdagrad(SparseOptimizer):
 
     eps: float = 1e-8
     name = "rowwise_adagrad"
+    uses_row_mean_sq = True
 
     def state_columns(self, dim: int) -> dict[str, int]:
         return {"sum_sq": 1}
 
-    def update(self, w, g, state, step):
+    def update(self, w, g, state, step, row_mean_sq=None):
         acc = state["sum_sq"]
-        acc.add_(g.square().mean(dim=1, keepdim=True))
+        acc.add_(g.square().mean(dim=1, keepdim=True) if row_mean_sq is None else row_mean_sq.view(-1, 1))
         w.addcdiv_(g, acc.sqrt().add_(self.eps), value=-self.lr)
 
 
@@ -86,7 +98,7 @@ class Adagrad(SparseOptimizer):
     def state_columns(self, dim: int) -> dict[str, int]:
         return {"sum_sq": dim}
 
-    def update(self, w, g, state, step):
+    def update(self, w, g, state, step, row_mean_sq=None):
         acc = state["sum_sq"]
         acc.addcmul_(g, g)
         w.addcdiv_(g, acc.sqrt().add_(self.eps), value=-self.lr)
@@ -104,7 +116,7 @@ class Adam(SparseOptimizer):
     def state_columns(self, dim: int) -> dict[str, int]:
         return {"exp_avg": dim, "exp_avg_sq": dim}
 
-    def update(self, w, g, state, step):
+    def update(self, w, g, state, step, row_mean_sq=None):
         m, v = state["exp_avg"], state["exp_avg_sq"]
         m.mul_(self.beta1).add_(g, alpha=1 - self.beta1)
         v.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)

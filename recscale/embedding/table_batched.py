@@ -88,6 +88,7 @@ def output_feature_order(tables: Sequence[TableConfig]) -> tuple[str, ...]:
 
 
 GradReducer = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+RowStatFn = Callable[["TableGroup", torch.Tensor, torch.Tensor], torch.Tensor]
 InitFn = Callable[[TableConfig], torch.Tensor]
 
 
@@ -106,10 +107,12 @@ class TableBatchedEmbeddingBags(nn.Module):
         device: torch.device | str = "cpu",
         init_fn: InitFn | None = None,
         grad_reducer: GradReducer | None = None,
+        row_stat_fn: RowStatFn | None = None,
     ) -> None:
         """``init_fn`` gives a table's initial rows (default: ``init_table_rows``);
         ``grad_reducer`` combines (unique rows, summed gradients) across replicas before the
-        optimizer runs (data-parallel tables)."""
+        optimizer runs (data-parallel tables); ``row_stat_fn`` gives each unique row's mean square
+        gradient over its whole row when only some of its columns live here (column shards)."""
         super().__init__()
         tables = list(tables)
         if not tables:
@@ -119,6 +122,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         self.optimizer = optimizer
         self.device = torch.device(device)
         self.grad_reducer = grad_reducer
+        self.row_stat_fn = row_stat_fn
         self._init_fn = init_fn or (lambda t: init_table_rows(t, seed))
         self.global_batch_size = 0
         self.groups: list[TableGroup] = []
@@ -190,7 +194,10 @@ class TableBatchedEmbeddingBags(nn.Module):
         if self.grad_reducer is not None:
             unique, summed = self.grad_reducer(unique, summed)
         g.step += 1
-        self.optimizer.apply(g.storage, unique, summed, g.step)
+        row_mean_sq = None
+        if self.row_stat_fn is not None and self.optimizer.uses_row_mean_sq:
+            row_mean_sq = self.row_stat_fn(g, unique, summed)
+        self.optimizer.apply(g.storage, unique, summed, g.step, row_mean_sq)
 
     # ------------------------------------------------------------------ access
     def validate(self, batch: JaggedBatch) -> None:

@@ -128,8 +128,21 @@ class ShardedEmbeddingCollection(nn.Module):
             return init_rows(t, seed, s.row_offset, s.num_rows, s.col_offset, s.num_cols)
 
         device = groups.device
+        # Column-shard tables whose optimizer keeps a whole-row statistic (row-wise Adagrad).
+        self._cw_row_stat = [
+            tp for tp in plan.tables if tp.sharding_type == "column_wise" and len(tp.shards) > 1
+        ] if optimizer.uses_row_mean_sq else []
+        self._cw_msq: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._local_col = {}
+        col = 0
+        for sf in self._served[self.rank]:
+            self._local_col[sf.key] = col
+            col += sf.num_cols
         self.local = (
-            TableBatchedEmbeddingBags(local_tables[self.rank], optimizer, seed, device, init_fn=shard_init)
+            TableBatchedEmbeddingBags(
+                local_tables[self.rank], optimizer, seed, device, init_fn=shard_init,
+                row_stat_fn=self._row_mean_sq if self._cw_row_stat else None,
+            )
             if local_tables[self.rank]
             else None
         )
@@ -177,6 +190,7 @@ class ShardedEmbeddingCollection(nn.Module):
         sizes = all_gather_sizes(b_local, pg, self.groups.device, "batch_sizes")
         self.global_batch_size = sum(sizes)
         received = self._distribute_input(batch, sizes)
+        self._received = received  # column shards with row-wise state need it in backward
         if self.local is not None:
             pooled = self.local(received)
         else:
@@ -287,6 +301,70 @@ class ShardedEmbeddingCollection(nn.Module):
                     start += n
         return routed
 
+    # ------------------------------------------------------------------ column shards, row-wise state
+    def _exchange_column_shard_row_sq(self, grad_pooled: torch.Tensor) -> None:
+        """Give every column shard the full-row mean square gradient of each row it updates.
+
+        All column shards of a table receive the same ids, so they touch the same rows in the
+        same order. Each owner computes its columns' sum of squares per row; every rank joins
+        one gather; each shard then sums the parts in shard order (so all shards agree) and
+        divides by the table's dim. Runs on every rank, once per step, in backward.
+        """
+        me, pg = self.rank, self.groups.embedding
+        counts, parts = [], []
+        for tp in self._cw_row_stat:
+            t = next(x for x in self.tables if x.name == tp.table)
+            for i, s in enumerate(tp.shards):
+                if s.rank != me:
+                    continue
+                keys = tuple(f"{f}#{i}" for f in t.features)
+                sub = self._received.select(keys)
+                bag_grads = torch.cat(
+                    [grad_pooled[:, self._local_col[k] : self._local_col[k] + s.num_cols] for k in keys]
+                )
+                unique, summed = row_gradients(sub.values, sub.offsets(), bag_grads, sub.weights)
+                self._cw_msq[_shard_table_name(t.name, i)] = (unique, summed.new_empty(0))
+                parts.append(summed.square().sum(1))
+                counts.append(unique.numel())
+        dev = grad_pooled.device
+        all_counts = all_gather_rows(torch.tensor(counts, dtype=torch.int64, device=dev).view(-1, 1), pg, name="cw_row_sq_counts")
+        all_parts = all_gather_rows(
+            (torch.cat(parts) if parts else torch.zeros(0, device=dev)).view(-1, 1), pg, self.stats, "cw_row_sq"
+        )
+        # Position of each (table, shard) part in its owner's buffer.
+        found: dict[tuple[str, int], torch.Tensor] = {}
+        for r in range(self.world):
+            cursor, n = 0, 0
+            sizes = all_counts[r].view(-1).tolist()
+            for tp in self._cw_row_stat:
+                for i, s in enumerate(tp.shards):
+                    if s.rank == r:
+                        found[(tp.table, i)] = all_parts[r][cursor : cursor + sizes[n], 0]
+                        cursor += sizes[n]
+                        n += 1
+        for tp in self._cw_row_stat:
+            t = next(x for x in self.tables if x.name == tp.table)
+            for i, s in enumerate(tp.shards):
+                if s.rank == me:
+                    unique, _ = self._cw_msq[_shard_table_name(t.name, i)]
+                    total = found[(tp.table, 0)].clone()
+                    for j in range(1, len(tp.shards)):
+                        total += found[(tp.table, j)]
+                    self._cw_msq[_shard_table_name(t.name, i)] = (unique, total / t.dim)
+
+    def _row_mean_sq(self, group, unique: torch.Tensor, summed: torch.Tensor) -> torch.Tensor:
+        """Per unique row of one operator group: its mean square gradient over the whole row."""
+        msq = summed.square().mean(dim=1)
+        for t, off in zip(group.tables, group.table_row_offsets):
+            if t.name not in self._cw_msq:
+                continue
+            rows, full = self._cw_msq[t.name]
+            mask = (unique >= off) & (unique < off + t.num_rows)
+            if not torch.equal(unique[mask] - off, rows):
+                raise RuntimeError(f"column shard {t.name}: rows differ between lookup and update")
+            msq[mask] = full
+        return msq
+
     # ------------------------------------------------------------------ data-parallel gradients
     def _reduce_dp_grads(self, unique: torch.Tensor, summed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sum the row gradients of every replica, in rank order (the same on every rank)."""
@@ -376,4 +454,6 @@ class _OutputDist(torch.autograd.Function):
         grad_pooled = codec.decode(got.view(sum(sizes), codec.row_bytes(local_dim)), local_dim)
         if scale != 1.0:
             grad_pooled = grad_pooled / scale
+        if coll._cw_row_stat:
+            coll._exchange_column_shard_row_sq(grad_pooled)
         return None, None, grad_pooled, None
