@@ -62,6 +62,7 @@ def test_two_ranks_match_one_process(tmp_path):
     assert a["steps"] == b["steps"] and a["samples"] == b["samples"]
     assert abs(a["eval_auc"] - b["eval_auc"]) < 1e-4, (a["eval_auc"], b["eval_auc"])
     assert abs(a["eval_logloss"] - b["eval_logloss"]) < 1e-4
+    assert abs(a["train_logloss"] - b["train_logloss"]) < 1e-5 * a["train_logloss"]  # losses of all 16 steps
     for name in ("input_ids", "output_a2a", "grad_a2a", "dense_allreduce"):
         assert b["comm_bytes_per_step"][name] > 0
 

@@ -228,6 +228,10 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None]) -> di
         if done:
             break
     bar.close()
+    if world > 1:  # the training loss over every rank's samples
+        totals = torch.tensor([running_loss, float(running_n)], dtype=torch.float64)
+        torch.distributed.all_reduce(totals, group=groups.dense)
+        running_loss, running_n = float(totals[0]), int(totals[1])
     comm_bytes = {k: v / max(state.step, 1) for k, v in stats.snapshot().items()}
     comm_seconds = {k: v / max(state.step, 1) for k, v in stats.seconds.items()}
 
