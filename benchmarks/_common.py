@@ -10,7 +10,6 @@ import math
 import os
 import platform
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,6 +17,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from recscale.atomic import write_text_atomic
 
 # --------------------------------------------------------------------------- environment
 
@@ -144,18 +145,5 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right_al
 
 
 def write_json(path: str | os.PathLike[str], payload: Any) -> None:
-    """Write ``payload`` as JSON atomically: to a temporary file in the same folder, then rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2, sort_keys=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    """Write ``payload`` as JSON atomically (temporary file, fsync, rename)."""
+    write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=False) + "\n")

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+from recscale.atomic import write_text_atomic
 from recscale.embedding import TableConfig
 
 ShardingType = Literal["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]
@@ -85,10 +85,7 @@ class ShardingPlan:
         return hashlib.sha256(self.to_json().encode()).hexdigest()
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.to_json() + "\n")
-        os.replace(tmp, path)
+        write_text_atomic(path, self.to_json() + "\n")
 
     @staticmethod
     def from_dict(d: dict, source: str = "plan") -> ShardingPlan:

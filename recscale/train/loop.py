@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -17,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from recscale.atomic import write_text_atomic
 from recscale.comm.collectives import CommStats, all_gather_object_check, all_gather_rows
 from recscale.comm.dense_sync import DenseGradSync
 from recscale.comm.process_group import ProcessGroups, destroy_process_groups, env_topology, init_process_groups
@@ -272,13 +272,5 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:
-    """Write JSON to a temporary name, fsync, then rename: never a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """The summary as JSON, never half-written."""
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
