@@ -158,3 +158,27 @@ def test_ranks_with_different_configs_are_refused():
     msgs = run_ranks(_mismatch_worker, 2)
     for m in msgs:
         assert "ranks were started with different configs" in m and "ranks [0]" in m and "ranks [1]" in m, m
+
+
+def _tiny_last_batch_worker(rank, world):
+    from recscale.train.config import load_config
+    from recscale.train.loop import train
+
+    overrides = [
+        "data.source=synthetic", "data.num_samples=1026", "data.eval_samples=1027", "data.num_workers=0",
+        "model.table_rows=[100, 50, 30]", "data.pooling_factors=[1, 2, 1]", "train.batch_size=512",
+        "train.eval_batch_size=512", "train.progress=false", "sharding.default=row_wise",
+    ]
+    if world > 1:
+        overrides += ["dist.ranks_per_host=2", "dist.timeout_s=30"]
+    s = train(load_config(None, overrides), log=lambda _: None)
+    return s["steps"], s["samples"], s["eval_num_samples"], s["eval_auc"]
+
+
+def test_ranks_with_empty_shares_of_a_small_last_batch():
+    """4 ranks, last global batches of 2 and 3 samples: some ranks get none, all agree with 1 process."""
+    (one,) = run_ranks(_tiny_last_batch_worker, 1)
+    four = run_ranks(_tiny_last_batch_worker, 4)
+    for r in four:
+        assert r[:3] == one[:3] == (3, 1026, 1027)
+        assert abs(r[3] - one[3]) < 1e-6

@@ -24,5 +24,5 @@ class DotInteraction(nn.Module):
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         b = dense.shape[0]
         vectors = torch.cat([dense, pooled], dim=1).view(b, self.num_vectors, self.dim)
-        gram = torch.bmm(vectors, vectors.transpose(1, 2)).view(b, -1)
+        gram = torch.bmm(vectors, vectors.transpose(1, 2)).view(b, self.num_vectors * self.num_vectors)
         return torch.cat([dense, gram.index_select(1, self._flat_index)], dim=1)
