@@ -1,0 +1,1 @@
+"""Sharding planner: hardware presets, a cost model, option search and baselines."""

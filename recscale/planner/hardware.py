@@ -1,0 +1,104 @@
+"""Hardware descriptions the planner costs plans against: presets and calibrated files.
+
+Bandwidths are in bytes per second per rank, memory in bytes per rank, latency in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from recscale.atomic import write_text_atomic
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    world_size: int
+    ranks_per_host: int
+    memory_bytes: float  # fast memory per rank (HBM, or DDR on CPU)
+    memory_bw: float  # random-gather bandwidth of embedding rows
+    intra_host_bw: float  # all-to-all bandwidth per rank inside a host
+    cross_host_bw: float  # all-to-all bandwidth per rank across hosts
+    latency_s: float = 10e-6  # per collective
+    kernel_overhead_s: float = 20e-6  # per lookup kernel launch / per shard
+    backward_factor: float = 2.0  # backward + fused update relative to forward bytes
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.ranks_per_host < 1 or self.world_size % self.ranks_per_host:
+            raise ValueError(
+                f"hardware '{self.name}': ranks_per_host {self.ranks_per_host} must divide world size {self.world_size}"
+            )
+        for key in ("memory_bytes", "memory_bw", "intra_host_bw", "cross_host_bw"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"hardware '{self.name}': {key} must be > 0")
+
+    @property
+    def num_hosts(self) -> int:
+        return self.world_size // self.ranks_per_host
+
+    def with_world(self, world_size: int, ranks_per_host: int | None = None) -> Hardware:
+        per_host = ranks_per_host or min(self.ranks_per_host, world_size)
+        return replace(self, world_size=world_size, ranks_per_host=per_host)
+
+    def save(self, path: str | Path) -> None:
+        write_text_atomic(path, json.dumps(asdict(self), indent=2) + "\n")
+
+    @staticmethod
+    def load(path: str | Path) -> Hardware:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"topology file '{p}' does not exist (make one with `recscale calibrate`)")
+        try:
+            d = json.loads(p.read_text())
+            return Hardware(**d)
+        except (json.JSONDecodeError, TypeError) as e:
+            raise ValueError(f"topology file '{p}' is not a valid hardware description: {e}") from None
+
+
+# ZionEX-like (../shared/mission.md section 6): 8 A100 per host, 320 GB HBM at 12.4 TB/s per
+# host (40 GB, 1.55 TB/s per GPU), NVLink-class intra-host fabric (TorchRec's 600 GB/s default),
+# one 200 Gb/s RDMA NIC per GPU (25 GB/s) across hosts. Random row gathers reach well under
+# peak HBM bandwidth; TorchRec's planner uses 897 GB/s, which we adopt.
+ZIONEX = Hardware(
+    name="zionex",
+    world_size=128,
+    ranks_per_host=8,
+    memory_bytes=40 * GB,
+    memory_bw=897 * GB,
+    intra_host_bw=600 * GB,
+    cross_host_bw=25 * GB,
+    latency_s=10e-6,
+    kernel_overhead_s=10e-6,
+)
+
+# TorchRec planner defaults (HBM 32 GB at 897 GB/s, 600 GB/s intra-node, 12.5 GB/s cross-node).
+TORCHREC_DEFAULTS = Hardware(
+    name="torchrec-defaults",
+    world_size=8,
+    ranks_per_host=8,
+    memory_bytes=32 * GB,
+    memory_bw=897 * GB,
+    intra_host_bw=600 * GB,
+    cross_host_bw=12.5 * GB,
+)
+
+PRESETS = {h.name: h for h in (ZIONEX, TORCHREC_DEFAULTS)}
+
+
+def resolve_hardware(name_or_file: str, world_size: int | None = None, ranks_per_host: int | None = None) -> Hardware:
+    """A preset by name or a calibrated JSON file, resized to the requested world."""
+    if name_or_file in PRESETS:
+        hw = PRESETS[name_or_file]
+    elif Path(name_or_file).suffix == ".json" or Path(name_or_file).exists():
+        hw = Hardware.load(name_or_file)
+    else:
+        raise ValueError(f"topology '{name_or_file}' is neither a preset {sorted(PRESETS)} nor a JSON file")
+    if world_size:
+        hw = hw.with_world(world_size, ranks_per_host)
+    elif ranks_per_host:
+        hw = hw.with_world(hw.world_size, ranks_per_host)
+    return hw

@@ -1,0 +1,344 @@
+"""Planning: choose a sharding option and ranks for every table to minimise the predicted step
+time of the slowest rank under each rank's memory cap.
+
+``plan_tables`` (the default): tables largest first, each takes the option (table-, column-,
+row-, table-row-wise or data-parallel) and ranks that give the smallest resulting maximum rank
+time; then a local search repeatedly re-places a table of the slowest rank while that lowers the
+maximum. ``baseline_plan`` gives the Meta baselines: table-wise only, greedy LPT by a proxy cost
+(size, dim, dim x pooling, dim x pooling x log10(rows)), or Karmarkar-Karp differencing.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from recscale.planner.cost_model import ShardCost, TableSpec, Workload, shard_cost, source_cost
+from recscale.planner.hardware import Hardware
+from recscale.sharding.plan import PlanError, Shard, ShardingPlan, TablePlan
+from recscale.sharding.types._split import even_split
+
+
+@dataclass
+class Placement:
+    table: str
+    sharding_type: str
+    shards: list[Shard]
+    costs: list[ShardCost]
+
+
+@dataclass
+class RankLoad:
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    memory_bytes: float = 0.0
+    tables: list[str] = field(default_factory=list)
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+
+@dataclass
+class PlanResult:
+    method: str
+    plan: ShardingPlan
+    ranks: list[RankLoad]
+    common_s: float  # paid by every rank alike
+    seconds: float = 0.0  # planning time
+
+    @property
+    def max_rank_s(self) -> float:
+        return max(r.time_s for r in self.ranks) + self.common_s
+
+    @property
+    def imbalance(self) -> float:
+        times = [r.time_s + self.common_s for r in self.ranks]
+        return max(times) / (sum(times) / len(times))
+
+    @property
+    def fits(self) -> bool:
+        return True
+
+
+class _Loads:
+    def __init__(self, world: int, cap: float) -> None:
+        self.time = [0.0] * world
+        self.mem = [0.0] * world
+        self.cap = cap
+
+    def fits(self, rank: int, nbytes: float) -> bool:
+        return self.mem[rank] + nbytes <= self.cap
+
+    def apply(self, p: Placement, sign: float = 1.0) -> None:
+        for s, c in zip(p.shards, p.costs):
+            self.time[s.rank] += sign * c.time_s
+            self.mem[s.rank] += sign * c.memory_bytes
+
+
+def _templates(t: TableSpec, hw: Hardware) -> list[tuple[str, list[tuple[int, int, int, int]]]]:
+    """(type, [(row_offset, rows, col_offset, cols)]) options for one table."""
+    w, r = hw.world_size, hw.ranks_per_host
+    out = [("table_wise", [(0, t.rows, 0, t.dim)])]
+    k = 2
+    while k <= min(w, t.dim // 4 if t.dim >= 8 else 1):
+        out.append(("column_wise", [(0, t.rows, c, n) for c, n in even_split(t.dim, k)]))
+        k *= 2
+    if t.rows >= w and w > 1:
+        out.append(("row_wise", [(o, n, 0, t.dim) for o, n in even_split(t.rows, w)]))
+    if hw.num_hosts > 1 and t.rows >= r and r > 1:
+        out.append(("table_row_wise", [(o, n, 0, t.dim) for o, n in even_split(t.rows, r)]))
+    if w > 1:
+        out.append(("data_parallel", [(0, t.rows, 0, t.dim)] * w))
+    return out
+
+
+def _place(t: TableSpec, kind: str, rects, hw: Hardware, wl: Workload, loads: _Loads) -> Placement | None:
+    """Place one option's shards on ranks (least loaded where they fit), or None."""
+    costs = [shard_cost(t, kind, rows, cols, hw, wl) for _, rows, _, cols in rects]
+    w, r = hw.world_size, hw.ranks_per_host
+    if kind == "row_wise":
+        ranks = list(range(w))
+    elif kind == "data_parallel":
+        ranks = list(range(w))
+    elif kind == "table_row_wise":
+        best = None
+        for h in range(hw.num_hosts):
+            host = list(range(h * r, (h + 1) * r))
+            if all(loads.fits(rk, c.memory_bytes) for rk, c in zip(host, costs)):
+                worst = max(loads.time[rk] + c.time_s for rk, c in zip(host, costs))
+                if best is None or worst < best[0]:
+                    best = (worst, host)
+        if best is None:
+            return None
+        ranks = best[1]
+    else:  # table-wise, column-wise: each shard on a different rank, least loaded first
+        ranks, used = [], set()
+        for c in costs:
+            cands = [rk for rk in range(w) if rk not in used and loads.fits(rk, c.memory_bytes)]
+            if not cands:
+                return None
+            rk = min(cands, key=lambda x: (loads.time[x] + c.time_s, x))
+            ranks.append(rk)
+            used.add(rk)
+    if not all(loads.fits(rk, c.memory_bytes) for rk, c in zip(ranks, costs)):
+        return None
+    shards = [Shard(rk, ro, rows, co, cols) for rk, (ro, rows, co, cols) in zip(ranks, rects)]
+    return Placement(t.name, kind, shards, costs)
+
+
+def _score(p: Placement, loads: _Loads, current_max: float) -> tuple[float, float]:
+    touched: dict[int, float] = {}
+    for s, c in zip(p.shards, p.costs):
+        touched[s.rank] = touched.get(s.rank, loads.time[s.rank]) + c.time_s
+    return max(current_max, max(touched.values())), sum(c.time_s for c in p.costs)
+
+
+def _best_option(t: TableSpec, hw: Hardware, wl: Workload, loads: _Loads, allowed: set[str] | None) -> Placement | None:
+    current = max(loads.time)
+    best, best_key = None, None
+    for kind, rects in _templates(t, hw):
+        if allowed is not None and kind not in allowed:
+            continue
+        p = _place(t, kind, rects, hw, wl, loads)
+        if p is None:
+            continue
+        key = _score(p, loads, current)
+        if best_key is None or key < best_key:
+            best, best_key = p, key
+    return best
+
+
+def _no_fit_error(unplaced: list[TableSpec], hw: Hardware, loads: _Loads) -> PlanError:
+    free = max(hw.memory_bytes - m for m in loads.mem)
+    parts = [f"'{t.name}' ({t.bytes / 1e9:.2f} GB, {max(0.0, t.bytes / hw.world_size - free) / 1e9:.2f} GB over even when row-split)"
+             if t.bytes / hw.world_size > free else f"'{t.name}' ({t.bytes / 1e9:.2f} GB)" for t in unplaced]
+    return PlanError(
+        f"no plan fits {hw.world_size} ranks of {hw.memory_bytes / 1e9:.1f} GB: cannot place tables "
+        + ", ".join(parts)
+        + f"; the most free memory left on a rank is {free / 1e9:.2f} GB. Add ranks or memory, or shrink the tables."
+    )
+
+
+def _result(method: str, placements: dict[str, Placement], tables: list[TableSpec], hw: Hardware, wl: Workload, t0: float) -> PlanResult:
+    ranks = [RankLoad() for _ in range(hw.world_size)]
+    for p in placements.values():
+        for s, c in zip(p.shards, p.costs):
+            rl = ranks[s.rank]
+            rl.compute_s += c.compute_s
+            rl.comm_s += c.comm_s
+            rl.memory_bytes += c.memory_bytes
+            if p.table not in rl.tables:
+                rl.tables.append(p.table)
+    plan = ShardingPlan(
+        hw.world_size,
+        hw.ranks_per_host,
+        tuple(TablePlan(t.name, placements[t.name].sharding_type, tuple(placements[t.name].shards)) for t in tables),  # type: ignore[arg-type]
+    )
+    return PlanResult(method, plan, ranks, source_cost(tables, hw, wl), time.perf_counter() - t0)
+
+
+def plan_tables(
+    tables: list[TableSpec], hw: Hardware, wl: Workload, allowed: set[str] | None = None, time_budget_s: float = 20.0
+) -> PlanResult:
+    """The default planner: several starts (greedy over every option, greedy table-wise, and
+    each baseline that fits), each improved by local search over every option; the best wins.
+    Starting from every baseline means the result is never worse than any of them."""
+    t0 = time.perf_counter()
+    _check_names(tables)
+    starts: list[dict[str, Placement]] = []
+    for subset in (allowed, {"table_wise"} if allowed is None or "table_wise" in allowed else None):
+        if subset is None and starts:
+            continue
+        try:
+            starts.append(_greedy(tables, hw, wl, subset))
+        except PlanError:
+            if not starts and subset == allowed:
+                raise
+    for method in BASELINES:
+        try:
+            starts.append(_baseline_placements(method, tables, hw, wl))
+        except PlanError:
+            continue
+    deadline = t0 + time_budget_s
+    best, best_max = None, math.inf
+    for i, placements in enumerate(starts):
+        loads = _Loads(hw.world_size, hw.memory_bytes)
+        for p in placements.values():
+            loads.apply(p)
+        share = (deadline - time.perf_counter()) / (len(starts) - i)
+        _local_search(tables, placements, loads, hw, wl, allowed, time.perf_counter() + max(share, 0.0))
+        if max(loads.time) < best_max:
+            best, best_max = placements, max(loads.time)
+    assert best is not None
+    return _result("recscale", best, tables, hw, wl, t0)
+
+
+def _greedy(tables: list[TableSpec], hw: Hardware, wl: Workload, allowed: set[str] | None) -> dict[str, Placement]:
+    """Largest tables first, each with the option and ranks that keep the maximum lowest."""
+    loads = _Loads(hw.world_size, hw.memory_bytes)
+    placements: dict[str, Placement] = {}
+    tw = {t.name: shard_cost(t, "table_wise", t.rows, t.dim, hw, wl).time_s for t in tables}
+    unplaced = []
+    for t in sorted(tables, key=lambda t: (-tw[t.name], t.name)):
+        p = _best_option(t, hw, wl, loads, allowed)
+        if p is None:
+            unplaced.append(t)
+            continue
+        loads.apply(p)
+        placements[t.name] = p
+    if unplaced:
+        raise _no_fit_error(unplaced, hw, loads)
+    return placements
+
+
+def _local_search(tables, placements, loads: _Loads, hw, wl, allowed, deadline: float) -> None:
+    """Re-place the tables of the slowest rank while that lowers the maximum rank time."""
+    by_name = {t.name: t for t in tables}
+    tabu: set[tuple[str, float]] = set()
+    for _ in range(20 * len(tables) + 100):
+        if time.perf_counter() > deadline:
+            return
+        worst = max(range(hw.world_size), key=lambda r: loads.time[r])
+        current = loads.time[worst]
+        names = sorted(
+            {p.table for p in placements.values() for s in p.shards if s.rank == worst},
+            key=lambda n: -sum(c.time_s for s, c in zip(placements[n].shards, placements[n].costs) if s.rank == worst),
+        )
+        improved = False
+        for name in names:
+            old = placements[name]
+            loads.apply(old, -1.0)
+            new = _best_option(by_name[name], hw, wl, loads, allowed)
+            if new is not None:
+                loads.apply(new)
+                if max(loads.time) < current - 1e-12 and (name, round(max(loads.time), 15)) not in tabu:
+                    placements[name] = new
+                    tabu.add((name, round(max(loads.time), 15)))
+                    improved = True
+                    break
+                loads.apply(new, -1.0)
+            loads.apply(old)
+        if not improved:
+            return
+
+
+# ---------------------------------------------------------------------- baselines
+PROXIES: dict[str, Callable[[TableSpec], float]] = {
+    "greedy_size": lambda t: float(t.rows * t.dim),
+    "greedy_dim": lambda t: float(t.dim),
+    "greedy_dim_pooling": lambda t: t.dim * max(t.pooling, 1e-9),
+    "greedy_dim_pooling_log_rows": lambda t: t.dim * max(t.pooling, 1e-9) * math.log10(max(t.rows, 10)),
+}
+BASELINES = (*PROXIES, "karmarkar_karp")
+
+
+def baseline_plan(method: str, tables: list[TableSpec], hw: Hardware, wl: Workload) -> PlanResult:
+    """Table-wise placement by a Meta baseline, scored by the cost model."""
+    t0 = time.perf_counter()
+    _check_names(tables)
+    return _result(method, _baseline_placements(method, tables, hw, wl), tables, hw, wl, t0)
+
+
+def _baseline_placements(method: str, tables: list[TableSpec], hw: Hardware, wl: Workload) -> dict[str, Placement]:
+    loads = _Loads(hw.world_size, hw.memory_bytes)
+    if method in PROXIES:
+        proxy = PROXIES[method]
+        weight = [0.0] * hw.world_size
+        ranks: dict[str, int] = {}
+        for t in sorted(tables, key=lambda t: (-proxy(t), t.name)):
+            cands = [r for r in range(hw.world_size) if loads.fits(r, t.bytes)]
+            if not cands:
+                raise _no_fit_error([t], hw, loads)
+            r = min(cands, key=lambda x: (weight[x], x))
+            weight[r] += proxy(t)
+            loads.mem[r] += t.bytes
+            ranks[t.name] = r
+    elif method == "karmarkar_karp":
+        cost = {t.name: shard_cost(t, "table_wise", t.rows, t.dim, hw, wl).time_s for t in tables}
+        ranks = _karmarkar_karp(cost, hw.world_size)
+        for t in tables:
+            loads.mem[ranks[t.name]] += t.bytes
+        over = [r for r in range(hw.world_size) if loads.mem[r] > hw.memory_bytes]
+        if over:
+            raise PlanError(f"karmarkar_karp: ranks {over} exceed {hw.memory_bytes / 1e9:.1f} GB (it ignores memory)")
+    else:
+        raise ValueError(f"unknown baseline '{method}'; choose one of {list(BASELINES)}")
+    placements = {}
+    for t in tables:
+        c = shard_cost(t, "table_wise", t.rows, t.dim, hw, wl)
+        placements[t.name] = Placement(t.name, "table_wise", [Shard(ranks[t.name], 0, t.rows, 0, t.dim)], [c])
+    return placements
+
+
+def _karmarkar_karp(weights: dict[str, float], k: int) -> dict[str, int]:
+    """Multiway largest differencing: merge the two partitions with the largest spread,
+    pairing heavy subsets with light ones, until one k-way partition remains."""
+    heap = []
+    for i, (name, w) in enumerate(sorted(weights.items())):
+        subsets = [[name]] + [[] for _ in range(k - 1)]
+        sums = [w] + [0.0] * (k - 1)
+        heapq.heappush(heap, (-(max(sums) - min(sums)), i, sums, subsets))
+    counter = len(heap)
+    while len(heap) > 1:
+        _, _, s1, p1 = heapq.heappop(heap)
+        _, _, s2, p2 = heapq.heappop(heap)
+        o1 = sorted(range(k), key=lambda j: -s1[j])
+        o2 = sorted(range(k), key=lambda j: s2[j])
+        sums = [s1[a] + s2[b] for a, b in zip(o1, o2)]
+        subsets = [p1[a] + p2[b] for a, b in zip(o1, o2)]
+        low = min(sums)
+        sums = [s - low for s in sums]
+        counter += 1
+        heapq.heappush(heap, (-(max(sums) - min(sums)), counter, sums, subsets))
+    _, _, _, subsets = heap[0]
+    return {name: r for r, names in enumerate(subsets) for name in names}
+
+
+def _check_names(tables: list[TableSpec]) -> None:
+    names = [t.name for t in tables]
+    if len(set(names)) != len(names):
+        raise PlanError("table names must be unique")
