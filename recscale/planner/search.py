@@ -152,14 +152,23 @@ def _best_option(t: TableSpec, hw: Hardware, wl: Workload, loads: _Loads, allowe
     return best
 
 
-def _no_fit_error(unplaced: list[TableSpec], hw: Hardware, loads: _Loads) -> PlanError:
+def _no_fit_error(unplaced: list[TableSpec], hw: Hardware, loads: _Loads, all_tables: list[TableSpec] | None = None) -> PlanError:
+    """Which tables do not fit and by how much, largest first."""
+    cap = hw.memory_bytes * hw.world_size
+    need = sum(t.bytes for t in (all_tables or unplaced))
+    biggest = sorted(unplaced, key=lambda t: -t.bytes)
     free = max(hw.memory_bytes - m for m in loads.mem)
-    parts = [f"'{t.name}' ({t.bytes / 1e9:.2f} GB, {max(0.0, t.bytes / hw.world_size - free) / 1e9:.2f} GB over even when row-split)"
-             if t.bytes / hw.world_size > free else f"'{t.name}' ({t.bytes / 1e9:.2f} GB)" for t in unplaced]
+    shown = ", ".join(f"'{t.name}' {t.bytes / 1e9:.2f} GB" for t in biggest[:5])
+    more = f" and {len(biggest) - 5} more" if len(biggest) > 5 else ""
+    total = (
+        f"the model needs {need / 1e9:.1f} GB but {hw.world_size} ranks hold {cap / 1e9:.1f} GB "
+        f"({(need - cap) / 1e9:.1f} GB short); "
+        if all_tables is not None and need > cap
+        else ""
+    )
     return PlanError(
-        f"no plan fits {hw.world_size} ranks of {hw.memory_bytes / 1e9:.1f} GB: cannot place tables "
-        + ", ".join(parts)
-        + f"; the most free memory left on a rank is {free / 1e9:.2f} GB. Add ranks or memory, or shrink the tables."
+        f"no plan fits {hw.world_size} ranks of {hw.memory_bytes / 1e9:.1f} GB: {total}could not place {shown}{more} "
+        f"(at most {free / 1e9:.2f} GB free on any rank when they came up); add ranks or memory, or shrink those tables"
     )
 
 
@@ -231,7 +240,7 @@ def _greedy(tables: list[TableSpec], hw: Hardware, wl: Workload, allowed: set[st
         loads.apply(p)
         placements[t.name] = p
     if unplaced:
-        raise _no_fit_error(unplaced, hw, loads)
+        raise _no_fit_error(unplaced, hw, loads, tables)
     return placements
 
 
