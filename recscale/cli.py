@@ -24,6 +24,40 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from recscale.planner.hardware import resolve_hardware
+    from recscale.planner.report import rank_table, write_html_report
+    from recscale.planner.search import BASELINES, baseline_plan, plan_tables
+    from recscale.sharding.plan import PlanError
+    from recscale.train.config import ConfigError, load_config
+    from recscale.train.planning import table_specs, workload
+
+    cfg = load_config(args.config, args.set)
+    try:
+        hw = resolve_hardware(args.topology, args.world_size, args.ranks_per_host)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    tables, wl = table_specs(cfg), workload(cfg)
+    result = plan_tables(tables, hw, wl, time_budget_s=args.time_budget)
+    print(f"{len(tables)} tables on {hw.world_size} ranks ({hw.ranks_per_host} per host) of '{hw.name}', global batch {wl.batch_size}")
+    print(rank_table(result))
+    lines = []
+    for method in BASELINES:
+        try:
+            b = baseline_plan(method, tables, hw, wl)
+            lines.append(f"  {method:28s} {b.max_rank_s * 1e3:10.3f} ms  ({100 * (1 - result.max_rank_s / b.max_rank_s):+.1f}% by recscale)")
+        except PlanError as e:
+            lines.append(f"  {method:28s} does not fit ({str(e)[:80]})")
+    print("baselines (table-wise; predicted slowest rank):\n" + "\n".join(lines))
+    if args.out:
+        result.plan.save(args.out)
+        print(f"plan written to {args.out}")
+    if args.report:
+        write_html_report(args.report, result, extra="<pre>" + "\n".join(lines) + "</pre>")
+        print(f"report written to {args.report}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="recscale", description="Train large recommendation models (DLRM).")
     parser.add_argument("--version", action="version", version=f"recscale {__version__}")
@@ -39,6 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--summary-json", metavar="PATH", help="write the final summary as JSON")
     p.set_defaults(func=_train)
+
+    q = sub.add_parser("plan", help="plan how a config's tables are sharded over ranks, with a cost model")
+    q.add_argument("--config", help="TOML training config (its tables, batch and wire precisions)")
+    q.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
+    q.add_argument("--world-size", type=int, help="ranks to plan for (default: the topology's)")
+    q.add_argument("--ranks-per-host", type=int, help="ranks per host (default: the topology's)")
+    q.add_argument("--topology", default="zionex", help="preset (zionex, torchrec-defaults) or a calibrated JSON file")
+    q.add_argument("--time-budget", type=float, default=20.0, help="seconds of local search at most")
+    q.add_argument("--out", metavar="PLAN_JSON", help="write the plan (readable by `recscale train --set sharding.plan=...`)")
+    q.add_argument("--report", metavar="HTML", help="write an HTML report with a per-rank load chart")
+    q.set_defaults(func=_plan)
     return parser
 
 

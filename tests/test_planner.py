@@ -89,3 +89,41 @@ def test_thousand_tables_on_128_ranks_in_under_30_seconds():
     result = plan_tables(tables, ZIONEX.with_world(128), Workload(batch_size=65536), time_budget_s=20)
     assert time.perf_counter() - t0 < 30
     _check_memory(result, ZIONEX)
+
+
+def _train_with_plan(rank, world, plan_path):
+    from recscale.train.config import load_config
+    from recscale.train.loop import train
+
+    cfg = load_config(None, TINY + [f"sharding.plan={plan_path!r}".replace("'", '"')])
+    return train(cfg, log=lambda _: None)["steps"]
+
+
+TINY = [
+    "data.source=synthetic", "data.num_samples=2048", "data.eval_samples=512", "data.num_workers=0",
+    "model.table_rows=[1000, 5000, 300, 50]", "data.pooling_factors=[1, 3, 2, 1]", "train.batch_size=256",
+    "train.progress=false", "dist.timeout_s=30",
+]
+
+
+def test_cli_plan_writes_a_plan_the_trainer_runs(tmp_path, capsys):
+    from dist_utils import run_ranks
+
+    from recscale.cli import main
+
+    plan, report = tmp_path / "plan.json", tmp_path / "report.html"
+    args = ["plan", "--world-size", "2", "--ranks-per-host", "2", "--out", str(plan), "--report", str(report)]
+    for o in TINY:
+        args += ["--set", o]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "imbalance (max / mean)" in out and "greedy_size" in out and "karmarkar_karp" in out
+    assert "<svg" in report.read_text()
+    assert run_ranks(_train_with_plan, 2, str(plan)) == [8, 8]
+
+
+def test_cli_plan_unknown_topology(capsys):
+    from recscale.cli import main
+
+    assert main(["plan", "--topology", "nowhere"]) == 2
+    assert "neither a preset" in capsys.readouterr().err
