@@ -58,3 +58,15 @@ def test_scaling_benchmark_quick_runs(tmp_path):
     assert "samples/s" in proc.stdout and "output_a2a %" in proc.stdout
     data = json.loads(out.read_text())
     assert [r["setup"] for r in data["results"]] == ["1 process", "2 ranks"]
+
+
+def test_planner_benchmark_quick_runs(tmp_path):
+    out = tmp_path / "planner.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/planner.py", "--quick", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "recscale ms" in proc.stdout and "karmarkar_karp ms" in proc.stdout
+    data = json.loads(out.read_text())
+    assert all(r["recscale_ms"] > 0 for r in data["results"])
