@@ -58,6 +58,21 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    from recscale.planner.calibrate import calibrate
+
+    hw = calibrate(args.ranks)
+    hw.save(args.out)
+    print(
+        f"this machine, {hw.world_size} local rank(s): row gathers {hw.memory_bw / 1e9:.1f} GB/s, "
+        f"backward + update {hw.backward_factor:.2f} x forward, kernel overhead {hw.kernel_overhead_s * 1e6:.0f} us, "
+        f"all-to-all {hw.intra_host_bw / 1e9:.2f} GB/s per rank, latency {hw.latency_s * 1e6:.0f} us, "
+        f"memory {hw.memory_bytes / 1e9:.1f} GB per rank"
+    )
+    print(f"written to {args.out} (use it with: recscale plan --topology {args.out})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="recscale", description="Train large recommendation models (DLRM).")
     parser.add_argument("--version", action="version", version=f"recscale {__version__}")
@@ -84,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--out", metavar="PLAN_JSON", help="write the plan (readable by `recscale train --set sharding.plan=...`)")
     q.add_argument("--report", metavar="HTML", help="write an HTML report with a per-rank load chart")
     q.set_defaults(func=_plan)
+
+    c = sub.add_parser("calibrate", help="measure this machine (lookups, updates, collectives) for the planner")
+    c.add_argument("--ranks", type=int, default=2, help="local ranks to measure collectives between")
+    c.add_argument("--out", default="topology.json", help="hardware JSON to write")
+    c.set_defaults(func=_calibrate)
     return parser
 
 

@@ -127,3 +127,15 @@ def test_cli_plan_unknown_topology(capsys):
 
     assert main(["plan", "--topology", "nowhere"]) == 2
     assert "neither a preset" in capsys.readouterr().err
+
+
+def test_calibrate_measures_this_machine(tmp_path, capsys):
+    from recscale.cli import main
+    from recscale.planner.hardware import Hardware
+
+    out = tmp_path / "local.json"
+    assert main(["calibrate", "--ranks", "2", "--out", str(out)]) == 0
+    hw = Hardware.load(out)
+    assert hw.world_size == 2 and hw.memory_bw > 1e8 and hw.intra_host_bw > 1e6 and hw.latency_s > 0
+    assert main(["plan", "--topology", str(out), "--set", "data.num_workers=0"]) == 0
+    assert "predicted step (slowest rank)" in capsys.readouterr().out
