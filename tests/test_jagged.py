@@ -166,8 +166,6 @@ def test_lengths_not_summing_to_values_count():
         short.validate()
 
 
-@pytest.mark.xfail(strict=True, reason="lengths/values count mismatch error does not name a feature "
-                   "(jagged.py validate, 'lengths sum to ...' message); SparseInputError promises one")
 def test_lengths_not_summing_to_values_count_names_a_feature():
     bad = JaggedBatch(("a", "b"), torch.tensor([1, 2, 3]), torch.tensor([1, 1, 2, 0]))
     with pytest.raises(SparseInputError, match=r"feature 'b'"):
@@ -287,3 +285,9 @@ def test_select_round_trip(spec, data):
     for a, c in zip(perm.split(sizes), batch.split(sizes)):
         c = c.select(chosen)
         assert torch.equal(a.values, c.values) and torch.equal(a.lengths, c.lengths)
+
+
+@pytest.mark.parametrize("weights", [{"a": [[1.0]]}, {"a": [[1.0]], "b": []}])
+def test_from_lists_weights_missing_a_feature_or_samples_names_it(weights):
+    with pytest.raises(SparseInputError, match=r"feature 'b': weights must give one list per sample"):
+        JaggedBatch.from_lists({"a": [[1]], "b": [[2]]}, weights)

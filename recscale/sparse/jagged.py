@@ -70,6 +70,11 @@ class JaggedBatch:
                 values.extend(int(v) for v in bag)
                 lengths.append(len(bag))
                 if weights is not None:
+                    if key not in weights or len(weights[key]) != len(features[key]):
+                        raise SparseInputError(
+                            f"feature '{key}': weights must give one list per sample "
+                            f"({len(features[key])} samples), like the ids"
+                        )
                     wbag = weights[key][i]
                     if len(wbag) != len(bag):
                         raise SparseInputError(
@@ -211,8 +216,12 @@ class JaggedBatch:
                 f"{int(self.lengths[bad])}; lengths count ids and must be >= 0"
             )
         if total != self.values.numel():
+            n = self.values.numel()
+            # The first feature whose ids would run past the end of values (or the last one).
+            ends = torch.cumsum(self.lengths.view(self.num_keys, -1).sum(1), 0).tolist() if self.keys else []
+            culprit = next((k for k, e in zip(self.keys, ends) if e > n), self.keys[-1] if self.keys else "?")
             raise SparseInputError(
-                f"lengths sum to {total} but there are {self.values.numel()} values; "
+                f"feature '{culprit}': lengths sum to {total} but there are {n} values; "
                 "each id must belong to exactly one (feature, sample) bag"
             )
         if num_rows is None:
