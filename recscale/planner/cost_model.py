@@ -9,7 +9,7 @@ table with ``rows_t`` rows, dim ``d`` and pooling factor P:
   forward bytes             n cols e + m cols 4            (gather rows, write pooled sums)
   update bytes              2 U (cols e + state)           (U unique rows: read and write back)
   compute                   (fwd (1 + backward_factor) + update) / memory_bw + kernel overheads
-  communication             ids in (n x 8), pooled out (m cols x wire_fwd), gradients in
+  communication             ids in (n x 4), pooled out (m cols x wire_fwd), gradients in
                             (m cols x wire_bwd), each split between intra-host and cross-host
                             links by where the sources sit; data-parallel: gather of row grads
   memory                    rows cols (e + state per element) + rows x state per row
@@ -51,7 +51,7 @@ class Workload:
     batch_size: int  # global batch
     fwd_wire_bytes: float = 4.0  # per element of pooled outputs (fp32 4, fp16/bf16 2, int8 ~1)
     bwd_wire_bytes: float = 4.0
-    id_bytes: float = 8.0
+    id_bytes: float = 4.0  # int32 on the wire while every table has < 2^31 rows
 
 
 @dataclass(frozen=True)

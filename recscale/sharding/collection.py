@@ -96,6 +96,7 @@ class ShardedEmbeddingCollection(nn.Module):
             col += d
         self.total_dim = col
         self._mean_features = {f for t in tables if t.pooling == "mean" for f in t.features}
+        self._id_wire_dtype = torch.int32 if max(t.num_rows for t in tables) < 2**31 else torch.int64
 
         # Shards of every rank, as local tables, and the features each rank serves, in the
         # order of that rank's operator output (every rank computes this for every rank).
@@ -248,7 +249,9 @@ class ShardedEmbeddingCollection(nn.Module):
         per_src = torch.split(lens_recv, len_recv_splits)
         val_recv_splits = [int(x.sum()) for x in per_src]
         vals_send = torch.cat(vals_out) if vals_out else torch.zeros(0, dtype=torch.int64, device=dev)
-        vals_recv = all_to_all(vals_send, val_splits, val_recv_splits, pg, self.stats, "input_ids")
+        # Ids travel as int32 when every table is small enough: half the bytes.
+        vals_recv = all_to_all(vals_send.to(self._id_wire_dtype), val_splits, val_recv_splits, pg, self.stats, "input_ids")
+        vals_recv = vals_recv.to(torch.int64)
         wts_recv = None
         if need_weights:
             wts_send = torch.cat(wts_out) if wts_out else torch.zeros(0, device=dev)
