@@ -55,6 +55,17 @@ class ModelConfig:
     bottom_mlp: list[int] = field(default_factory=lambda: [64, 16])
     top_mlp: list[int] = field(default_factory=lambda: [64, 1])
 
+    def rows_for(self, num_features: int) -> list[int]:
+        """Rows of each feature's table: one value applies to all, else one per feature."""
+        if len(self.table_rows) == 1:
+            return self.table_rows * num_features
+        if len(self.table_rows) != num_features:
+            raise ConfigError(
+                f"config key 'model.table_rows' has {len(self.table_rows)} values but the data has "
+                f"{num_features} sparse features; give one value per feature or a single value"
+            )
+        return list(self.table_rows)
+
 
 @dataclass
 class EmbeddingOptimizerConfig:

@@ -36,18 +36,6 @@ class DataSplits:
         return make_loader(self.eval, num_workers=self.num_workers)
 
 
-def _table_rows(cfg: Config, num_sparse: int) -> list[int]:
-    rows = cfg.model.table_rows
-    if len(rows) == 1:
-        return rows * num_sparse
-    if len(rows) != num_sparse:
-        raise ConfigError(
-            f"config key 'model.table_rows' has {len(rows)} values but the data has {num_sparse} "
-            "sparse features; give one value per feature or a single value"
-        )
-    return rows
-
-
 def _hold_out(data: ClickData, fraction: float) -> tuple[ClickData, ClickData]:
     """Last ``fraction`` of the rows for evaluation (file order, so no leakage by shuffling)."""
     n = len(data.labels)
@@ -84,7 +72,7 @@ def build_data(cfg: Config, rank: int = 0, world_size: int = 1) -> DataSplits:
         num_dense = 13
     else:
         reader = read_encoded_csv if d.source == "criteo_encoded_csv" else read_criteo_tsv
-        rows = _table_rows(cfg, 26)
+        rows = cfg.model.rows_for(26)
         train_src = reader(d.train_path, rows, skip_bad_rows=d.skip_bad_rows)
         if d.eval_path:
             eval_src = reader(d.eval_path, rows, skip_bad_rows=d.skip_bad_rows)

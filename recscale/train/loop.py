@@ -47,14 +47,7 @@ def pick_device(name: str) -> torch.device:
 
 def build_tables(cfg: Config, sparse_names: tuple[str, ...]) -> list[TableConfig]:
     """One table per sparse feature, rows from ``model.table_rows`` (one value = all)."""
-    rows = cfg.model.table_rows
-    if len(rows) == 1:
-        rows = rows * len(sparse_names)
-    if len(rows) != len(sparse_names):
-        raise ConfigError(
-            f"config key 'model.table_rows' has {len(rows)} values but the data has "
-            f"{len(sparse_names)} sparse features; give one value per feature or a single value"
-        )
+    rows = cfg.model.rows_for(len(sparse_names))
     return [
         TableConfig(
             name=f"t_{name}",

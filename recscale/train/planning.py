@@ -18,7 +18,7 @@ def table_specs(cfg: Config) -> list[TableSpec]:
     else:
         names = [f"C{i + 1}" for i in range(26)]
         pooling = [1] * 26
-    rows = m.table_rows * len(names) if len(m.table_rows) == 1 else m.table_rows
+    rows = m.rows_for(len(names))
     opt = cfg.embedding_optimizer.name
     per_row = 4.0 if opt == "rowwise_adagrad" else 0.0
     per_element = {"adagrad": 4.0, "adam": 8.0}.get(opt, 0.0)
