@@ -118,3 +118,16 @@ def test_bad_id_in_data_names_feature(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert code == 2
     assert "C" in err and "5" in err
+
+
+def test_skipped_bad_rows_are_reported_with_a_held_out_eval(tmp_path, capsys):
+    good = "\t".join(["1"] + ["5"] * 13 + ["68fd1e64"] * 26)
+    bad = "\t".join(["0"] * 39)
+    data = tmp_path / "clicks.tsv"
+    data.write_text("\n".join([good] * 40 + [bad] + [good] * 40) + "\n")
+    args = ["train", "--set", "data.source=criteo_tsv", "--set", f"data.train_path={str(data)!r}".replace("'", '"'),
+            "--set", "data.skip_bad_rows=true", "--set", "data.num_workers=0", "--set", "model.table_rows=[100]",
+            "--set", "train.batch_size=16", "--set", "train.progress=false"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "1 bad rows skipped, e.g. clicks.tsv:41: expected 40 tab-separated columns" in out

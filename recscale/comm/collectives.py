@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -75,16 +75,12 @@ def all_to_all(
         row_bytes = x.element_size() * _row_numel(x)
         stats.add(name, (int(sum(send_splits)) - int(send_splits[me])) * row_bytes)
     try:
-        with stats.timed(name) if stats is not None else _nothing():
+        with stats.timed(name) if stats is not None else nullcontext():
             dist.all_to_all_single(out, x.contiguous(), list(map(int, recv_splits)), list(map(int, send_splits)), group=group)
     except RuntimeError as e:
         raise _fail(name, e) from e
     return out
 
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def _row_numel(x: torch.Tensor) -> int:
@@ -92,18 +88,6 @@ def _row_numel(x: torch.Tensor) -> int:
     for s in x.shape[1:]:
         n *= int(s)
     return n
-
-
-def exchange_counts(send_counts: torch.Tensor, group: dist.ProcessGroup | None, name: str = "counts") -> torch.Tensor:
-    """Each rank tells every rank how many items it will send it; returns counts to receive."""
-    if group is None:
-        return send_counts.clone()
-    out = torch.empty_like(send_counts)
-    try:
-        dist.all_to_all_single(out, send_counts.contiguous(), group=group)
-    except RuntimeError as e:
-        raise _fail(name, e) from e
-    return out
 
 
 def all_gather_sizes(n: int, group: dist.ProcessGroup | None, device: torch.device, name: str = "sizes") -> list[int]:
@@ -136,7 +120,7 @@ def all_gather_rows(
     if stats is not None:
         stats.add(name, x.element_size() * _row_numel(x) * biggest * (len(sizes) - 1))
     try:
-        with stats.timed(name) if stats is not None else _nothing():
+        with stats.timed(name) if stats is not None else nullcontext():
             dist.all_gather(out, padded, group=group)
     except RuntimeError as e:
         raise _fail(name, e) from e

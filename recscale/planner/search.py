@@ -59,10 +59,6 @@ class PlanResult:
         times = [r.time_s + self.common_s for r in self.ranks]
         return max(times) / (sum(times) / len(times))
 
-    @property
-    def fits(self) -> bool:
-        return True
-
 
 class _Loads:
     def __init__(self, world: int, cap: float) -> None:

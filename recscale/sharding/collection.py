@@ -86,8 +86,10 @@ class ShardedEmbeddingCollection(nn.Module):
         self.bwd_codec = get_codec(precision.backward)
         self.global_batch_size = 0
         by_name = {t.name: t for t in tables}
+        self._by_name = by_name
+        table_of_feature = {f: t for t in tables for f in t.features}
         self.feature_names = output_feature_order(tables)
-        self.feature_dims = tuple(next(t.dim for t in tables if f in t.features) for f in self.feature_names)
+        self.feature_dims = tuple(table_of_feature[f].dim for f in self.feature_names)
         self.num_rows_by_feature = {f: t.num_rows for t in tables for f in t.features}
         col = 0
         self._feature_col: dict[str, int] = {}
@@ -119,7 +121,7 @@ class ShardedEmbeddingCollection(nn.Module):
             served = []
             for key in output_feature_order(local_tables[r]):
                 feature, idx = key.rsplit("#", 1)
-                t, s, by_row = origin[_shard_table_name(next(x.name for x in tables if feature in x.features), int(idx))]
+                t, s, by_row = origin[_shard_table_name(table_of_feature[feature].name, int(idx))]
                 served.append(_ShardFeature(key, feature, t.name, s.row_offset, s.num_rows, s.col_offset, s.num_cols, by_row))
             self._served.append(served)
         self._local_dims = [sum(sf.num_cols for sf in served) for served in self._served]
@@ -281,7 +283,7 @@ class ShardedEmbeddingCollection(nn.Module):
                 continue
             bounds = self._row_bounds[tp.table]
             n_shards = len(tp.shards)
-            t = next(x for x in self.tables if x.name == tp.table)
+            t = self._by_name[tp.table]
             for f in t.features:
                 if f not in per_feature:
                     continue
@@ -316,7 +318,7 @@ class ShardedEmbeddingCollection(nn.Module):
         me, pg = self.rank, self.groups.embedding
         counts, parts = [], []
         for tp in self._cw_row_stat:
-            t = next(x for x in self.tables if x.name == tp.table)
+            t = self._by_name[tp.table]
             for i, s in enumerate(tp.shards):
                 if s.rank != me:
                     continue
@@ -346,7 +348,7 @@ class ShardedEmbeddingCollection(nn.Module):
                         cursor += sizes[n]
                         n += 1
         for tp in self._cw_row_stat:
-            t = next(x for x in self.tables if x.name == tp.table)
+            t = self._by_name[tp.table]
             for i, s in enumerate(tp.shards):
                 if s.rank == me:
                     unique, _ = self._cw_msq[_shard_table_name(t.name, i)]
@@ -384,7 +386,7 @@ class ShardedEmbeddingCollection(nn.Module):
         return self._assemble(name, lambda tbe, local: tbe.table_weight(local).float())
 
     def full_state(self, name: str) -> dict[str, torch.Tensor]:
-        t = next(x for x in self.tables if x.name == name)
+        t = self._by_name[name]
         names = self.optimizer.state_columns(t.dim)
         out = {}
         for key, cols in names.items():
@@ -393,7 +395,7 @@ class ShardedEmbeddingCollection(nn.Module):
 
     def _assemble(self, name: str, get, state_cols: int | None = None) -> torch.Tensor:
         tp = self.plan.table(name)
-        t = next(x for x in self.tables if x.name == name)
+        t = self._by_name[name]
         if tp.sharding_type == "data_parallel":
             return get(self.dp, name).clone()
         elementwise = state_cols is None or state_cols == t.dim  # shaped like the weights

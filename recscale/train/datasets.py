@@ -74,15 +74,19 @@ def build_data(cfg: Config, rank: int = 0, world_size: int = 1) -> DataSplits:
         reader = read_encoded_csv if d.source == "criteo_encoded_csv" else read_criteo_tsv
         rows = cfg.model.rows_for(26)
         train_src = reader(d.train_path, rows, skip_bad_rows=d.skip_bad_rows)
+        parsed = [train_src]
         if d.eval_path:
             eval_src = reader(d.eval_path, rows, skip_bad_rows=d.skip_bad_rows)
+            parsed.append(eval_src)
         else:
             train_src, eval_src = _hold_out(train_src, d.eval_fraction)
-        skipped = train_src.skipped_rows + eval_src.skipped_rows
+        # Counted on the files as read (a held-out split does not carry them).
+        skipped = sum(p.skipped_rows for p in parsed)
+        examples = [e for p in parsed for e in p.skipped_examples]
         desc = (
             f"{d.source} {d.train_path} ({len(train_src.labels):,} train rows, "
             f"{len(eval_src.labels):,} eval rows from {d.eval_path or 'a held-out tail'}"
-            f"{f', {skipped} bad rows skipped' if skipped else ''}; "
+            f"{f', {skipped} bad rows skipped, e.g. {examples[0]}' if skipped else ''}; "
             f"positive rate {float(np.mean(train_src.labels)):.3f})"
         )
         names = tuple(train_src.sparse_names)
