@@ -252,12 +252,16 @@ class ShardedReader:
         rows = g.rows[order]
         begin = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
         n = int(rows.sum())
-        bs = [_share(self.batch_size, self.world_size, r) for r in range(self.world_size)]
-        bs = [hi - lo for lo, hi in bs]
-        ranges = [_share(n, self.world_size, r) for r in range(self.world_size)]
-        counts = [hi - lo for lo, hi in ranges]
-        per_rank = [(c // b if self.drop_last else -(-c // b)) for c, b in zip(counts, bs)]
-        num_batches = min(per_rank) if self.drop_last else max(per_rank)
+        # Like ClickBatches: each rank takes its share of every global batch, so rank r reads
+        # full * bs_r samples plus its share of the last, partial global batch.
+        bs = [hi - lo for lo, hi in (_share(self.batch_size, self.world_size, r) for r in range(self.world_size))]
+        full, rest = divmod(n, self.batch_size)
+        if self.drop_last:
+            rest = 0
+        counts = [full * b + (hi - lo) for b, (lo, hi) in zip(bs, (_share(rest, self.world_size, r) for r in range(self.world_size)))]
+        num_batches = full + (1 if rest else 0)
+        ends = np.cumsum(counts)
+        ranges = [(int(e - c), int(e)) for c, e in zip(counts, ends)]
         lo, hi = ranges[self.rank]
         # The (partial) groups overlapping [lo, hi) of the epoch stream.
         a = np.clip(lo - begin, 0, rows)
@@ -266,8 +270,7 @@ class ShardedReader:
         mine = RowGroups(g.shard[order][keep], g.group[order][keep], g.skip[order][keep] + a[keep], (b - a)[keep])
         starts = np.concatenate([[0], np.cumsum(mine.rows)[:-1]]).astype(np.int64)
         window = self.shuffle_window if self.shuffle else 0
-        return EpochPlan(mine, starts, hi - lo if not self.drop_last else min(hi - lo, num_batches * bs[self.rank]),
-                         bs[self.rank], num_batches, window, (self.seed, epoch, self.rank))
+        return EpochPlan(mine, starts, hi - lo, bs[self.rank], num_batches, window, (self.seed, epoch, self.rank))
 
     def __len__(self) -> int:
         """Batches per epoch (the same on every rank)."""

@@ -43,6 +43,21 @@ def _mix(x: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
+def merge_sorted_counts(
+    a: np.ndarray, ca: np.ndarray, b: np.ndarray, cb: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sum two (sorted distinct keys, counts) tables. A stable sort of two sorted runs is a
+    linear merge (timsort), so the main process keeps up with the workers on big logs."""
+    keys = np.concatenate([a, b])
+    counts = np.concatenate([ca, cb])
+    order = np.argsort(keys, kind="stable")
+    keys, counts = keys[order], counts[order]
+    if keys.size == 0:
+        return keys, counts.astype(np.int64)
+    starts = np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]]))
+    return keys[starts], np.add.reduceat(counts, starts).astype(np.int64)
+
+
 def _smallest(h: np.ndarray, k: int) -> np.ndarray:
     h = np.unique(h)
     return h[:k]
@@ -75,13 +90,10 @@ class FeatureCounts:
         )
 
     def merge(self, other: FeatureCounts) -> None:
-        keys = np.concatenate([self.ids, other.ids])
-        uniq, inv = np.unique(keys, return_inverse=True)
-        counts = np.bincount(inv, weights=np.concatenate([self.counts, other.counts]), minlength=uniq.size)
-        self.ids, self.counts = uniq, counts.astype(np.int64)
+        self.ids, self.counts = merge_sorted_counts(self.ids, self.counts, other.ids, other.counts)
         self.exact = self.exact and other.exact
         if self.ids.size > EXACT_DISTINCT:  # keep the hottest half: a heavy-hitter summary
-            keep = np.sort(np.argsort(-self.counts, kind="stable")[: EXACT_DISTINCT // 2])
+            keep = np.sort(np.argpartition(-self.counts, EXACT_DISTINCT // 2)[: EXACT_DISTINCT // 2])
             self.ids, self.counts, self.exact = self.ids[keep], self.counts[keep], False
         self.sketch = _smallest(np.concatenate([self.sketch, other.sketch]), KMV_K)
         self.lookups += other.lookups

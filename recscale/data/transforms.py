@@ -21,6 +21,7 @@ for _i, _c in enumerate(b"0123456789abcdef"):
     _NIBBLE[_c] = _i
 for _i, _c in enumerate(b"ABCDEF"):
     _NIBBLE[_c] = 10 + _i
+_NIBBLE_U8 = np.where(_NIBBLE < 0, 255, _NIBBLE).astype(np.uint8)
 _FNV_OFFSET = np.uint64(0xCBF29CE484222325)
 _FNV_PRIME = np.uint64(0x100000001B3)
 _INT_RE = r"^\s*[-+]?\d+\s*$"
@@ -53,15 +54,13 @@ def _string_buffers(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return offsets, data
 
 
-def _byte_matrix(offsets: np.ndarray, data: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Bytes [n, width] of each string (left-aligned) and a mask of positions inside it."""
-    lengths = np.diff(offsets)
-    pos = np.arange(width, dtype=np.int64)
-    mask = pos[None, :] < lengths[:, None]
-    if data.size == 0:
-        return np.zeros(mask.shape, np.uint8), mask
-    idx = np.where(mask, offsets[:-1, None] + pos[None, :], 0)
-    return data[idx], mask
+def _hex8(data: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Exactly-8-digit hex strings (Criteo's case) at ``starts``: (uint64 values, bad mask).
+    Nibbles are paired into bytes and read as big-endian uint32, a few passes over uint8 data."""
+    nib = np.ascontiguousarray(_NIBBLE_U8[data[starts[:, None] + np.arange(8)]])
+    bad = (nib.view(np.uint64).ravel() & np.uint64(0xF0F0F0F0F0F0F0F0)) != 0  # a 255 (non-hex) anywhere
+    packed = np.ascontiguousarray((nib[:, 0::2] << 4) | nib[:, 1::2])
+    return packed.view(">u4").ravel().astype(np.uint64), bad
 
 
 def decode_hex(arr: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -72,15 +71,26 @@ def decode_hex(arr: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     n = lengths.size
     values = np.zeros(n, dtype=np.uint64)
     bad = lengths > 16
-    width = int(min(lengths.max(initial=0), 16))
-    if width:
-        b, mask = _byte_matrix(offsets, data, width)
-        nib = _NIBBLE[b]
-        bad |= ((nib < 0) & mask).any(axis=1)
+    eight = lengths == 8
+    if eight.all() and n:
+        values, bad = _hex8(data, offsets[:-1])
+    elif eight.any():
+        rows = np.flatnonzero(eight)
+        values[rows], bad[rows] = _hex8(data, offsets[:-1][rows])
+    other = np.flatnonzero(~eight & (lengths > 0) & (lengths <= 16))
+    if other.size:  # any other width: digit by digit over the rows that need it
+        sub_off = offsets[:-1][other]
+        sub_len = lengths[other]
+        width = int(sub_len.max())
+        pos = np.arange(width, dtype=np.int64)
+        mask = pos[None, :] < sub_len[:, None]
+        nib = _NIBBLE[data[np.where(mask, sub_off[:, None] + pos[None, :], 0)]]
+        bad[other] = ((nib < 0) & mask).any(axis=1)
         nib = np.where(mask, nib, 0).astype(np.uint64)
+        v = np.zeros(other.size, dtype=np.uint64)
         for j in range(width):
-            shifted = (values << np.uint64(4)) | nib[:, j]
-            values = np.where(mask[:, j], shifted, values)
+            v = np.where(mask[:, j], (v << np.uint64(4)) | nib[:, j], v)
+        values[other] = v
     present = (lengths > 0) & ~bad
     values[~present] = 0
     return values, present, bad
@@ -213,8 +223,7 @@ def count_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def merge_counts(
     a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Sum two (sorted keys, counts) tables."""
-    keys = np.concatenate([a[0], b[0]])
-    counts = np.concatenate([a[1], b[1]]).astype(np.int64)
-    uniq, inv = np.unique(keys, return_inverse=True)
-    return uniq, np.bincount(inv, weights=counts, minlength=uniq.size).astype(np.int64)
+    """Sum two (sorted keys, counts) tables (the vocabulary pass; exact, no pruning)."""
+    from recscale.data.stats import merge_sorted_counts
+
+    return merge_sorted_counts(a[0], a[1].astype(np.int64), b[0], b[1].astype(np.int64))
