@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--vocab-min-count", type=int, metavar="K",
                    help="instead of hashing: a vocabulary of the values seen at least K times (MLPerf-style)")
     d.add_argument("--workers", type=int, default=2, help="worker processes (0: in this process)")
-    d.add_argument("--block-mb", type=float, default=64, help="input read per block (one shard per block)")
+    d.add_argument("--block-mb", type=float, default=32, help="input read per block (one shard per block; memory grows with it)")
     d.add_argument("--row-group-rows", type=int, default=32768, help="rows per Parquet row group (the unit ranks split)")
     d.add_argument("--compression", default="zstd", choices=["zstd", "snappy", "lz4", "none"])
     d.add_argument("--skip-bad-rows", action="store_true", help="count, report and skip malformed rows instead of stopping")

@@ -49,7 +49,7 @@ class PrepareOptions:
     schema: DataSchema
     out: str
     workers: int = 2
-    block_bytes: int = 64 << 20
+    block_bytes: int = 32 << 20
     row_group_rows: int = 32_768
     skip_bad_rows: bool = False
     overwrite: bool = False
