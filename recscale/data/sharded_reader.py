@@ -88,6 +88,10 @@ class _Decoder:
         self._files: dict[int, pq.ParquetFile] = {}
         self._pid = -1
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Open files stay behind when the decoder is sent to a spawned worker process.
+        return {**self.__dict__, "_files": {}, "_pid": -1}
+
     def _file(self, shard: int) -> pq.ParquetFile:
         if self._pid != os.getpid():  # file handles must not cross a fork
             self._files, self._pid = {}, os.getpid()
