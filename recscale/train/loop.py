@@ -100,7 +100,7 @@ def build_model(
         all_gather_object_check(plan.digest(), groups.dense, "sharding plans")
         precision = CommPrecision(cfg.comm.forward, cfg.comm.backward, cfg.comm.loss_scale)
         embeddings = ShardedEmbeddingCollection(tables, optimizer, plan, groups, cfg.train.seed, precision, stats)
-    model = DLRM(embeddings, num_dense, cfg.model.bottom_mlp, cfg.model.top_mlp)  # type: ignore[arg-type]
+    model = DLRM(embeddings, num_dense, cfg.model.bottom_mlp, cfg.model.top_mlp, cfg.model.mlp_precision)  # type: ignore[arg-type]
     return model.to(device)
 
 
