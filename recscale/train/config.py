@@ -99,6 +99,8 @@ class TrainConfig:
     threads: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: bool = True
+    # Prepare batch i+1 (load, move, validate, send its ids to their owners) while batch i computes.
+    pipeline: bool = True
 
 
 ShardingTypeName = Literal["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]
