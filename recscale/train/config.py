@@ -60,6 +60,8 @@ class ModelConfig:
     embedding_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
     bottom_mlp: list[int] = field(default_factory=lambda: [64, 16])
     top_mlp: list[int] = field(default_factory=lambda: [64, 1])
+    # MLP and interaction precision: "bf16" = bf16 matmuls with fp32 master weights (opt-in).
+    mlp_precision: Literal["fp32", "bf16"] = "fp32"
 
     def rows_for(self, num_features: int) -> list[int]:
         """Rows of each feature's table: one value applies to all, else one per feature."""
@@ -103,6 +105,8 @@ class TrainConfig:
     threads: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: bool = True
+    # Prepare batch i+1 (load, move, validate, send its ids to their owners) while batch i computes.
+    pipeline: bool = True
 
 
 ShardingTypeName = Literal["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]
