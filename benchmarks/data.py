@@ -230,9 +230,9 @@ def stream_measure(gb: float, tmp: Path, workers: int, tsv: Path | None = None, 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
-    p.add_argument("--tsv-rows", type=int, default=None, help="rows of the generated TSV (default 1,000,000; 20,000 quick)")
-    p.add_argument("--samples", type=int, default=None, help="samples of the reader dataset (default 400,000; 20,000 quick)")
-    p.add_argument("--steps", type=int, default=None, help="trainer steps timed (default 100; 5 quick)")
+    p.add_argument("--tsv-rows", type=int, default=None, help="rows of the generated TSV (default 1,000,000; 5,000 quick)")
+    p.add_argument("--samples", type=int, default=None, help="samples of the reader dataset (default 400,000; 10,000 quick)")
+    p.add_argument("--steps", type=int, default=None, help="trainer steps timed (default 100; 3 quick)")
     p.add_argument("--no-torchrec", action="store_true", help="skip TorchRec's tsv_to_npys")
     p.add_argument("--stream-gb", type=float, default=None, help="only the streaming measurement of an X GB TSV")
     p.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()), help="where generated files go")
@@ -261,9 +261,9 @@ def main() -> None:
 
     from recscale.data.schema import criteo_schema, schema_from_dict
 
-    tsv_rows = args.tsv_rows or (20_000 if args.quick else 1_000_000)
-    samples = args.samples or (20_000 if args.quick else 400_000)
-    steps = args.steps or (5 if args.quick else 100)
+    tsv_rows = args.tsv_rows or (5_000 if args.quick else 1_000_000)
+    samples = args.samples or (10_000 if args.quick else 400_000)
+    steps = args.steps or (3 if args.quick else 100)
     work = Path(tempfile.mkdtemp(prefix="recscale-bench-data-", dir=args.tmp))
     try:
         tsv = work / "criteo.tsv"
