@@ -341,7 +341,11 @@ class ShardedReader:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """The exact position: the next batch of this epoch, plus what the plan depends on."""
+        """The exact position: the next batch of this epoch, plus what the plan depends on.
+
+        ``next_batch`` counts batches this reader has yielded; a consumer that fetches ahead
+        (the training pipeline holds one batch in flight) saves the count it has trained on and
+        resumes with ``loader(start_batch=...)`` instead, as the training loop does."""
         return {"epoch": self.epoch, "next_batch": self.next_batch, "fingerprint": self.fingerprint()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
