@@ -28,9 +28,10 @@ class DataSplits:
     num_dense: int
     description: str
 
-    def train_loader(self) -> torch.utils.data.DataLoader:
+    def train_loader(self, start_batch: int = 0) -> torch.utils.data.DataLoader:
+        """The current epoch's batches from ``start_batch`` on (a resumed run skips the rest)."""
         # A new loader per epoch, so worker processes see the dataset's current epoch.
-        return make_loader(self.train, num_workers=self.num_workers)
+        return make_loader(self.train, num_workers=self.num_workers, start_batch=start_batch)
 
     def eval_loader(self) -> torch.utils.data.DataLoader:
         return make_loader(self.eval, num_workers=self.num_workers)
