@@ -38,8 +38,11 @@ def test_uniform_error_is_within_half_a_step_and_adaptive_is_no_worse(bits):
     buf = uni.encode(x)
     assert len(buf) == uni.nbytes(300, 24)
     y = uni.decode(buf, 300, 24)
-    step = (x.amax(1) - x.amin(1)) / ((1 << bits) - 1)
-    assert bool(((x - y).abs() <= step.view(-1, 1) * 0.5 * 1.01 + 1e-3 * x.abs().amax(1, keepdim=True) + 1e-7).all())
+    levels = (1 << bits) - 1
+    step = ((x.amax(1) - x.amin(1)) / levels).view(-1, 1)
+    # Half a step, plus what rounding the scale and offset to fp16 (2^-11 relative) can add.
+    bound = step * (0.5 + levels * 2.0**-10) + x.abs().amax(1, keepdim=True) * 2.0**-10 + 1e-7
+    assert bool(((x - y).abs() <= bound).all()), float(((x - y).abs() - bound).max())
     assert torch.allclose(y[0], x[0], atol=1e-3)
     z = ada.decode(ada.encode(x), 300, 24)
     e_uni, e_ada = (x - y).square().sum(), (x - z).square().sum()

@@ -89,32 +89,45 @@ def _quantize(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int):
     bias = lo.clamp(-_FP16_MAX, _FP16_MAX).half()
     scale = ((hi - bias.float()) / levels).clamp(0, _FP16_MAX).half()
     s = scale.float().view(-1, 1)
-    safe = torch.where(s > 0, s, torch.ones_like(s))
-    q = torch.round((x - bias.float().view(-1, 1)) / safe).clamp_(0, levels)
-    q = torch.where(s > 0, q, torch.zeros_like(q)).to(torch.uint8)
+    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))  # a constant row: every code 0
+    q = (x - bias.float().view(-1, 1)).mul_(inv).round_().clamp_(0, levels).to(torch.uint8)
     return scale, bias, q
 
 
-def _sq_error(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels: int) -> torch.Tensor:
-    """Per-row squared error of quantizing ``x`` on [lo, hi] (values outside are clamped)."""
-    lo2, hi2 = lo.view(-1, 1), hi.view(-1, 1)
-    s = ((hi2 - lo2) / levels).clamp(min=1e-30)
-    q = torch.round((x.clamp(lo2, hi2) - lo2) / s)
-    return (q * s + lo2 - x).square().sum(1)
+def _sq_error(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels: int, buf: torch.Tensor) -> torch.Tensor:
+    """Per-row squared error of quantizing ``x`` on [lo, hi] (values outside are clamped),
+    computed in place in ``buf`` (a block small enough to stay in cache)."""
+    lo2 = lo.unsqueeze(1)
+    s = ((hi - lo) / levels).clamp_(min=1e-30).unsqueeze(1)
+    torch.clamp(x, lo2, hi.unsqueeze(1), out=buf)
+    buf.sub_(lo2).div_(s).round_().mul_(s).add_(lo2).sub_(x)
+    return buf.mul_(buf).sum(1)
+
+
+_SEARCH_BLOCK = 1024  # rows per block of the range search: its temporaries stay in cache
 
 
 def greedy_range(x: torch.Tensor, bits: int, bins: int, ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, the [lo, hi] of lowest L2 error found by shrinking [min, max] greedily."""
-    levels = (1 << bits) - 1
     if x.numel() == 0:
         return x.new_zeros(0), x.new_zeros(0)
+    los, his = [], []
+    for a in range(0, x.shape[0], _SEARCH_BLOCK):
+        lo, hi = _greedy_block(x[a : a + _SEARCH_BLOCK].contiguous(), (1 << bits) - 1, bins, int(bins * ratio))
+        los.append(lo)
+        his.append(hi)
+    return torch.cat(los), torch.cat(his)
+
+
+def _greedy_block(x: torch.Tensor, levels: int, bins: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    buf = torch.empty_like(x)
     lo, hi = x.amin(1), x.amax(1)
     step = (hi - lo) / bins
     best_lo, best_hi = lo.clone(), hi.clone()
-    best = _sq_error(x, lo, hi, levels)
-    for _ in range(int(bins * ratio)):
-        e_lo = _sq_error(x, lo + step, hi, levels)
-        e_hi = _sq_error(x, lo, hi - step, levels)
+    best = _sq_error(x, lo, hi, levels, buf)
+    for _ in range(steps):
+        e_lo = _sq_error(x, lo + step, hi, levels, buf)
+        e_hi = _sq_error(x, lo, hi - step, levels, buf)
         take_lo = e_lo < e_hi
         lo = torch.where(take_lo, lo + step, lo)
         hi = torch.where(take_lo, hi, hi - step)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import queue
 import threading
 import time
@@ -118,12 +119,22 @@ def encode_chunks(job: WriteJob, file: str) -> Iterator[tuple[Chunk, bytes]]:
             )
 
 
+def lower_thread_priority() -> None:
+    """Run the calling background thread at the lowest CPU priority (Linux: per thread), so
+    quantizing and writing use spare cycles and take as little as possible from training."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+
+
 def _pipelined(items: Iterator, depth: int = 4) -> Iterator:
     """Run ``items`` (quantization) in a helper thread, ``depth`` ahead of the consumer (writes)."""
     q: queue.Queue = queue.Queue(maxsize=depth)
     done = object()
 
     def produce() -> None:
+        lower_thread_priority()
         try:
             for it in items:
                 q.put(it)
@@ -253,6 +264,8 @@ class CheckpointWriter:
         self._in_flight.append(self._pool.submit(self._run, job))
 
     def _run(self, job: WriteJob) -> WriteReport:
+        if self._pool is not None:
+            lower_thread_priority()
         report = write_rank(self.storage, job)
         if self.rank == 0:
             t0 = time.perf_counter()
@@ -261,7 +274,10 @@ class CheckpointWriter:
             if self.on_commit is not None:
                 self.on_commit(manifest)
             report.background_s += time.perf_counter() - t0
-            report.extra = dict(manifest.stats)
+            report.extra = {
+                **manifest.stats, "chain": list(manifest.chain),
+                "changed_fraction": manifest.training.get("changed_fraction"),
+            }
         return report
 
     def _try_collect(self, f: Future) -> bool:
