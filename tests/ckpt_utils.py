@@ -10,7 +10,6 @@ import torch
 import recscale.train.loop as loop
 from recscale.comm.process_group import Topology, init_process_groups
 from recscale.train.config import load_config
-from recscale.train.datasets import DataSplits
 
 TINY = [
     "data.source=synthetic",
@@ -57,18 +56,17 @@ def run_training(overrides: list[str], groups=None) -> tuple[dict, dict, list[st
     cfg = load_config(None, TINY + overrides)
     captured: dict = {}
     seen: list[str] = []
-    orig_build, orig_loader = loop.build_model, DataSplits.train_loader
+    orig_build, orig_step = loop.build_model, loop.train_step
 
     def build(*a, **k):
         captured["model"] = orig_build(*a, **k)
         return captured["model"]
 
-    def loader(self, start_batch: int = 0):
-        for b in orig_loader(self, start_batch):
-            seen.append(batch_digest(b))
-            yield b
+    def step(model, batch, *a, **k):  # the batches trained (the pipeline also fetches one ahead)
+        seen.append(batch_digest(batch))
+        return orig_step(model, batch, *a, **k)
 
-    loop.build_model, DataSplits.train_loader = build, loader
+    loop.build_model, loop.train_step = build, step
     try:
         if groups is None:
             summary = loop.train(cfg, log=lambda _: None)
@@ -78,7 +76,7 @@ def run_training(overrides: list[str], groups=None) -> tuple[dict, dict, list[st
             world = groups.world_size
         state = model_state(captured["model"], world)
     finally:
-        loop.build_model, DataSplits.train_loader = orig_build, orig_loader
+        loop.build_model, loop.train_step = orig_build, orig_step
     return summary, state, seen
 
 

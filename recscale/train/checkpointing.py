@@ -13,6 +13,7 @@ are fingerprinted, and a resume with different ones is refused.
 from __future__ import annotations
 
 import io
+import json
 import random
 import time
 from collections.abc import Callable
@@ -57,6 +58,9 @@ def data_fingerprint(cfg: Config, data: DataSplits) -> dict[str, Any]:
     }
     if d.source == "synthetic":
         fp.update(pooling_factors=list(d.pooling_factors), zipf_alpha=d.zipf_alpha, table_rows=list(cfg.model.table_rows))
+    reader_fp = getattr(data.train, "fingerprint", None)
+    if callable(reader_fp):  # the prepared-data reader: its plan also depends on the world size
+        fp["reader"] = json.loads(json.dumps({k: v for k, v in reader_fp().items() if k != "rank"}, default=str))
     return fp
 
 
@@ -153,16 +157,17 @@ class TrainCheckpointing:
         return torch.load(io.BytesIO(raw), weights_only=False)
 
     # ------------------------------------------------------------------ save
-    def after_step(self, p: Progress) -> None:
-        """Checkpoint when the interval says so (call after every step with the loop's position)."""
+    def after_step(self, step: int, progress: Callable[[], Progress]) -> None:
+        """Checkpoint when the interval says so; call after every step. ``progress`` gives the
+        loop's position and is only called when a checkpoint is taken (it syncs with the device)."""
         m = self.manager
         if m is None:
             return
-        due = m.due(p.step)
+        due = m.due(step)
         if self.settings.interval_minutes:
             due = self._sum_over_ranks([1.0 if (due or m.minutes_due()) and self.rank == 0 else 0.0])[0] > 0
         if due:
-            self.save(p)
+            self.save(progress())
 
     def save(self, p: Progress) -> float:
         assert self.manager is not None
