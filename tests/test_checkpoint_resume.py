@@ -55,31 +55,29 @@ def test_resume_crossing_an_epoch_boundary_and_evals(tmp_path):
     assert_same(s_res, s_full)
 
 
-def test_two_rank_resume_is_bitwise_identical(tmp_path):
+def test_two_rank_resume_is_bitwise_identical_and_resumes_on_one_rank(tmp_path):
     ck = [f"checkpoint.dir='{tmp_path}'", "sharding.default=row_wise"]
     runs = [
         ["sharding.default=row_wise"],
+        # Checkpoints at 3 (baseline), 6 and 9 (differentials), then stop.
         ck + ["train.max_steps=9", "checkpoint.interval_steps=3", "checkpoint.at_end=false"],
         ck + ["checkpoint.resume=latest", "checkpoint.at_end=false"],
     ]
     results = run_ranks(rank_runs, 2, runs, timeout_s=180)
     for rank_result in results:
         (full, s_full, seq_full), (_, _, seq1), (resumed, s_res, seq2) = rank_result
-        assert seq1 + seq2 == seq_full
+        assert seq1 + seq2 == seq_full  # each rank's share of every batch, in order, none twice
         for k in SUMMARY_KEYS:
             assert resumed[k] == full[k], k
         assert_same(s_res, s_full)
-
-
-def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path):
-    ck = [f"checkpoint.dir='{tmp_path}'", "sharding.default=row_wise"]
-    runs = [["sharding.default=row_wise"], ck + ["train.max_steps=8", "checkpoint.interval_steps=8"]]
-    (full2, s_full2, _), (part, s_part, _) = run_ranks(rank_runs, 2, runs, timeout_s=180)[0]
-    # Restored exactly: zero more steps on one rank gives the 2-rank checkpoint's state bit for bit.
-    _, s_now, seq0 = run_training([f"checkpoint.resume='{tmp_path}'", "train.max_steps=8"])
+    (full2, s_full2, _), (_, s_part, _), _ = results[0]
+    # On one rank: restored exactly (zero more steps: the 2-rank state at step 9, bit for bit) ...
+    one = [f"checkpoint.resume='{tmp_path / 'step0000000009'}'"]
+    _, s_now, seq0 = run_training(one + ["train.max_steps=9"])
     assert seq0 == []
     assert_same(s_now, s_part)
-    resumed, s_res, _ = run_training([f"checkpoint.resume='{tmp_path}'"])
+    # ... and continuing equal to the 2-rank run within 1e-6.
+    resumed, s_res, _ = run_training(one)
     assert resumed["restore_world_size"] == 2 and resumed["steps"] == full2["steps"]
     assert_close(s_res, s_full2)
     assert abs(resumed["eval_logloss"] - full2["eval_logloss"]) <= 1e-6 * full2["eval_logloss"]
