@@ -13,7 +13,8 @@ def _train(args: argparse.Namespace) -> int:
     from recscale.train.config import load_config
     from recscale.train.loop import format_summary, train, write_json_atomic
 
-    cfg = load_config(args.config, args.set)
+    overrides = list(args.set) + ([f"checkpoint.resume={_toml_str(args.resume)}"] if args.resume else [])
+    cfg = load_config(args.config, overrides)
     summary = train(cfg)
     if summary.get("rank", 0) != 0:
         return 0  # rank 0 reports for the whole job
@@ -21,6 +22,36 @@ def _train(args: argparse.Namespace) -> int:
     if args.summary_json:
         write_json_atomic(args.summary_json, summary)
         print(f"summary written to {args.summary_json}")
+    return 0
+
+
+def _toml_str(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _ckpt(args: argparse.Namespace) -> int:
+    import json
+
+    from recscale.checkpoint import tools
+
+    if args.ckpt_command == "list":
+        rows = tools.list_root(args.dir)
+        if not rows:
+            print(f"no checkpoints under {args.dir}")
+        for r in rows:
+            if r.error:
+                print(f"{r.name}  DAMAGED: {r.error}")
+            else:
+                print(f"{r.name}  step {r.step:>10,}  {r.kind:12s}  {r.bytes:>14,} bytes  restore: {' + '.join(r.chain)}")
+    elif args.ckpt_command == "inspect":
+        print(json.dumps(tools.inspect(args.dir), indent=1, sort_keys=True))
+    elif args.ckpt_command == "verify":
+        for line in tools.verify(args.dir):
+            print(line)
+        print("verified: the checkpoint and its chain are intact")
+    else:
+        out, n = tools.export(args.dir, args.out)
+        print(f"exported {n} tensors (full precision) to {out}")
     return 0
 
 
@@ -116,7 +147,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="override one config key (repeatable), e.g. --set train.batch_size=512",
     )
     p.add_argument("--summary-json", metavar="PATH", help="write the final summary as JSON")
+    p.add_argument(
+        "--resume", metavar="DIR|latest",
+        help="continue from a checkpoint directory, or the newest one under checkpoint.dir (= checkpoint.resume)",
+    )
     p.set_defaults(func=_train)
+
+    k = sub.add_parser("ckpt", help="list, inspect, verify or export checkpoints")
+    ks = k.add_subparsers(dest="ckpt_command", required=True)
+    for name, text in (
+        ("list", "the checkpoints under a checkpoint root directory"),
+        ("inspect", "one checkpoint's manifest: kind, chain, codecs, files, rows and bytes per table"),
+        ("verify", "check a checkpoint and its chain: manifests, sizes, sha256 of every file, every chunk"),
+        ("export", "write a plain full-precision state dict (.safetensors when installed, else torch.save)"),
+    ):
+        kp = ks.add_parser(name, help=text)
+        kp.add_argument("dir", help="checkpoint root" if name == "list" else "a checkpoint directory (or a root: its newest)")
+        if name == "export":
+            kp.add_argument("--out", required=True, metavar="FILE", help="output file (.safetensors or .pt)")
+    k.set_defaults(func=_ckpt)
 
     q = sub.add_parser("plan", help="plan how a config's tables are sharded over ranks, with a cost model")
     q.add_argument("--config", help="TOML training config (its tables, batch and wire precisions)")
@@ -157,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from recscale.checkpoint.manifest import CheckpointError
     from recscale.comm.process_group import DistributedError
     from recscale.data.errors import DataFormatError
     from recscale.data.schema import SchemaError
@@ -169,7 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except (
-        ConfigError, DataFormatError, SparseInputError, PlanError, FileNotFoundError, SchemaError, ReaderStateError, FileExistsError
+        ConfigError, DataFormatError, SparseInputError, PlanError, FileNotFoundError, SchemaError, ReaderStateError,
+        FileExistsError, CheckpointError,
     ) as e:
         print(f"recscale: error: {e}", file=sys.stderr)
         return 2

@@ -94,11 +94,19 @@ class ClickBatches(Dataset):
         )
 
 
-def make_loader(dataset: ClickBatches, num_workers: int = 0, pin_memory: bool = False) -> DataLoader:
-    """A DataLoader over whole batches; workers prefetch two batches each."""
+def make_loader(
+    dataset: ClickBatches, num_workers: int = 0, pin_memory: bool = False, start_batch: int = 0
+) -> DataLoader:
+    """A DataLoader over whole batches; workers prefetch two batches each.
+
+    ``start_batch`` skips the first batches of the epoch without building them, so a run
+    resumed from a checkpoint sees exactly the batches an uninterrupted run would."""
+    if not 0 <= start_batch <= len(dataset):
+        raise ValueError(f"start_batch {start_batch} is outside the epoch's {len(dataset)} batches")
     return DataLoader(
         dataset,
         batch_size=None,
+        sampler=range(start_batch, len(dataset)) if start_batch else None,
         shuffle=False,
         num_workers=num_workers,
         pin_memory=pin_memory,

@@ -36,6 +36,9 @@ class TableGroup:
     feature_is_mean: torch.Tensor  # [num features] bool
     storage: RowStorage
     step: int = 0
+    # Modified-row tracking for differential checkpoints: a uint8 flag per row, set to 1 for
+    # every row the backward updates; None (no cost) unless a checkpoint tracker turns it on.
+    touched: torch.Tensor | None = None
     has_mean: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -198,6 +201,8 @@ class TableBatchedEmbeddingBags(nn.Module):
         if self.row_stat_fn is not None and self.optimizer.uses_row_mean_sq:
             row_mean_sq = self.row_stat_fn(g, unique, summed)
         self.optimizer.apply(g.storage, unique, summed, g.step, row_mean_sq)
+        if g.touched is not None:
+            g.touched.index_fill_(0, unique, 1)
 
     # ------------------------------------------------------------------ access
     def validate(self, batch: JaggedBatch) -> None:
@@ -276,6 +281,8 @@ def _move_group(g: TableGroup, device: torch.device) -> None:
     st._state = {k: v.to(device) for k, v in st._state.items()}
     g.feature_row_offset = g.feature_row_offset.to(device)
     g.feature_is_mean = g.feature_is_mean.to(device)
+    if g.touched is not None:
+        g.touched = g.touched.to(device)
 
 
 def _to_sample_major(

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from recscale.checkpoint.settings import CheckpointSettings
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -159,6 +161,7 @@ class Config:
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -293,6 +296,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'sharding.plan': file '{cfg.sharding.plan}' does not exist")
     for name, ts in cfg.sharding.tables.items():
         _non_negative(f"sharding.tables.{name}.shards", ts.shards)
+    try:
+        cfg.checkpoint.validate()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if not 0.0 <= d.eval_fraction < 1.0:
         raise ConfigError(f"config key 'data.eval_fraction': expected a value in [0, 1), got {d.eval_fraction}")
     if d.source == "synthetic":

@@ -30,14 +30,11 @@ class DataSplits:
     description: str
 
     def train_loader(self, start_batch: int = 0) -> torch.utils.data.DataLoader:
-        """This epoch's batches from ``start_batch`` on (a resumed run starts mid-epoch)."""
+        """The current epoch's batches from ``start_batch`` on (a resumed run skips the rest)."""
         if isinstance(self.train, ShardedReader):
             return self.train.loader(start_batch)  # type: ignore[return-value]
-        if start_batch:
-            subset = torch.utils.data.Subset(self.train, range(start_batch, len(self.train)))
-            return make_loader(subset, num_workers=self.num_workers)  # type: ignore[arg-type]
         # A new loader per epoch, so worker processes see the dataset's current epoch.
-        return make_loader(self.train, num_workers=self.num_workers)
+        return make_loader(self.train, num_workers=self.num_workers, start_batch=start_batch)
 
     def eval_loader(self) -> torch.utils.data.DataLoader:
         if isinstance(self.eval, ShardedReader):

@@ -25,6 +25,7 @@ from recscale.model import DLRM
 from recscale.sharding.collection import CommPrecision, ShardedEmbeddingCollection
 from recscale.sharding.default_plan import TableSharding, default_plan
 from recscale.sharding.plan import ShardingPlan
+from recscale.train.checkpointing import Progress, TrainCheckpointing
 from recscale.train.config import Config, ConfigError
 from recscale.train.datasets import DataSplits, build_data
 from recscale.train.metrics import EvalMetrics, evaluate_predictions
@@ -176,21 +177,26 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None]) -> di
     )
     eval_group = groups.dense if world > 1 else None
 
-    state = TrainState()
-    evals: list[dict[str, float]] = []
+    ckpt = TrainCheckpointing(cfg, model, dense_opt, data, groups, log)
+    start = ckpt.restore()
+    state = TrainState(start.step, start.samples, start.train_seconds)
+    evals: list[dict[str, float]] = start.evals
     max_steps = cfg.train.max_steps or None
     total_steps = len(data.train) * cfg.train.epochs
     if max_steps:
         total_steps = min(total_steps, max_steps)
-    bar = tqdm(total=total_steps, disable=not cfg.train.progress or rank != 0, unit="step", dynamic_ncols=True)
-    running_loss = torch.zeros((), dtype=torch.float64, device=device)  # a tensor: no host sync per step
-    running_n = 0
-    done = False
-    for epoch in range(cfg.train.epochs):
+    bar = tqdm(total=total_steps, initial=state.step, disable=not cfg.train.progress or rank != 0, unit="step", dynamic_ncols=True)
+    # A tensor: no host sync per step.
+    running_loss = torch.tensor(start.running_loss, dtype=torch.float64, device=device)
+    running_n = start.running_n
+    done = bool(max_steps and state.step >= max_steps)
+    epoch, next_batch = start.epoch, start.next_batch
+    for epoch in range(start.epoch, cfg.train.epochs if not done else start.epoch):
         data.train.set_epoch(epoch)
         t0 = time.perf_counter()
-        pipeline = TrainPipeline(data.train_loader(), model.embeddings, device, cfg.train.pipeline)
-        for batch, sparse in pipeline:
+        first = start.next_batch if epoch == start.epoch else 0  # a resumed run skips what it trained
+        pipeline = TrainPipeline(data.train_loader(first), model.embeddings, device, cfg.train.pipeline)
+        for next_batch, (batch, sparse) in enumerate(pipeline, start=first + 1):
             # Embedding rows are updated inside backward, fused into it.
             loss_sum = train_step(model, batch, sparse, dense_opt, sync)
             state.step += 1
@@ -208,6 +214,7 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None]) -> di
                 if rank == 0:
                     bar.write(f"step {state.step}: eval auc {m.auc:.4f}, logloss {m.logloss:.4f}, ne {m.ne:.4f}")
                 t0 = time.perf_counter()
+            ckpt.after_step(state.step, lambda: _progress(state, epoch, next_batch, running_loss, running_n, evals, t0))
             if max_steps and state.step >= max_steps:
                 done = True
                 break
@@ -216,6 +223,7 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None]) -> di
         if done:
             break
     bar.close()
+    ckpt_summary = ckpt.finish(_progress(state, epoch, next_batch, running_loss, running_n, evals, None))
     if world > 1:  # the training loss over every rank's samples
         totals = torch.tensor([float(running_loss), float(running_n)], dtype=torch.float64)
         torch.distributed.all_reduce(totals, group=groups.dense)
@@ -239,8 +247,17 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None]) -> di
         "device": str(device),
         "data": data.description,
         "evals": evals,
+        **ckpt_summary,
     }
     return summary
+
+
+def _progress(
+    state: TrainState, epoch: int, next_batch: int, loss: torch.Tensor, n: int, evals: list, t0: float | None
+) -> Progress:
+    """The loop's position for a checkpoint (``t0``: start of the running timing span, if open)."""
+    seconds = state.train_seconds + (time.perf_counter() - t0 if t0 is not None else 0.0)
+    return Progress(state.step, state.samples, seconds, epoch, next_batch, float(loss), n, list(evals))
 
 
 def format_summary(summary: dict[str, Any]) -> str:

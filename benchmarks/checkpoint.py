@@ -1,0 +1,283 @@
+"""Check-N-Run checkpointing: bytes written, bytes stored, bytes read on restore, stall and
+slowdown, per policy and quantization, against full fp32 checkpoints.
+
+A synthetic DLRM (row-wise Adagrad tables of dim 128 as in MLPerf DLRM-DCNv2; small MLPs, so
+embeddings are over 99% of the model as in production) trains on a fresh
+Zipf id stream; the number of steps per interval is chosen from the stream's distribution so that
+about 26% of rows change per interval (Check-N-Run's 30-minute figure), and every setting trains
+the same batches for ``--intervals`` intervals, checkpointing after each one with the real
+``recscale.checkpoint`` manager (background writes, retention keeping only what restoring the
+latest checkpoint needs). Per setting:
+
+- write reduction: bytes a full fp32 checkpoint per interval writes / bytes this setting wrote;
+- capacity reduction: one full fp32 checkpoint / the most this setting ever kept on disk;
+- bytes read to restore the last checkpoint onto a fresh model, and the restored tables' relative
+  L2 error;
+- stall: the in-memory snapshot (training paused) as a share of training time; slowdown: wall
+  time of the checkpointed run vs the same steps without checkpoints.
+
+    python benchmarks/checkpoint.py                 # 8 tables x 100k rows x dim 128, 10 intervals
+    python benchmarks/checkpoint.py --quick --json results/checkpoint.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _common import environment, format_table, set_threads, write_json, zipf_ids  # noqa: E402
+
+from recscale.checkpoint.manager import CheckpointManager  # noqa: E402
+from recscale.checkpoint.restore import load_chain, load_manifest, restore_shards  # noqa: E402
+from recscale.checkpoint.settings import CheckpointSettings  # noqa: E402
+from recscale.checkpoint.shards import local_shards  # noqa: E402
+from recscale.checkpoint.storage import LocalStorage  # noqa: E402
+from recscale.checkpoint.tracker import RowTracker  # noqa: E402
+from recscale.data import Batch  # noqa: E402
+from recscale.embedding import RowWiseAdagrad, TableBatchedEmbeddingBags, TableConfig  # noqa: E402
+from recscale.model import DLRM  # noqa: E402
+from recscale.sparse import JaggedBatch  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Setting:
+    policy: str
+    quantization: str  # none, fp16, bf16, uniformN, adaptiveN
+    state: str = "fp32"
+
+    @property
+    def label(self) -> str:
+        return f"{self.policy}/{self.quantization}/state-{self.state}"
+
+    def settings(self, root: str, chunk_rows: int) -> CheckpointSettings:
+        method, bits = self.quantization, ""
+        for prefix in ("uniform", "adaptive"):
+            if self.quantization.startswith(prefix):
+                method, bits = prefix, self.quantization[len(prefix):]
+        return CheckpointSettings(
+            dir=root, policy=self.policy, quantization=method, bits=int(bits) if bits else 0,  # type: ignore[arg-type]
+            optimizer_state=self.state, keep_last=1, async_write=True, max_in_flight=1,  # type: ignore[arg-type]
+            chunk_rows=chunk_rows, at_end=False,
+        )
+
+
+SETTINGS = [  # uniform and adaptive of the same bit width write the same bytes; adaptive errs less
+    Setting("full", "none"),
+    Setting("one_shot", "none"),
+    Setting("incremental", "none"),
+    Setting("intermittent", "none"),
+    Setting("intermittent", "fp16", "fp16"),
+    Setting("intermittent", "uniform8", "fp16"),
+    Setting("intermittent", "uniform4", "fp16"),
+    Setting("intermittent", "uniform3", "fp16"),
+    Setting("intermittent", "uniform2", "fp16"),
+    Setting("intermittent", "adaptive2", "fp16"),
+    Setting("one_shot", "uniform2", "fp16"),
+    Setting("incremental", "uniform2", "fp16"),
+]
+
+
+# small: embeddings are over 99% of the model; mlperf: MLPerf DLRM's MLPs (a realistic step cost)
+MLPS = {"small": ([64], [64, 1]), "mlperf": ([512, 256], [1024, 1024, 512, 256, 1])}
+
+
+def steps_for_fraction(rows: int, alpha: float, lookups_per_step: int, target: float) -> int:
+    """Steps after which the expected share of distinct rows drawn from the stream is ``target``."""
+    e = 1.0 - alpha
+    k = np.arange(rows, dtype=np.float64)
+    cdf = (lambda v: np.log(v) / np.log(rows)) if abs(e) < 1e-9 else (lambda v: (v**e - 1.0) / (rows**e - 1.0))
+    p = cdf(np.minimum(k + 2, rows)) - cdf(k + 1)
+    p[-1] += 1.0 - p.sum()
+    lo, hi = 1, 1 << 40
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if np.mean(-np.expm1(mid * np.log1p(-p))) < target else (lo, mid)
+    return max(1, round(hi / lookups_per_step))
+
+
+def make_batches(args, steps: int) -> list[Batch]:
+    rng = np.random.default_rng(1234)
+    names = [f"f{i}" for i in range(args.tables)]
+    out = []
+    for _ in range(steps):
+        ids = np.stack([zipf_ids(args.rows, args.batch, rng, args.alpha, salt=t) for t in range(args.tables)], 1)
+        dense = torch.from_numpy(rng.standard_normal((args.batch, 13), dtype=np.float32))
+        labels = torch.from_numpy((rng.random(args.batch) < 0.25).astype(np.float32))
+        out.append(Batch(dense, JaggedBatch.from_dense_ids(names, torch.from_numpy(ids)), labels))
+    return out
+
+
+def build(args):
+    tables = [TableConfig(f"t{i}", args.rows, args.dim, (f"f{i}",)) for i in range(args.tables)]
+    emb = TableBatchedEmbeddingBags(tables, RowWiseAdagrad(lr=0.05), seed=0)
+    torch.manual_seed(0)
+    bottom, top = MLPS[args.mlp]
+    model = DLRM(emb, 13, bottom + [args.dim], top)
+    opt = torch.optim.Adagrad(model.dense_parameters(), lr=0.01)
+    return model, opt
+
+
+def step(model, opt, b: Batch) -> None:
+    loss = F.binary_cross_entropy_with_logits(model(b.dense, b.sparse), b.labels)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+
+
+def train_only(args, batches, track: bool = False) -> float:
+    """Seconds to train ``batches`` without checkpoints (``track``: with the row tracker on)."""
+    model, opt = build(args)
+    if track:
+        RowTracker(local_shards(model.embeddings))
+    t0 = time.perf_counter()
+    for b in batches:
+        step(model, opt, b)
+    return time.perf_counter() - t0
+
+
+def run_setting(args, s: Setting, batches, steps_per_interval: int, root: Path) -> dict:
+    model, opt = build(args)
+    shards = local_shards(model.embeddings)
+    storage = LocalStorage(root)
+    manager = CheckpointManager(s.settings(str(root), args.chunk_rows), storage, shards)
+    stalls, changed = [], []
+    t0 = time.perf_counter()
+    for i, b in enumerate(batches, 1):
+        step(model, opt, b)
+        if i % steps_per_interval == 0:
+            buf = io.BytesIO()
+            torch.save({"dense": {k: v.detach().clone() for k, v in model.named_parameters() if "embeddings" not in k},
+                        "opt": opt.state_dict()}, buf)
+            stalls.append(manager.save(i, buf.getvalue(), {"step": i, "embedding_step": i}))
+    train_wall = time.perf_counter() - t0
+    reports = manager.finish()
+    drain = time.perf_counter() - t0 - train_wall
+    written = [r.extra["bytes_written"] for r in reports]
+    by_name = {r.name: r.extra["bytes_written"] for r in reports}
+    stored_peak = max(sum(by_name[n] for n in r.extra["chain"]) for r in reports)
+    # Restore the last checkpoint onto a fresh model: bytes read and error of the restored rows.
+    fresh, _ = build(args)
+    latest = load_manifest(storage, reports[-1].name)
+    changed = [r.extra.get("rows_written", 0) for r in reports]
+    t1 = time.perf_counter()
+    stats = restore_shards(storage, load_chain(storage, latest), local_shards(fresh.embeddings))
+    restore_s = time.perf_counter() - t1
+    num = den = 0.0
+    for t in model.embeddings.tables:
+        a, b = model.embeddings.table_weight(t.name).double(), fresh.embeddings.table_weight(t.name).double()
+        num += float((a - b).square().sum())
+        den += float(a.square().sum())
+    return {
+        "setting": s.label, "policy": s.policy, "quantization": s.quantization, "state": s.state,
+        "kinds": [r.kind for r in reports], "bytes_written": written, "rows_written": changed,
+        "changed_fraction": [r.extra["changed_fraction"] for r in reports],
+        "bytes_written_total": sum(written), "stored_peak_bytes": stored_peak, "restore_bytes_read": stats.bytes_read,
+        "restore_seconds": restore_s, "restored_rel_l2_error": (num / den) ** 0.5,
+        "stall_seconds": stalls, "stall_total_s": sum(stalls), "train_wall_s": train_wall, "drain_s": drain,
+        "background_s": [r.background_s for r in reports],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a small model and batch, for a smoke run")
+    ap.add_argument("--tables", type=int)
+    ap.add_argument("--rows", type=int, help="rows per table")
+    ap.add_argument("--dim", type=int)
+    ap.add_argument("--batch", type=int)
+    ap.add_argument("--mlp", choices=sorted(MLPS), default="small",
+                    help="small (embeddings dominate the model) or mlperf (MLPerf DLRM's MLPs: longer steps)")
+    ap.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent of the id stream")
+    ap.add_argument("--target", type=float, default=0.26, help="share of rows changing per interval")
+    ap.add_argument("--intervals", type=int, default=10)
+    ap.add_argument("--chunk-rows", type=int, default=65536)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="training threads (default 1: the checkpoint writer uses the other core, as Check-N-Run "
+                         "uses spare host cores)")
+    ap.add_argument("--interleave-baselines", action="store_true",
+                    help="time the no-checkpoint baseline between settings too (steadier slowdown figures)")
+    ap.add_argument("--settings", help="comma-separated subset of labels (policy/quantization/state-X)")
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args()
+    defaults = dict(tables=4, rows=20_000, dim=64, batch=512) if args.quick else dict(tables=8, rows=100_000, dim=128, batch=4096)
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    threads = set_threads(args.threads)
+    spi = steps_for_fraction(args.rows, args.alpha, args.batch, args.target)
+    total = spi * args.intervals
+    batches = make_batches(args, total)
+    chosen = SETTINGS if not args.settings else [s for s in SETTINGS if s.label in args.settings.split(",")]
+    print(f"{args.tables} tables x {args.rows:,} rows x dim {args.dim}, batch {args.batch}, Zipf {args.alpha}: "
+          f"{spi} steps per interval (expected {args.target:.0%} of rows changed), {args.intervals} intervals, "
+          f"{threads} training thread(s), {args.mlp} MLPs")
+    bases = [train_only(args, batches)]
+    results = []
+    work = Path(tempfile.mkdtemp(prefix="recscale-ckpt-bench-"))
+    try:
+        for s in chosen:
+            root = work / s.label.replace("/", "_")
+            results.append(run_setting(args, s, batches, spi, root))
+            shutil.rmtree(root, ignore_errors=True)
+            if args.interleave_baselines:
+                bases.append(train_only(args, batches))
+                results[-1]["baseline_s"] = (bases[-2] + bases[-1]) / 2
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if not args.interleave_baselines:
+        bases.append(train_only(args, batches))
+    tracked = train_only(args, batches, track=True)
+    base = float(np.mean(bases))
+    ref = next((r for r in results if r["setting"] == "full/none/state-fp32"), None)
+    full_ckpt = ref["bytes_written"][0] if ref else None
+    rows = []
+    for r in results:
+        r["write_reduction"] = full_ckpt * len(r["bytes_written"]) / r["bytes_written_total"] if full_ckpt else None
+        r["capacity_reduction"] = full_ckpt / r["stored_peak_bytes"] if full_ckpt else None
+        r["stall_share"] = r["stall_total_s"] / r["train_wall_s"]
+        r["slowdown"] = r["train_wall_s"] / r.get("baseline_s", base) - 1.0
+        rows.append([
+            r["setting"], "".join(k[0].upper() if k == "full" else k[0] for k in r["kinds"]),
+            f"{r['bytes_written_total'] / 1e6:,.1f}", f"{r['write_reduction']:.1f}x" if full_ckpt else "-",
+            f"{r['stored_peak_bytes'] / 1e6:,.1f}", f"{r['capacity_reduction']:.1f}x" if full_ckpt else "-",
+            f"{r['restore_bytes_read'] / 1e6:,.1f}", f"{r['restored_rel_l2_error']:.1e}",
+            f"{100 * r['stall_share']:.2f}%", f"{100 * r['slowdown']:+.1f}%",
+        ])
+    print(format_table(
+        ["setting", "kinds", "written MB", "write red.", "stored MB", "capacity red.", "restore read MB",
+         "restore err", "stall", "slowdown"], rows))
+    inc = next((r for r in results if r["policy"] == "incremental"), None)
+    if inc:
+        per = inc["changed_fraction"][1:]
+        print(f"rows changed per interval (measured by the tracker): mean {100 * np.mean(per):.1f}%, "
+              f"range {100 * min(per):.1f}-{100 * max(per):.1f}%")
+    one = next((r for r in results if r["policy"] == "one_shot"), None)
+    if one:
+        print(f"rows changed since the first baseline after {len(one['changed_fraction']) - 1} intervals: "
+              f"{100 * one['changed_fraction'][-1]:.1f}%")
+    print(f"training without checkpoints: {', '.join(f'{b:.2f}' for b in bases)} s "
+          f"({total} steps); with the modified-row tracker alone: {tracked:.2f} s ({100 * (tracked / base - 1):+.2f}%); "
+          "kinds: F full, d differential, i incremental")
+    if args.json:
+        write_json(args.json, {
+            "environment": environment(), "args": vars(args), "steps_per_interval": spi,
+            "baseline_train_s": bases, "tracked_train_s": tracked, "full_fp32_checkpoint_bytes": full_ckpt, "results": results,
+        })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""The checkpoint manager: when to checkpoint, what to snapshot, what to keep.
+
+``save`` is called on every rank at the same step. It measures what a differential would hold,
+lets the policy pick the kind (all ranks agree: the counts are summed over ranks first), copies
+the chosen rows and the caller's small state into memory (the only stall), and hands the rest to
+the background writer. After each commit rank 0 applies retention: keep the last ``keep_last``
+restorable checkpoints and every checkpoint their chains need; delete the rest.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+
+import torch
+
+from recscale.checkpoint.manifest import CheckpointError, Manifest, TableMeta, checkpoint_name
+from recscale.checkpoint.policy import Policy
+from recscale.checkpoint.quantize import Codec, make_codec, state_codec
+from recscale.checkpoint.restore import list_checkpoints, load_manifest
+from recscale.checkpoint.settings import CheckpointSettings
+from recscale.checkpoint.shards import LocalShard, row_state_names
+from recscale.checkpoint.storage import Storage
+from recscale.checkpoint.tracker import RowTracker
+from recscale.checkpoint.writer import CheckpointWriter, ShardSnapshot, WriteJob, WriteReport
+
+# Sums a list of numbers over every rank (identity on one rank).
+SumFn = Callable[[list[float]], list[float]]
+
+
+class CheckpointManager:
+    def __init__(
+        self,
+        settings: CheckpointSettings,
+        storage: Storage,
+        shards: list[LocalShard],
+        rank: int = 0,
+        world_size: int = 1,
+        plan: dict | None = None,
+        sum_over_ranks: SumFn | None = None,
+        log: Callable[[str], None] = lambda _: None,
+    ) -> None:
+        settings.validate()
+        self.settings, self.storage, self.shards = settings, storage, shards
+        self.rank, self.world_size, self.plan = rank, world_size, plan
+        self.sum_over_ranks = sum_over_ranks or (lambda xs: xs)
+        self.log = log
+        self.policy = Policy(settings)
+        self.tracker = RowTracker(shards) if settings.policy != "full" else None
+        dtypes = {s.table.dtype for s in shards}
+        self.weight_codec: Codec = make_codec(
+            settings.quantization, dtypes.pop() if len(dtypes) == 1 else "fp32",
+            settings.effective_bits, settings.adaptive_bins, settings.adaptive_ratio,
+        )
+        if settings.quantization == "none" and len({s.table.dtype for s in shards}) > 1:
+            raise CheckpointError("checkpoint.quantization = 'none' needs one embedding dtype for every table")
+        self.state_codec: Codec = state_codec(settings.optimizer_state)
+        self.chain: list[str] = []
+        if rank == 0:
+            storage.make_dir("")
+            for d in storage.list_dirs():  # leftovers of a run killed while writing
+                if d.startswith(".tmp-") or d.startswith(".old-"):
+                    storage.delete_dir(d)
+        self.writer = CheckpointWriter(
+            storage, rank, world_size, settings.async_write, settings.max_in_flight,
+            settings.commit_timeout_s, self._retain if rank == 0 else None,
+        )
+        self.last_step = -1
+        self.last_time = time.monotonic()
+
+    # ------------------------------------------------------------------ when
+    def due(self, step: int) -> bool:
+        """Step interval reached (every rank agrees without communication)."""
+        s = self.settings
+        return bool(s.interval_steps) and step % s.interval_steps == 0
+
+    def minutes_due(self) -> bool:
+        s = self.settings
+        return bool(s.interval_minutes) and time.monotonic() - self.last_time >= 60.0 * s.interval_minutes
+
+    # ------------------------------------------------------------------ save
+    @torch.no_grad()
+    def save(self, step: int, rank_state: bytes, training: dict) -> float:
+        """Snapshot now, write in the background; returns the stall in seconds."""
+        t0 = time.perf_counter()
+        self.writer.wait_for_slot()
+        cand = self.policy.candidate_kind()
+        if self.tracker is not None and cand != "full":
+            changed, total = self.tracker.changed_cells(cand)
+            changed, total = self.sum_over_ranks([float(changed), float(total)])
+            fraction = changed / max(total, 1.0)
+        else:
+            fraction = 1.0
+        kind = self.policy.decide(fraction)
+        name = checkpoint_name(step)
+        chain = [name] if kind == "full" else (
+            self.chain + [name] if kind == "incremental" else [self.chain[0], name]
+        )
+        snaps = [self._snapshot(s, kind) for s in self.shards if s.writer]
+        if self.tracker is not None:
+            self.tracker.advance(kind)
+        self.policy.record(kind, fraction)
+        self.chain = chain
+        stall = time.perf_counter() - t0
+        manifest = Manifest(
+            name=name, step=step, kind=kind, chain=chain, policy=self.settings.policy,
+            weight_codec=self.weight_codec.to_dict(), state_codec=self.state_codec.to_dict(),
+            world_size=self.world_size, plan=self.plan, tables=self._table_meta(),
+            optimizer=self._optimizer_meta(), files=[], chunks=[],
+            training={**training, "changed_fraction": fraction},
+        )
+        job = WriteJob(
+            manifest, self.rank, self.world_size, snaps, rank_state, self.weight_codec, self.state_codec,
+            self.settings.chunk_rows, stall, self._full_fp32_bytes(),
+        )
+        self.writer.submit(job)
+        self.last_step, self.last_time = step, time.monotonic()
+        return stall
+
+    def _snapshot(self, s: LocalShard, kind: str) -> ShardSnapshot:
+        mask = None if self.tracker is None else self.tracker.shard_mask(s, kind)
+        w = s.module.table_weight(s.local_name)
+        states = s.module.table_state(s.local_name)
+        keep_state = set(states) - (row_state_names(s.module, s.table.dim) if s.col_offset > 0 else set())
+        if mask is None:
+            rows = None
+            weight = w.detach().to("cpu", copy=True)
+            state = {k: v.to("cpu", copy=True) for k, v in states.items() if k in keep_state}
+        else:
+            rows = torch.nonzero(mask).view(-1)
+            weight = w.index_select(0, rows).cpu()
+            state = {k: v.index_select(0, rows).cpu() for k, v in states.items() if k in keep_state}
+            rows = rows.cpu()
+        return ShardSnapshot(s.table.name, s.row_offset, s.num_rows, s.col_offset, s.num_cols, rows, weight, state)
+
+    def _table_meta(self) -> list[dict]:
+        seen: dict[str, TableMeta] = {}
+        for s in self.shards:
+            t = s.table
+            seen.setdefault(t.name, TableMeta(t.name, t.num_rows, t.dim, t.dtype))
+        return [asdict(t) for t in seen.values()]  # type: ignore[misc]
+
+    def _optimizer_meta(self) -> dict:
+        m = self.shards[0].module.optimizer if self.shards else None
+        return {"name": m.name if m else "", "lr": getattr(m, "lr", None)}
+
+    def _full_fp32_bytes(self) -> int:
+        total = 0
+        for s in self.shards:
+            if not s.writer:
+                continue
+            cols = s.num_cols + sum(
+                c for k, c in s.module.optimizer.state_columns(s.table.dim).items()
+                if not (k in row_state_names(s.module, s.table.dim) and s.col_offset > 0)
+            )
+            total += 4 * s.num_rows * cols
+        return total
+
+    # ------------------------------------------------------------------ retention
+    def _retain(self, latest: Manifest) -> None:
+        keep_last = self.settings.keep_last
+        if not keep_last:
+            return
+        names = list_checkpoints(self.storage)
+        restorable = [n for n in names if n <= latest.name][-keep_last:]
+        needed: set[str] = set(restorable) | set(latest.chain)
+        for n in restorable:
+            try:
+                needed |= set(load_manifest(self.storage, n).chain)
+            except CheckpointError:
+                pass
+        for n in names:
+            if n not in needed and n < latest.name:
+                self.storage.delete_dir(n)
+
+    # ------------------------------------------------------------------ end
+    def finish(self) -> list[WriteReport]:
+        """Wait for every checkpoint in flight; the reports of every checkpoint this rank wrote."""
+        self.writer.close()
+        if self.tracker is not None:
+            self.tracker.detach()
+        return self.writer.reports

@@ -1,0 +1,197 @@
+"""Row quantizers for embedding rows on write (Check-N-Run, section 5 of the paper).
+
+Each codec turns a ``[n, d]`` block of rows into bytes and back. ``none`` keeps the storage
+dtype bit for bit (exact resume); ``fp16``/``bf16`` round; ``uniform`` and ``adaptive`` store
+per row an fp16 scale and offset plus ``bits``-bit codes packed densely (3 bits: 8 codes in 3
+bytes). ``adaptive`` first narrows each row's [min, max] by a greedy search that moves one end
+in steps of ``range / bins`` toward the other, whichever lowers the L2 error more, for at most
+``ratio x bins`` steps, and keeps the best range seen (FBGEMM's ``param_search_greedy``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_FLOATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_FP16_MAX = 65504.0
+
+
+@dataclass(frozen=True)
+class Codec:
+    """How a block of rows is stored. ``method``: none (``dtype`` raw), fp16, bf16, uniform, adaptive."""
+
+    method: str
+    dtype: str = "fp32"  # none: the storage dtype written as is
+    bits: int = 8
+    bins: int = 25
+    ratio: float = 0.6
+
+    @property
+    def name(self) -> str:
+        if self.method == "none":
+            return self.dtype
+        if self.method in ("fp16", "bf16"):
+            return self.method
+        return f"{self.method}{self.bits}"
+
+    @property
+    def lossless(self) -> bool:
+        return self.method == "none"
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "dtype": self.dtype, "bits": self.bits, "bins": self.bins, "ratio": self.ratio}
+
+    @staticmethod
+    def from_dict(d: dict) -> Codec:
+        return Codec(str(d["method"]), str(d["dtype"]), int(d["bits"]), int(d["bins"]), float(d["ratio"]))
+
+    def nbytes(self, n: int, d: int) -> int:
+        """Bytes of ``n`` rows of ``d`` values."""
+        if self.method == "none":
+            return n * d * torch.finfo(_FLOATS[self.dtype]).bits // 8
+        if self.method in ("fp16", "bf16"):
+            return n * d * 2
+        return n * 4 + _packed_bytes(n * d, self.bits)
+
+    def encode(self, x: torch.Tensor) -> bytes:
+        """``x``: ``[n, d]`` rows (any float dtype, CPU)."""
+        if self.method == "none":
+            return tensor_bytes(x.to(_FLOATS[self.dtype]))
+        if self.method in ("fp16", "bf16"):
+            return tensor_bytes(x.to(_FLOATS[self.method]))
+        x = x.float()
+        if self.method == "adaptive":
+            lo, hi = greedy_range(x, self.bits, self.bins, self.ratio)
+        else:
+            lo, hi = (x.amin(1), x.amax(1)) if x.numel() else (x.new_zeros(0), x.new_zeros(0))
+        scale, bias, q = _quantize(x, lo, hi, self.bits)
+        return tensor_bytes(scale) + tensor_bytes(bias) + pack_bits(q.numpy(), self.bits)
+
+    def decode(self, buf: bytes | memoryview, n: int, d: int) -> torch.Tensor:
+        """Rows as float32 ``[n, d]`` (``none``: in the stored dtype)."""
+        if self.method == "none":
+            return bytes_tensor(buf, _FLOATS[self.dtype], (n, d))
+        if self.method in ("fp16", "bf16"):
+            return bytes_tensor(buf, _FLOATS[self.method], (n, d)).float()
+        scale = bytes_tensor(buf[: 2 * n], torch.float16, (n, 1)).float()
+        bias = bytes_tensor(buf[2 * n : 4 * n], torch.float16, (n, 1)).float()
+        q = unpack_bits(buf[4 * n :], self.bits, n * d).reshape(n, d)
+        return torch.from_numpy(q.astype(np.float32)) * scale + bias
+
+
+def _quantize(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int):
+    """Codes for ``x`` on [lo, hi] per row, with scale and offset rounded to fp16 first so the
+    decoder reconstructs exactly what the encoder measured."""
+    levels = (1 << bits) - 1
+    bias = lo.clamp(-_FP16_MAX, _FP16_MAX).half()
+    scale = ((hi - bias.float()) / levels).clamp(0, _FP16_MAX).half()
+    s = scale.float().view(-1, 1)
+    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))  # a constant row: every code 0
+    q = (x - bias.float().view(-1, 1)).mul_(inv).round_().clamp_(0, levels).to(torch.uint8)
+    return scale, bias, q
+
+
+def _sq_error(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels: int, buf: torch.Tensor) -> torch.Tensor:
+    """Per-row squared error of quantizing ``x`` on [lo, hi] (values outside are clamped),
+    computed in place in ``buf`` (a block small enough to stay in cache)."""
+    lo2 = lo.unsqueeze(1)
+    s = ((hi - lo) / levels).clamp_(min=1e-30).unsqueeze(1)
+    torch.clamp(x, lo2, hi.unsqueeze(1), out=buf)
+    buf.sub_(lo2).div_(s).round_().mul_(s).add_(lo2).sub_(x)
+    return buf.mul_(buf).sum(1)
+
+
+_SEARCH_BLOCK = 1024  # rows per block of the range search: its temporaries stay in cache
+
+
+def greedy_range(x: torch.Tensor, bits: int, bins: int, ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the [lo, hi] of lowest L2 error found by shrinking [min, max] greedily."""
+    if x.numel() == 0:
+        return x.new_zeros(0), x.new_zeros(0)
+    los, his = [], []
+    for a in range(0, x.shape[0], _SEARCH_BLOCK):
+        lo, hi = _greedy_block(x[a : a + _SEARCH_BLOCK].contiguous(), (1 << bits) - 1, bins, int(bins * ratio))
+        los.append(lo)
+        his.append(hi)
+    return torch.cat(los), torch.cat(his)
+
+
+def _greedy_block(x: torch.Tensor, levels: int, bins: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    buf = torch.empty_like(x)
+    lo, hi = x.amin(1), x.amax(1)
+    step = (hi - lo) / bins
+    best_lo, best_hi = lo.clone(), hi.clone()
+    best = _sq_error(x, lo, hi, levels, buf)
+    for _ in range(steps):
+        e_lo = _sq_error(x, lo + step, hi, levels, buf)
+        e_hi = _sq_error(x, lo, hi - step, levels, buf)
+        take_lo = e_lo < e_hi
+        lo = torch.where(take_lo, lo + step, lo)
+        hi = torch.where(take_lo, hi, hi - step)
+        err = torch.minimum(e_lo, e_hi)
+        better = err < best
+        best = torch.where(better, err, best)
+        best_lo = torch.where(better, lo, best_lo)
+        best_hi = torch.where(better, hi, best_hi)
+    return best_lo, best_hi
+
+
+# ---------------------------------------------------------------------- bytes
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().contiguous().cpu()
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def bytes_tensor(buf: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    raw = np.frombuffer(buf, dtype=np.uint8).copy()
+    return torch.from_numpy(raw).view(dtype).reshape(shape)
+
+
+def _packed_bytes(count: int, bits: int) -> int:
+    return (count * bits + 7) // 8
+
+
+def pack_bits(q: np.ndarray, bits: int) -> bytes:
+    """Pack uint8 codes < 2**bits densely, little-endian within each byte."""
+    q = q.reshape(-1).astype(np.uint8)
+    if bits == 8:
+        return q.tobytes()
+    if 8 % bits == 0:
+        per = 8 // bits
+        pad = (-q.size) % per
+        if pad:
+            q = np.concatenate([q, np.zeros(pad, np.uint8)])
+        q = q.reshape(-1, per)
+        out = np.zeros(q.shape[0], np.uint8)
+        for j in range(per):
+            out |= q[:, j] << np.uint8(bits * j)
+        return out.tobytes()
+    bitplanes = ((q[:, None] >> np.arange(bits, dtype=np.uint8)) & 1).astype(np.uint8)
+    return np.packbits(bitplanes.reshape(-1), bitorder="little").tobytes()
+
+
+def unpack_bits(buf: bytes | memoryview, bits: int, count: int) -> np.ndarray:
+    raw = np.frombuffer(buf, dtype=np.uint8)
+    if bits == 8:
+        return raw[:count].copy()
+    if 8 % bits == 0:
+        per = 8 // bits
+        mask = np.uint8((1 << bits) - 1)
+        out = np.stack([(raw >> np.uint8(bits * j)) & mask for j in range(per)], axis=1).reshape(-1)
+        return out[:count]
+    planes = np.unpackbits(raw, bitorder="little", count=count * bits).reshape(count, bits)
+    return (planes << np.arange(bits, dtype=np.uint8)).sum(1).astype(np.uint8)
+
+
+def make_codec(method: str, storage_dtype: str, bits: int = 8, bins: int = 25, ratio: float = 0.6) -> Codec:
+    if method not in ("none", "fp16", "bf16", "uniform", "adaptive"):
+        raise ValueError(f"quantization '{method}' is unknown; choose none, fp16, bf16, uniform or adaptive")
+    return Codec(method, storage_dtype, bits, bins, ratio)
+
+
+def state_codec(precision: str) -> Codec:
+    """Optimizer state: float32 kept, or rounded to fp16/bf16."""
+    return Codec("none", precision) if precision == "fp32" else Codec(precision)

@@ -1,0 +1,214 @@
+"""Reading checkpoints: find one, validate it and its chain, and load the rows this rank owns.
+
+A restore applies the chain baseline -> differential (or every increment) in order, each
+overwriting the rows it holds. Rows are matched in whole-table coordinates, so the reader can
+use any plan and world size: each rank reads only the chunks whose row range meets a shard it
+now owns, from whichever rank's file holds them, and takes the columns its shard covers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from recscale.checkpoint.manifest import MANIFEST, CheckpointError, Chunk, Manifest
+from recscale.checkpoint.quantize import Codec
+from recscale.checkpoint.shards import LocalShard, row_state_names
+from recscale.checkpoint.storage import LocalStorage, Storage
+
+
+@dataclass
+class ReadStats:
+    bytes_read: int = 0
+    chunks_read: int = 0
+
+
+def load_manifest(storage: Storage, name: str) -> Manifest:
+    where = storage.describe(name)
+    if storage.size(f"{name}/{MANIFEST}") is None:
+        raise CheckpointError(
+            f"{where}: no {MANIFEST}; the checkpoint was never committed (a write was interrupted) or is "
+            "damaged, so it is not loaded; pick another checkpoint"
+        )
+    return Manifest.from_json(storage.read(f"{name}/{MANIFEST}"), where)
+
+
+def list_checkpoints(storage: Storage) -> list[str]:
+    """Committed checkpoint directories (names starting with 'step'), oldest first."""
+    return [d for d in storage.list_dirs() if d.startswith("step")]
+
+
+def resolve(path: str, default_root: str = "") -> tuple[Storage, str]:
+    """``latest`` (the newest under ``default_root``), a checkpoint directory, or a root of them."""
+    if path == "latest":
+        if not default_root:
+            raise CheckpointError("resume 'latest' needs checkpoint.dir, the directory to look in")
+        path = default_root
+    p = Path(path)
+    if not p.is_dir():
+        raise CheckpointError(f"checkpoint path '{p}' does not exist")
+    if (p / MANIFEST).is_file() or any(p.glob("rank*.bin")):
+        return LocalStorage(p.parent), p.name
+    storage = LocalStorage(p)
+    names = list_checkpoints(storage)
+    if not names:
+        raise CheckpointError(f"no checkpoints under '{p}' (committed ones are directories named step*)")
+    return storage, names[-1]
+
+
+def load_chain(storage: Storage, manifest: Manifest) -> list[Manifest]:
+    """The manifests a restore applies, each checked: format, version, checksum, file sizes."""
+    chain = []
+    for name in manifest.chain:
+        m = manifest if name == manifest.name else load_manifest(storage, name)
+        if m.chain != manifest.chain[: len(m.chain)]:
+            raise CheckpointError(f"{storage.describe(name)}: its chain {m.chain} does not lead to {manifest.name}")
+        check_files(storage, m, deep=False)
+        chain.append(m)
+    return chain
+
+
+def check_files(storage: Storage, m: Manifest, deep: bool) -> None:
+    """Every file present with the recorded size (and, when ``deep``, the recorded sha256)."""
+    for f in m.files:
+        where = storage.describe(f"{m.name}/{f.path}")
+        size = storage.size(f"{m.name}/{f.path}")
+        if size is None:
+            raise CheckpointError(f"{where}: missing; the checkpoint is incomplete and is not loaded")
+        if size != f.size:
+            raise CheckpointError(f"{where}: {size} bytes but the manifest records {f.size} (truncated or damaged)")
+        if deep:
+            if hashlib.sha256(storage.read(f"{m.name}/{f.path}")).hexdigest() != f.sha256:
+                raise CheckpointError(f"{where}: sha256 mismatch; the file is damaged")
+
+
+def read_file_checked(storage: Storage, m: Manifest, path: str, stats: ReadStats | None = None) -> bytes:
+    entry = next((f for f in m.files if f.path == path), None)
+    where = storage.describe(f"{m.name}/{path}")
+    if entry is None:
+        raise CheckpointError(f"{where}: not listed in the manifest")
+    data = storage.read(f"{m.name}/{path}")
+    if len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256:
+        raise CheckpointError(f"{where}: size or sha256 does not match the manifest; the file is damaged")
+    if stats is not None:
+        stats.bytes_read += len(data)
+    return data
+
+
+@dataclass
+class DecodedChunk:
+    rows: torch.Tensor  # whole-table row ids
+    weight: torch.Tensor  # [n, num_cols]
+    state: dict[str, torch.Tensor]
+
+
+def read_chunk(storage: Storage, m: Manifest, c: Chunk, stats: ReadStats | None = None) -> DecodedChunk:
+    where = storage.describe(f"{m.name}/{c.file}")
+    buf = storage.read(f"{m.name}/{c.file}", c.offset, c.length)
+    if len(buf) != c.length:
+        raise CheckpointError(f"{where}: chunk of table '{c.table}' at byte {c.offset} is cut short (truncated file)")
+    if zlib.crc32(buf) != c.crc32:
+        raise CheckpointError(f"{where}: checksum mismatch in a chunk of table '{c.table}' at byte {c.offset}; the file is damaged")
+    if stats is not None:
+        stats.bytes_read += len(buf)
+        stats.chunks_read += 1
+    view = memoryview(buf)
+    sel = view[: c.id_bytes]
+    if c.selector == "range":
+        local = np.arange(c.row_stop - c.row_start)
+    elif c.selector == "bitmap":
+        mask = np.unpackbits(np.frombuffer(sel, np.uint8), bitorder="little", count=c.row_stop - c.row_start)
+        local = np.flatnonzero(mask)
+    else:
+        local = np.frombuffer(sel, np.int32).astype(np.int64)
+    rows = torch.from_numpy(np.asarray(local, dtype=np.int64) + c.row_start)
+    pos = c.id_bytes
+    weight = Codec.from_dict(m.weight_codec).decode(view[pos : pos + c.weight_bytes], c.num_rows, c.num_cols)
+    pos += c.weight_bytes
+    scodec = Codec.from_dict(m.state_codec)
+    state = {}
+    for name, cols, nbytes in c.state:
+        state[name] = scodec.decode(view[pos : pos + nbytes], c.num_rows, cols).float()
+        pos += nbytes
+    return DecodedChunk(rows, weight, state)
+
+
+def check_compatible(m: Manifest, shards: list[LocalShard], optimizer_name: str) -> None:
+    """The model's tables and optimizer must be the checkpoint's."""
+    for s in shards:
+        t = m.table(s.table.name)
+        if (t.num_rows, t.dim) != (s.table.num_rows, s.table.dim):
+            raise CheckpointError(
+                f"checkpoint {m.name}: table '{t.name}' is {t.num_rows} x {t.dim} but the model's is "
+                f"{s.table.num_rows} x {s.table.dim}; resume with the model config that wrote it"
+            )
+    if m.optimizer.get("name") != optimizer_name:
+        raise CheckpointError(
+            f"checkpoint {m.name}: embedding optimizer '{m.optimizer.get('name')}' but the model uses "
+            f"'{optimizer_name}'; resume with the same embedding_optimizer.name"
+        )
+
+
+@torch.no_grad()
+def restore_shards(storage: Storage, chain: list[Manifest], shards: list[LocalShard]) -> ReadStats:
+    """Load every shard's rows (weights and optimizer state) from the chain."""
+    stats = ReadStats()
+    by_table: dict[str, list[LocalShard]] = {}
+    for s in shards:
+        by_table.setdefault(s.table.name, []).append(s)
+    seen: set[str] = set()
+    for m in chain:
+        for c in m.chunks:
+            targets = [
+                s for s in by_table.get(c.table, ())
+                if c.row_start < s.row_offset + s.num_rows and s.row_offset < c.row_stop
+                and _wants(s, c)
+            ]
+            if not targets:
+                continue
+            d = read_chunk(storage, m, c, stats)
+            for s in targets:
+                _apply(s, c, d)
+                seen.add(s.local_name)
+    if chain and chain[0].kind == "full":
+        missing = sorted({s.local_name for s in shards} - seen)
+        if missing:
+            raise CheckpointError(f"checkpoint {chain[-1].name}: holds no rows for {missing[:5]}; it is incomplete")
+    return stats
+
+
+def _wants(s: LocalShard, c: Chunk) -> bool:
+    cols = c.col_offset < s.col_offset + s.num_cols and s.col_offset < c.col_offset + c.num_cols
+    row_state = bool(row_state_names(s.module, s.table.dim) & {n for n, _, _ in c.state})
+    return cols or row_state
+
+
+def _apply(s: LocalShard, c: Chunk, d: DecodedChunk) -> None:
+    keep = (d.rows >= s.row_offset) & (d.rows < s.row_offset + s.num_rows)
+    local = d.rows[keep] - s.row_offset
+    if local.numel() == 0:
+        return
+    dev = s.module.device
+    local_dev = local.to(dev)
+    c0, c1 = max(s.col_offset, c.col_offset), min(s.col_offset + s.num_cols, c.col_offset + c.num_cols)
+    if c0 < c1:
+        w = s.module.table_weight(s.local_name)
+        src = d.weight[keep][:, c0 - c.col_offset : c1 - c.col_offset]
+        w[local_dev, c0 - s.col_offset : c1 - s.col_offset] = src.to(device=dev, dtype=w.dtype)
+    per_row = row_state_names(s.module, s.table.dim)
+    states = s.module.table_state(s.local_name)
+    for name, t in d.state.items():
+        if name not in states:
+            raise CheckpointError(f"checkpoint state '{name}' of table '{c.table}' is unknown to the model's optimizer")
+        dst = states[name]
+        if name in per_row:
+            dst[local_dev] = t[keep].to(device=dev, dtype=dst.dtype)
+        elif c0 < c1:
+            dst[local_dev, c0 - s.col_offset : c1 - s.col_offset] = t[keep][:, c0 - c.col_offset : c1 - c.col_offset].to(
+                device=dev, dtype=dst.dtype
+            )

@@ -1,0 +1,63 @@
+"""Modified-row tracking: which rows changed since the last checkpoint and since the baseline.
+
+The table-batched backward sets ``TableGroup.touched[row] = 1`` for every row it updates (one
+byte per row, only while a tracker is attached). At each checkpoint the tracker reads those
+flags, folds them into the since-baseline flags and clears them, as the policy requires.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from recscale.checkpoint.shards import LocalShard, embedding_modules
+
+
+class RowTracker:
+    def __init__(self, shards: list[LocalShard]) -> None:
+        self.shards = shards
+        self._since_base: dict[int, torch.Tensor] = {}
+        for m in embedding_modules(shards):
+            for g in m.groups:
+                g.touched = torch.zeros(g.storage.num_rows, dtype=torch.uint8, device=g.storage.weight.device)
+                self._since_base[id(g)] = torch.zeros_like(g.touched)
+
+    def detach(self) -> None:
+        """Stop tracking (backward no longer marks rows)."""
+        for m in embedding_modules(self.shards):
+            for g in m.groups:
+                g.touched = None
+
+    def shard_mask(self, shard: LocalShard, kind: str) -> torch.Tensor | None:
+        """Rows of ``shard`` (local indices) to write for a checkpoint of ``kind``; None = all."""
+        if kind == "full":
+            return None
+        g, off = shard.group()
+        assert g.touched is not None, "tracking is off"
+        touched = g.touched[off : off + shard.num_rows]
+        if kind == "incremental":
+            return touched.bool()
+        return (touched | self._since_base[id(g)][off : off + shard.num_rows]).bool()
+
+    def changed_cells(self, kind: str) -> tuple[int, int]:
+        """(cells a checkpoint of ``kind`` would hold, all cells) over the shards this rank writes."""
+        changed = total = 0
+        for s in self.shards:
+            if not s.writer:
+                continue
+            mask = self.shard_mask(s, kind)
+            changed += s.cells if mask is None else int(mask.sum()) * s.num_cols
+            total += s.cells
+        return changed, total
+
+    def advance(self, kind: str) -> None:
+        """After a checkpoint of ``kind``: a baseline clears everything; otherwise the interval's
+        changes join the since-baseline set and the interval starts afresh."""
+        for m in embedding_modules(self.shards):
+            for g in m.groups:
+                assert g.touched is not None
+                base = self._since_base[id(g)]
+                if kind == "full":
+                    base.zero_()
+                else:
+                    base.bitwise_or_(g.touched)
+                g.touched.zero_()

@@ -1,0 +1,307 @@
+"""Writing checkpoints: the in-memory snapshot (the only stall), then quantizing and writing in
+the background, chunk by chunk and pipelined, then the commit.
+
+Every rank writes ``rankNNNNN.bin`` (its chunks) and ``rankNNNNN.state`` into the checkpoint's
+temporary directory, then a small part file listing them. Rank 0 waits for every rank's part,
+merges them into ``manifest.json`` (written last, atomically) and renames the directory to its
+final name: a reader sees the whole checkpoint or nothing, also when a process dies meanwhile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from recscale.checkpoint.manifest import MANIFEST, Chunk, CheckpointError, FileEntry, Manifest, tmp_name
+from recscale.checkpoint.quantize import Codec
+from recscale.checkpoint.storage import Storage
+
+
+@dataclass
+class ShardSnapshot:
+    """Copies of the rows of one table shard that a checkpoint holds."""
+
+    table: str
+    row_offset: int
+    num_rows: int
+    col_offset: int
+    num_cols: int
+    rows: torch.Tensor | None  # sorted local row indices; None = every row of the shard
+    weight: torch.Tensor  # [n, num_cols], storage dtype, CPU
+    state: dict[str, torch.Tensor]  # name -> [n, cols] float32, CPU
+
+
+@dataclass
+class WriteJob:
+    manifest: Manifest  # everything but files, chunks and stats
+    rank: int
+    world_size: int
+    shards: list[ShardSnapshot]
+    rank_state: bytes
+    weight_codec: Codec
+    state_codec: Codec
+    chunk_rows: int
+    stall_s: float
+    full_fp32_bytes: int  # what an unquantized full checkpoint of this rank's shards would take
+
+
+@dataclass
+class WriteReport:
+    name: str
+    kind: str
+    step: int
+    rank: int
+    stall_s: float
+    background_s: float
+    bytes_written: int
+    rows_written: int
+    full_fp32_bytes: int
+    committed: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def rank_file(rank: int, suffix: str) -> str:
+    return f"rank{rank:05d}.{suffix}"
+
+
+# ---------------------------------------------------------------------- chunk encoding
+def encode_chunks(job: WriteJob, file: str) -> Iterator[tuple[Chunk, bytes]]:
+    """Each shard cut into blocks of ``chunk_rows`` local rows, encoded (offsets filled later)."""
+    for sh in job.shards:
+        if sh.rows is not None and sh.rows.numel() == 0:
+            continue
+        positions = None if sh.rows is None else sh.rows.numpy()
+        for a in range(0, sh.num_rows, job.chunk_rows):
+            b = min(a + job.chunk_rows, sh.num_rows)
+            if positions is None:
+                lo, hi = a, b
+                selector, ids = "range", b""
+            else:
+                lo, hi = np.searchsorted(positions, [a, b])
+                if lo == hi:
+                    continue
+                local = positions[lo:hi] - a
+                n = hi - lo
+                if n == b - a:
+                    selector, ids = "range", b""
+                elif (b - a + 7) // 8 < 4 * n:
+                    mask = np.zeros(b - a, dtype=np.uint8)
+                    mask[local] = 1
+                    selector, ids = "bitmap", np.packbits(mask, bitorder="little").tobytes()
+                else:
+                    selector, ids = "ids", local.astype(np.int32).tobytes()
+            w = job.weight_codec.encode(sh.weight[lo:hi])
+            parts, state_meta = [ids, w], []
+            for name, t in sh.state.items():
+                sb = job.state_codec.encode(t[lo:hi])
+                parts.append(sb)
+                state_meta.append((name, t.shape[1], len(sb)))
+            payload = b"".join(parts)
+            yield (
+                Chunk(
+                    table=sh.table, file=file, offset=0, length=len(payload), crc32=zlib.crc32(payload),
+                    row_start=sh.row_offset + a, row_stop=sh.row_offset + b, selector=selector,
+                    num_rows=int(hi - lo), col_offset=sh.col_offset, num_cols=sh.num_cols,
+                    id_bytes=len(ids), weight_bytes=len(w), state=tuple(state_meta),
+                ),
+                payload,
+            )
+
+
+def lower_thread_priority() -> None:
+    """Run the calling background thread at the lowest CPU priority (Linux: per thread), so
+    quantizing and writing use spare cycles and take as little as possible from training."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+
+
+def _pipelined(items: Iterator, depth: int = 4) -> Iterator:
+    """Run ``items`` (quantization) in a helper thread, ``depth`` ahead of the consumer (writes)."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+
+    def produce() -> None:
+        lower_thread_priority()
+        try:
+            for it in items:
+                q.put(it)
+        except BaseException as e:  # handed to the consumer
+            q.put(e)
+        q.put(done)
+
+    t = threading.Thread(target=produce, name="ckpt-quantize", daemon=True)
+    t.start()
+    while True:
+        it = q.get()
+        if it is done:
+            break
+        if isinstance(it, BaseException):
+            t.join()
+            raise it
+        yield it
+    t.join()
+
+
+# ---------------------------------------------------------------------- one checkpoint
+def write_rank(storage: Storage, job: WriteJob) -> WriteReport:
+    """Quantize and write this rank's files, then its part file; rank 0 also commits."""
+    t0 = time.perf_counter()
+    name = job.manifest.name
+    tmp = tmp_name(name)
+    storage.make_dir(tmp)
+    data_file = rank_file(job.rank, "bin")
+    chunks: list[Chunk] = []
+    rows = 0
+    sha = hashlib.sha256()
+    offset = 0
+    with storage.open_write(f"{tmp}/{data_file}") as f:
+        for chunk, payload in _pipelined(encode_chunks(job, data_file)):
+            f.write(payload)
+            sha.update(payload)
+            chunks.append(Chunk(**{**asdict(chunk), "offset": offset, "state": chunk.state}))
+            offset += len(payload)
+            rows += chunk.num_rows
+    state_file = rank_file(job.rank, "state")
+    storage.write_atomic(f"{tmp}/{state_file}", job.rank_state)
+    files = [
+        FileEntry(data_file, offset, sha.hexdigest()),
+        FileEntry(state_file, len(job.rank_state), hashlib.sha256(job.rank_state).hexdigest()),
+    ]
+    report = WriteReport(
+        name, job.manifest.kind, job.manifest.step, job.rank, job.stall_s, 0.0,
+        offset + len(job.rank_state), rows, job.full_fp32_bytes,
+    )
+    part = {
+        "files": [asdict(x) for x in files],
+        "chunks": [c.to_dict() for c in chunks],
+        "report": asdict(report),
+    }
+    storage.write_atomic(f"{tmp}/{rank_file(job.rank, 'part.json')}", json.dumps(part).encode())
+    report.background_s = time.perf_counter() - t0
+    return report
+
+
+def commit(storage: Storage, manifest: Manifest, world_size: int, timeout_s: float) -> Manifest:
+    """Rank 0: wait for every rank's part, write the manifest last, make the checkpoint visible."""
+    tmp = tmp_name(manifest.name)
+    deadline = time.monotonic() + timeout_s
+    parts = []
+    for r in range(world_size):
+        path = f"{tmp}/{rank_file(r, 'part.json')}"
+        while not storage.exists(path):
+            if time.monotonic() > deadline:
+                raise CheckpointError(
+                    f"checkpoint {manifest.name}: rank {r} did not finish writing within {timeout_s:.0f} s "
+                    "(checkpoint.commit_timeout_s); it stays uncommitted and invisible"
+                )
+            time.sleep(0.01)
+        parts.append(json.loads(storage.read(path)))
+    files, chunks, reports = [], [], []
+    for p in parts:
+        files += [FileEntry(**x) for x in p["files"]]
+        chunks += [Chunk.from_dict(c) for c in p["chunks"]]
+        reports.append(p["report"])
+    manifest.files = files
+    manifest.chunks = chunks
+    manifest.stats = {
+        "bytes_written": sum(x["bytes_written"] for x in reports),
+        "rows_written": sum(x["rows_written"] for x in reports),
+        "full_fp32_bytes": sum(x["full_fp32_bytes"] for x in reports),
+        "stall_s_max": max(x["stall_s"] for x in reports),
+    }
+    manifest.created_unix = time.time()
+    storage.write_atomic(f"{tmp}/{MANIFEST}", manifest.to_json())
+    storage.commit(tmp, manifest.name)
+    return manifest
+
+
+class CheckpointWriter:
+    """Runs write jobs one after another in a background thread (or inline), at most
+    ``max_in_flight`` queued or running; errors surface at the next submit or at ``wait``."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        rank: int,
+        world_size: int,
+        async_write: bool = True,
+        max_in_flight: int = 1,
+        commit_timeout_s: float = 600.0,
+        on_commit: Callable[[Manifest], None] | None = None,
+    ) -> None:
+        self.storage, self.rank, self.world_size = storage, rank, world_size
+        self.async_write = async_write
+        self.max_in_flight = max_in_flight
+        self.commit_timeout_s = commit_timeout_s
+        self.on_commit = on_commit
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-write") if async_write else None
+        self._in_flight: list[Future] = []
+        self.reports: list[WriteReport] = []
+
+    def wait_for_slot(self) -> None:
+        """Block until fewer than ``max_in_flight`` checkpoints are being written."""
+        while len(self._in_flight) >= self.max_in_flight:
+            self._collect(self._in_flight.pop(0))
+        self._in_flight = [f for f in self._in_flight if not self._try_collect(f)]
+
+    def submit(self, job: WriteJob) -> None:
+        if self._pool is None:
+            self.reports.append(self._run(job))
+            return
+        self._in_flight.append(self._pool.submit(self._run, job))
+
+    def _run(self, job: WriteJob) -> WriteReport:
+        if self._pool is not None:
+            lower_thread_priority()
+        report = write_rank(self.storage, job)
+        if self.rank == 0:
+            t0 = time.perf_counter()
+            manifest = commit(self.storage, job.manifest, self.world_size, self.commit_timeout_s)
+            report.committed = True
+            if self.on_commit is not None:
+                self.on_commit(manifest)
+            report.background_s += time.perf_counter() - t0
+            report.extra = {
+                **manifest.stats, "chain": list(manifest.chain),
+                "changed_fraction": manifest.training.get("changed_fraction"),
+            }
+        return report
+
+    def _try_collect(self, f: Future) -> bool:
+        if not f.done():
+            return False
+        self._collect(f)
+        return True
+
+    def _collect(self, f: Future) -> None:
+        try:
+            self.reports.append(f.result())
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"writing a checkpoint failed in the background: {type(e).__name__}: {e}") from e
+
+    def wait(self) -> None:
+        """Wait for every checkpoint in flight (raises the first background error)."""
+        while self._in_flight:
+            self._collect(self._in_flight.pop(0))
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)

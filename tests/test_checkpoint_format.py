@@ -1,0 +1,197 @@
+"""Checkpoint format pieces: quantizers, bit packing, policies; damaged checkpoints refused with a
+clear error; the ckpt command line (list, inspect, verify, export)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckpt_utils import run_training
+from recscale.checkpoint.manifest import MANIFEST, CheckpointError
+from recscale.checkpoint.policy import Policy
+from recscale.checkpoint.quantize import Codec, pack_bits, unpack_bits
+from recscale.checkpoint.settings import CheckpointSettings, bits_for_restores
+from recscale.cli import main
+
+
+# ---------------------------------------------------------------------- quantizers
+@given(st.sampled_from([2, 3, 4, 8]), st.integers(0, 200), st.integers(0, 2**31 - 1))
+@settings(max_examples=40, deadline=None)
+def test_bit_packing_round_trips(bits, n, seed):
+    q = np.random.default_rng(seed).integers(0, 1 << bits, n, dtype=np.uint8)
+    packed = pack_bits(q, bits)
+    assert len(packed) == (n * bits + 7) // 8
+    assert np.array_equal(unpack_bits(packed, bits, n), q)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_uniform_error_is_within_half_a_step_and_adaptive_is_no_worse(bits):
+    torch.manual_seed(bits)
+    x = torch.randn(300, 24) * torch.rand(300, 1) * 0.1
+    x[0] = 0.25  # a constant row
+    uni, ada = Codec("uniform", bits=bits), Codec("adaptive", bits=bits, bins=25, ratio=0.6)
+    buf = uni.encode(x)
+    assert len(buf) == uni.nbytes(300, 24)
+    y = uni.decode(buf, 300, 24)
+    levels = (1 << bits) - 1
+    step = ((x.amax(1) - x.amin(1)) / levels).view(-1, 1)
+    # Half a step, plus what rounding the scale and offset to fp16 (2^-11 relative) can add.
+    bound = step * (0.5 + levels * 2.0**-10) + x.abs().amax(1, keepdim=True) * 2.0**-10 + 1e-7
+    assert bool(((x - y).abs() <= bound).all()), float(((x - y).abs() - bound).max())
+    assert torch.allclose(y[0], x[0], atol=1e-3)
+    z = ada.decode(ada.encode(x), 300, 24)
+    e_uni, e_ada = (x - y).square().sum(), (x - z).square().sum()
+    # (at 8 bits the fp16 rounding of scale and offset is of the same order as the gain)
+    assert e_ada <= e_uni * 1.01, (bits, float(e_ada), float(e_uni))
+    if bits <= 4:
+        assert e_ada < e_uni * 0.95  # the range search pays off at low bit widths
+
+
+def test_lossless_and_float_codecs():
+    x = torch.randn(50, 8)
+    assert torch.equal(Codec("none", "fp32").decode(Codec("none", "fp32").encode(x), 50, 8), x)
+    h = x.half()
+    assert torch.equal(Codec("none", "fp16").decode(Codec("none", "fp16").encode(h), 50, 8), h)
+    for name in ("fp16", "bf16"):
+        c = Codec(name)
+        assert torch.allclose(c.decode(c.encode(x), 50, 8), x, rtol=1e-2, atol=1e-2)
+
+
+def test_bits_from_expected_restores():
+    assert [bits_for_restores(n) for n in (0, 1, 2, 3, 4, 20, 21, 100)] == [2, 2, 3, 3, 4, 4, 8, 8]
+    assert CheckpointSettings(quantization="adaptive", expected_restores=2).effective_bits == 3
+    assert CheckpointSettings(quantization="adaptive", bits=4, expected_restores=2).effective_bits == 4
+
+
+# ---------------------------------------------------------------------- policies
+def run_policy(settings: CheckpointSettings, fractions: list[float]) -> list[str]:
+    p, kinds = Policy(settings), []
+    for f in [1.0] + fractions:
+        kind = p.decide(f)
+        p.record(kind, f)
+        kinds.append(kind)
+    return kinds
+
+
+def test_policies():
+    s = [0.26, 0.35, 0.42, 0.47, 0.51, 0.55, 0.58, 0.60, 0.3]
+    assert run_policy(CheckpointSettings(policy="full"), s) == ["full"] * 10
+    assert run_policy(CheckpointSettings(policy="one_shot"), s) == ["full"] + ["differential"] * 9
+    assert run_policy(CheckpointSettings(policy="incremental"), s) == ["full"] + ["incremental"] * 9
+    assert run_policy(CheckpointSettings(policy="one_shot", full_every=3), s[:7]) == ["full"] + ["differential"] * 3 + ["full"] + ["differential"] * 3
+    # The mission's rule: a new baseline at the first i with 1 + S_1 + ... + S_i <= (i + 1) S_i.
+    kinds = run_policy(CheckpointSettings(policy="intermittent"), s)
+    acc, expect = 1.0, None
+    for i, x in enumerate(s, 1):
+        acc += x
+        if acc <= (i + 1) * x:
+            expect = i
+            break
+    assert expect is not None and kinds.index("full", 1) == expect
+    kinds = run_policy(CheckpointSettings(policy="intermittent", rebaseline="fraction", rebaseline_fraction=0.5), s)
+    assert kinds.index("full", 1) == 5
+
+
+def test_bad_settings_name_the_key():
+    with pytest.raises(ValueError, match="checkpoint.bits"):
+        CheckpointSettings(bits=5).validate()
+    with pytest.raises(ValueError, match="checkpoint.dir"):
+        CheckpointSettings(interval_steps=3).validate()
+
+
+# ---------------------------------------------------------------------- damaged checkpoints
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> tuple[Path, dict]:
+    root = tmp_path_factory.mktemp("ck")
+    summary, state, _ = run_training([f"checkpoint.dir='{root}'", "train.max_steps=8", "checkpoint.interval_steps=4"])
+    return root, state
+
+
+def damaged_copy(root: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    dst = tmp_path / "ck"
+    shutil.copytree(root, dst)
+    return dst
+
+
+def resume_error(ck: Path) -> str:
+    with pytest.raises(CheckpointError) as e:
+        run_training([f"checkpoint.dir='{ck}'", "checkpoint.resume=latest"])
+    return str(e.value)
+
+
+def test_truncated_file_is_refused(written, tmp_path):
+    ck = damaged_copy(written[0], tmp_path)
+    data = ck / "step0000000008" / "rank00000.bin"
+    data.write_bytes(data.read_bytes()[:-100])
+    assert "truncated" in resume_error(ck)
+
+
+# Rows in the baseline that the latest (differential) checkpoint needs; the latest's own state file.
+@pytest.mark.parametrize("target", ["step0000000004/rank00000.bin", "step0000000008/rank00000.state"])
+def test_flipped_byte_is_refused(written, tmp_path, target):
+    ck = damaged_copy(written[0], tmp_path)
+    f = ck / target
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    f.write_bytes(bytes(raw))
+    msg = resume_error(ck)
+    assert "damaged" in msg and target in msg
+
+
+def test_missing_manifest_is_refused(written, tmp_path):
+    ck = damaged_copy(written[0], tmp_path)
+    (ck / "step0000000008" / MANIFEST).unlink()
+    with pytest.raises(CheckpointError, match="no manifest.json"):
+        run_training([f"checkpoint.resume='{ck / 'step0000000008'}'"])
+
+
+def test_unknown_format_version_is_refused(written, tmp_path, capsys):
+    ck = damaged_copy(written[0], tmp_path)
+    m = ck / "step0000000008" / MANIFEST
+    d = json.loads(m.read_text())
+    d["version"] = 99
+    m.write_text(json.dumps(d))
+    assert "unknown checkpoint format version 99" in resume_error(ck)
+    assert main(["ckpt", "verify", str(ck / "step0000000008")]) == 2
+    assert "version 99" in capsys.readouterr().err
+
+
+def test_damaged_manifest_is_refused(written, tmp_path):
+    ck = damaged_copy(written[0], tmp_path)
+    m = ck / "step0000000008" / MANIFEST
+    m.write_text(m.read_text().replace('"step": 8', '"step": 9'))
+    assert "manifest checksum mismatch" in resume_error(ck)
+
+
+def test_mismatched_data_settings_are_refused(written, tmp_path):
+    with pytest.raises(CheckpointError, match="batch_size"):
+        run_training([f"checkpoint.resume='{written[0]}'", "train.batch_size=128"])
+
+
+# ---------------------------------------------------------------------- command line
+def test_ckpt_cli_list_inspect_verify_export(written, tmp_path, capsys):
+    root, state = written
+    assert main(["ckpt", "list", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "step0000000004" in out and "differential" in out and "step0000000004 + step0000000008" in out
+    assert main(["ckpt", "inspect", str(root / "step0000000008")]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["kind"] == "differential" and info["chain"] == ["step0000000004", "step0000000008"]
+    assert main(["ckpt", "verify", str(root)]) == 0
+    assert "intact" in capsys.readouterr().out
+    out_file = tmp_path / "model.pt"
+    assert main(["ckpt", "export", str(root), "--out", str(out_file)]) == 0
+    exported = torch.load(out_file)
+    for name in ("t_s0", "t_s1", "t_s2"):
+        assert torch.equal(exported[f"embeddings.{name}.weight"], state[f"{name}.weight"])
+        assert torch.equal(exported[f"embeddings.{name}.sum_sq"], state[f"{name}.sum_sq"])
+    dense = [k for k in state if not k.startswith("t_")]
+    assert dense and all(torch.equal(exported[f"dense.{k}"], state[k]) for k in dense)
