@@ -26,6 +26,18 @@ class Hardware:
     latency_s: float = 10e-6  # per collective
     kernel_overhead_s: float = 20e-6  # per lookup kernel launch / per shard
     backward_factor: float = 2.0  # backward + fused update relative to forward bytes
+    # Per-item costs beyond bytes moved. On a GPU they hide behind bandwidth (0 in the GPU
+    # presets); on a CPU the index work (offsets, sorting ids, bucketizing, Python per feature)
+    # costs as much as the bytes, so `recscale calibrate` measures them.
+    id_s: float = 0.0  # per id looked up, forward + backward (offsets, sort for exact updates)
+    row_s: float = 0.0  # per unique row updated
+    bag_s: float = 0.0  # per pooled bag (one per sample per feature a shard serves)
+    route_id_s: float = 0.0  # per id bucketized by row range at its source (row-split tables)
+    # per id of a column shard whose optimizer keeps a whole-row statistic (row-wise Adagrad):
+    # its row gradients are formed a second time to share the row's sum of squares
+    column_stat_id_s: float = 0.0
+    feature_s: float = 0.0  # per feature per step at its source (input/output distribution)
+    step_overhead_s: float = 0.0  # fixed per step
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.ranks_per_host < 1 or self.world_size % self.ranks_per_host:
@@ -35,6 +47,10 @@ class Hardware:
         for key in ("memory_bytes", "memory_bw", "intra_host_bw", "cross_host_bw"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"hardware '{self.name}': {key} must be > 0")
+        for key in ("latency_s", "kernel_overhead_s", "backward_factor", "id_s", "row_s", "bag_s", "route_id_s",
+                    "column_stat_id_s", "feature_s", "step_overhead_s"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"hardware '{self.name}': {key} must be >= 0")
 
     @property
     def num_hosts(self) -> int:
