@@ -6,6 +6,7 @@ Bandwidths are in bytes per second per rank, memory in bytes per rank, latency i
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -102,7 +103,47 @@ TORCHREC_DEFAULTS = Hardware(
     cross_host_bw=12.5 * GB,
 )
 
-PRESETS = {h.name: h for h in (ZIONEX, TORCHREC_DEFAULTS)}
+# This kind of machine (2-core AMD EPYC VM, gloo between local ranks), as `recscale calibrate
+# --ranks 2` measured it; the trainer's planner uses it when no calibration is cached. Memory is
+# a conservative 4 GB per rank: recalibrate (or pass a file) to plan for a bigger machine.
+LOCAL_CPU = Hardware(
+    name="local-cpu",
+    world_size=2,
+    ranks_per_host=2,
+    memory_bytes=4 * GB,
+    memory_bw=18.0 * GB,
+    intra_host_bw=0.77 * GB,
+    cross_host_bw=0.77 * GB,
+    latency_s=1.1e-3,
+    kernel_overhead_s=0.0,
+    backward_factor=4.0,
+    id_s=12e-9,
+    row_s=17e-9,
+    bag_s=0.5e-9,
+    route_id_s=24e-9,
+    column_stat_id_s=49e-9,
+    feature_s=0.0,
+    step_overhead_s=0.6e-3,
+)
+
+PRESETS = {h.name: h for h in (ZIONEX, TORCHREC_DEFAULTS, LOCAL_CPU)}
+
+
+def cached_calibration(world_size: int) -> Path:
+    """Where `recscale calibrate` keeps this machine's description for ``world_size`` ranks."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "recscale"
+    return base / f"topology-local-{world_size}.json"
+
+
+def this_machine(world_size: int, ranks_per_host: int, gpu: bool) -> Hardware:
+    """The planner's default description of the machine a job runs on: its cached calibration
+    when there is one, else the ZionEX-like preset on GPUs and ``local-cpu`` on CPUs."""
+    cached = cached_calibration(ranks_per_host)
+    if cached.is_file():
+        hw = Hardware.load(cached)
+    else:
+        hw = ZIONEX if gpu else LOCAL_CPU
+    return hw.with_world(world_size, ranks_per_host)
 
 
 def resolve_hardware(name_or_file: str, world_size: int | None = None, ranks_per_host: int | None = None) -> Hardware:

@@ -65,6 +65,10 @@ class _Loads:
         self.time = [0.0] * world
         self.mem = [0.0] * world
         self.cap = cap
+        # Options that keep every touched rank under ``floor`` (a lower bound on the final
+        # slowest rank) are equally good for the maximum, so the cheapest in total wins:
+        # tables are not split over ranks before the load requires it.
+        self.floor = 0.0
 
     def fits(self, rank: int, nbytes: float) -> bool:
         return self.mem[rank] + nbytes <= self.cap
@@ -134,7 +138,7 @@ def _score(p: Placement, loads: _Loads, current_max: float) -> tuple[float, floa
 
 
 def _best_option(t: TableSpec, hw: Hardware, wl: Workload, loads: _Loads, allowed: set[str] | None) -> Placement | None:
-    current = max(loads.time)
+    current = max(max(loads.time), loads.floor)
     best, best_key = None, None
     for kind, rects in _templates(t, hw):
         if allowed is not None and kind not in allowed:
@@ -201,14 +205,18 @@ def score_plan(plan: ShardingPlan, tables: list[TableSpec], hw: Hardware, wl: Wo
 def plan_tables(
     tables: list[TableSpec], hw: Hardware, wl: Workload, allowed: set[str] | None = None, time_budget_s: float = 20.0
 ) -> PlanResult:
-    """The default planner: several starts (greedy over every option, greedy table-wise, and
-    each baseline that fits), each improved by local search over every option; the best wins.
+    """The default planner: several starts (greedy over every option with and without the
+    average-load floor, greedy table-wise, and each baseline that fits), each improved by local search over every option; the best wins.
     Starting from every baseline means the result is never worse than any of them."""
     t0 = time.perf_counter()
     _check_names(tables)
     starts: list[dict[str, Placement]] = []
+    try:
+        starts.append(_greedy(tables, hw, wl, allowed, floor=True))
+    except PlanError:
+        pass
     for subset in (allowed, {"table_wise"} if allowed is None or "table_wise" in allowed else None):
-        if subset is None and starts:
+        if subset is None:
             continue
         try:
             starts.append(_greedy(tables, hw, wl, subset))
@@ -238,9 +246,12 @@ def plan_tables(
     return best
 
 
-def _greedy(tables: list[TableSpec], hw: Hardware, wl: Workload, allowed: set[str] | None) -> dict[str, Placement]:
-    """Largest tables first, each with the option and ranks that keep the maximum lowest."""
+def _greedy(tables: list[TableSpec], hw: Hardware, wl: Workload, allowed: set[str] | None, floor: bool = False) -> dict[str, Placement]:
+    """Largest tables first, each with the option and ranks that keep the maximum lowest
+    (with ``floor``: no lower than the average load of the cheapest options, then cheapest)."""
     loads = _Loads(hw.world_size, hw.memory_bytes)
+    if floor:
+        loads.floor = _average_load_bound(tables, hw, wl, allowed)
     placements: dict[str, Placement] = {}
     tw = {t.name: shard_cost(t, "table_wise", t.rows, t.dim, hw, wl).time_s for t in tables}
     unplaced = []
@@ -254,6 +265,20 @@ def _greedy(tables: list[TableSpec], hw: Hardware, wl: Workload, allowed: set[st
     if unplaced:
         raise _no_fit_error(unplaced, hw, loads, tables)
     return placements
+
+
+def _average_load_bound(tables: list[TableSpec], hw: Hardware, wl: Workload, allowed: set[str] | None) -> float:
+    """Sum over tables of their cheapest option's total time, per rank: no plan's slowest rank
+    can be faster."""
+    total = 0.0
+    for t in tables:
+        costs = [
+            sum(shard_cost(t, kind, rows, cols, hw, wl).time_s for _, rows, _, cols in rects)
+            for kind, rects in _templates(t, hw)
+            if allowed is None or kind in allowed
+        ]
+        total += min(costs) if costs else 0.0
+    return total / hw.world_size
 
 
 def _local_search(tables, placements, loads: _Loads, hw, wl, allowed, deadline: float) -> None:
@@ -276,9 +301,16 @@ def _local_search(tables, placements, loads: _Loads, hw, wl, allowed, deadline: 
             new = _best_option(by_name[name], hw, wl, loads, allowed)
             if new is not None:
                 loads.apply(new)
-                if max(loads.time) < current - 1e-12 and (name, round(max(loads.time), 15)) not in tabu:
+                new_max = max(loads.time)
+                # Lower the maximum, or keep it and do less work in total (e.g. merge a split
+                # table), which frees room for later moves when several ranks tie at the top.
+                better = new_max < current - 1e-12 or (
+                    new_max <= current + 1e-12
+                    and sum(c.time_s for c in new.costs) < sum(c.time_s for c in old.costs) * (1 - 1e-9)
+                )
+                if better and (name, round(new_max, 15), round(sum(loads.time), 12)) not in tabu:
                     placements[name] = new
-                    tabu.add((name, round(max(loads.time), 15)))
+                    tabu.add((name, round(new_max, 15), round(sum(loads.time), 12)))
                     improved = True
                     break
                 loads.apply(new, -1.0)
