@@ -32,7 +32,9 @@ def available() -> bool:
 
 
 class TorchRecPlanning:
-    def __init__(self, tables: list[TableSpec], hw: Hardware, wl: Workload) -> None:
+    def __init__(self, tables: list[TableSpec], hw: Hardware, wl: Workload, timeout_s: int | None = 60) -> None:
+        """``timeout_s`` stops TorchRec's proposal search (it keeps its best plan so far); its
+        default grid search takes minutes for hundreds of tables on 128 ranks."""
         import torch
         from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
         from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
@@ -43,6 +45,7 @@ class TorchRecPlanning:
         from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
         self.tables = tables
+        self.timeout_s = timeout_s
         self.hw = hw
         self.world = hw.world_size
         self.topology = Topology(
@@ -83,6 +86,7 @@ class TorchRecPlanning:
 
         planner = EmbeddingShardingPlanner(
             topology=self.topology, batch_size=self.batch_size, constraints=self.constraints, debug=False,
+            timeout_seconds=self.timeout_s,
         )
         t0 = time.perf_counter()
         planner.plan(self.module, self.sharders)

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import environment, format_table, write_json  # noqa: E402
 
 from recscale.planner.cost_model import TableSpec, Workload  # noqa: E402
@@ -87,11 +88,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=65536, help="global batch (MLPerf DCNv2 uses 65536)")
     p.add_argument("--time-budget", type=float, default=20.0)
     p.add_argument("--no-torchrec", action="store_true", help="skip TorchRec even when it is installed")
+    p.add_argument("--torchrec-timeout", type=int, default=60, help="seconds TorchRec's planner may search per case")
+    p.add_argument("--sets", help="comma-separated subset of the table sets (default: all)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     sets = {**real_sets(), **synthetic_sets()}
     worlds = [int(w) for w in args.worlds.split(",")]
+    if args.sets:
+        unknown = set(args.sets.split(",")) - set(sets)
+        if unknown:
+            p.error(f"--sets: unknown {sorted(unknown)}; choose from {sorted(sets)}")
+        sets = {k: v for k, v in sets.items() if k in args.sets.split(",")}
     if args.quick:
         sets = {k: v[:60] for k, v in list(sets.items())[:2]}
         worlds, args.time_budget = [8], 2.0
@@ -100,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         import logging
         import warnings
 
-        logging.getLogger("torchrec").setLevel(logging.ERROR)
+        logging.disable(logging.WARNING)  # TorchRec logs a line per table
         warnings.filterwarnings("ignore")
     wl = Workload(batch_size=args.batch_size)
     methods = ["recscale", *BASELINES] + (["torchrec"] if use_torchrec else [])
@@ -119,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                     plans[m] = None
             tr = None
             if use_torchrec:
-                tr = _torchrec_planner.TorchRecPlanning(tables, hw, wl)
+                tr = _torchrec_planner.TorchRecPlanning(tables, hw, wl, args.torchrec_timeout)
                 try:
                     plans["torchrec"], seconds["torchrec"] = tr.plan()
                 except Exception as e:  # TorchRec raises its own planner errors when nothing fits
@@ -143,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                     ["", "", "", "torchrec estimator"] + [_fmt(tr_est.get(m)) for m in methods]
                     + [best_t.replace("greedy_", ""), f"{gain_t:.1f}%", f"{seconds.get('torchrec', math.nan):.1f}"]
                 )
+            print(f"{name} x {w}: gain {gain_m:.1f}% (recscale model), {gain_t:.1f}% (torchrec estimator); "
+                  f"planned in {ours.seconds:.1f} s, torchrec {seconds.get('torchrec', math.nan):.1f} s", flush=True)
             records.append({
                 "set": name, "world_size": w, "tables": len(tables),
                 "recscale_model_ms": {k: (v * 1e3 if v is not None else None) for k, v in ours_model.items()},

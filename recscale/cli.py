@@ -69,7 +69,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from recscale.planner.hardware import cached_calibration
 
     out = args.out or str(cached_calibration(args.ranks))
-    hw = calibrate(args.ranks, progress=print if args.verbose else None)
+    hw = calibrate(args.ranks, progress=print if args.verbose else None, quick=args.quick)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     hw.save(out)
     print(
@@ -120,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", help="hardware JSON to write (default: this machine's cached calibration, "
                    "~/.cache/recscale/topology-local-RANKS.json, which the trainer's planner reads)")
     c.add_argument("--verbose", action="store_true", help="print every probe as it is measured")
+    c.add_argument("--quick", action="store_true", help="fewer, smaller probes (seconds; rougher constants)")
     c.set_defaults(func=_calibrate)
     return parser
 

@@ -126,12 +126,14 @@ def fit(probes_by_bf: dict[float, list[Probe]]) -> tuple[dict[str, float], float
 
 
 def measure_compute(world_size: int, batches: tuple[int, ...] = (1024, 4096), steps: int = 5,
-                    progress=None) -> tuple[dict[str, float], float, float, list[Probe]]:
+                    progress=None, quick: bool = False) -> tuple[dict[str, float], float, float, list[Probe]]:
     """Stage 1: fit the compute constants for one of ``world_size`` local ranks."""
     threads = max(1, (os.cpu_count() or 1) // world_size)
     measured: list[tuple[str, ShardingPlan, list[TableSpec], object, float]] = []
     topo = Topology(1, 0, 1)
     for set_name, rows in PROBE_SETS.items():
+        if quick and set_name in ("large", "narrow"):
+            continue
         tables = [TableSpec(f"{set_name}{i}", r, d, p) for i, (r, d, p) in enumerate(rows)]
         cfgs = [TableConfig(t.name, t.rows, t.dim) for t in tables]
         for kind in PROBE_TYPES:
@@ -191,7 +193,7 @@ COMPUTE_SCALED = ("kernel_overhead_s", "id_s", "row_s", "bag_s", "route_id_s", "
 
 
 def measure_collection(hw: Hardware, batches: tuple[int, ...] = (1024, 4096), steps: int = 5,
-                       progress=None) -> dict[str, float]:
+                       progress=None, sets: tuple[str, ...] = ("mixed", "large", "many_small")) -> dict[str, float]:
     """Stage 3 (more than one rank): the real collection on ``hw.world_size`` local processes.
 
     Steps of balanced plans (table-wise, row-wise, data-parallel, column shards over every rank)
@@ -207,7 +209,7 @@ def measure_collection(hw: Hardware, batches: tuple[int, ...] = (1024, 4096), st
     topo = Topology(w, 0, w)
     fast = replace(hw, intra_host_bw=1e30, cross_host_bw=1e30, latency_s=0.0)
     rows_a, n = [], 0
-    for set_name in ("mixed", "large", "many_small"):
+    for set_name in sets:
         raw = [TableSpec(f"{set_name}{i}", r, d, p) for i, (r, d, p) in enumerate(PROBE_SETS[set_name])]
         for batch in batches:
             gb = synthetic_batches(raw, batch, 2, seed=7 + batch)
@@ -239,9 +241,12 @@ def physical_memory_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def calibrate(world_size: int = 2, memory_fraction: float = 0.6, progress=None) -> Hardware:
-    """This machine as a Hardware description for ``world_size`` local ranks."""
-    coef, bf, err, _ = measure_compute(world_size, progress=progress)
+def calibrate(world_size: int = 2, memory_fraction: float = 0.6, progress=None, quick: bool = False) -> Hardware:
+    """This machine as a Hardware description for ``world_size`` local ranks (``quick``: fewer,
+    smaller probes, for smoke tests; the constants are rougher)."""
+    batches = (512, 2048) if quick else (1024, 4096)
+    steps = 3 if quick else 5
+    coef, bf, err, _ = measure_compute(world_size, batches, steps, progress=progress, quick=quick)
     if progress:
         progress(f"compute fit: median error {100 * err:.1f}%, backward factor {bf}")
     comm = measure_all_to_all(world_size) if world_size > 1 else {"intra_host_bw": 1e12, "latency_s": 0.0}
@@ -265,7 +270,8 @@ def calibrate(world_size: int = 2, memory_fraction: float = 0.6, progress=None) 
         step_overhead_s=coef["step_overhead_s"],
     )
     if world_size > 1:
-        fitted = measure_collection(hw, progress=progress)
+        fitted = measure_collection(hw, batches[-1:] if quick else batches, steps, progress=progress,
+                                    sets=("mixed",) if quick else ("mixed", "large", "many_small"))
         if progress:
             progress(f"isolated all-to-all: {comm['latency_s'] * 1e6:.0f} us, {comm['intra_host_bw'] / 1e9:.2f} GB/s; "
                      f"in the collection: {fitted['latency_s'] * 1e6:.0f} us, {fitted['intra_host_bw'] / 1e9:.2f} GB/s, "

@@ -211,23 +211,23 @@ def plan_tables(
     t0 = time.perf_counter()
     _check_names(tables)
     starts: list[dict[str, Placement]] = []
-    try:
-        starts.append(_greedy(tables, hw, wl, allowed, floor=True))
-    except PlanError:
-        pass
-    for subset in (allowed, {"table_wise"} if allowed is None or "table_wise" in allowed else None):
-        if subset is None:
-            continue
+    no_fit: PlanError | None = None
+    subsets: list[tuple[set[str] | None, bool]] = [(allowed, True), (allowed, False)]
+    if allowed is None or "table_wise" in allowed:
+        subsets.append(({"table_wise"}, False))
+    for subset, floor in subsets:
         try:
-            starts.append(_greedy(tables, hw, wl, subset))
-        except PlanError:
-            if not starts and subset == allowed:
-                raise
+            starts.append(_greedy(tables, hw, wl, subset, floor=floor))
+        except PlanError as e:
+            no_fit = no_fit or e
     for method in BASELINES:
         try:
             starts.append(_baseline_placements(method, tables, hw, wl))
         except PlanError:
             continue
+    if not starts:
+        assert no_fit is not None
+        raise no_fit
     deadline = t0 + time_budget_s
     best: PlanResult | None = None
     for i, placements in enumerate(starts):
