@@ -124,10 +124,16 @@ class TableShardingConfig:
 
 @dataclass
 class ShardingConfig:
-    # Sharding type of every table without an entry in [sharding.tables].
-    default: ShardingTypeName = "table_wise"
+    # Sharding type of every table without an entry in [sharding.tables]; "auto": the
+    # cost-model planner chooses type and ranks per table (tables listed in [sharding.tables]
+    # keep their type, the others are table-wise).
+    default: Literal["auto", "table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"] = "auto"
     # A plan JSON file; when set it replaces the default placement.
     plan: str = ""
+    # What the "auto" planner costs plans on: a preset (zionex, torchrec-defaults, local-cpu) or a
+    # calibrated JSON file from `recscale calibrate`; "" = this machine (its cached calibration
+    # when there is one, else local-cpu on CPU and zionex on GPU).
+    topology: str = ""
     tables: dict[str, TableShardingConfig] = field(default_factory=dict)
 
 
