@@ -118,10 +118,10 @@ def make_batches(cfg: BenchConfig, n: int) -> list[JaggedBatch]:
 # --------------------------------------------------------------------------- implementations
 
 
-def bench_recscale(cfg, batches, grads, opt_name, iters, warmup):
+def bench_recscale(cfg, batches, grads, opt_name, iters, warmup, kernel="native"):
     tables = [TableConfig(f"t{k}", rows, cfg.dim, features=(f"f{k}",)) for k, rows in enumerate(cfg.rows)]
     opt = make_optimizer(opt_name, lr=LR, **({} if opt_name == "sgd" else {"eps": EPS}))
-    model = TableBatchedEmbeddingBags(tables, opt, seed=SEED)
+    model = TableBatchedEmbeddingBags(tables, opt, seed=SEED, kernel=kernel)
     n = len(batches)
 
     def forward(i):
@@ -130,7 +130,11 @@ def bench_recscale(cfg, batches, grads, opt_name, iters, warmup):
     def backward(i, out):
         out.backward(grads[i % n])
 
-    return time_phases(forward, backward, iters, warmup), f"TableBatchedEmbeddingBags, {opt.name} fused"
+    return time_phases(forward, backward, iters, warmup), f"TableBatchedEmbeddingBags, {kernel} kernels, {opt.name} fused"
+
+
+def bench_recscale_torch(cfg, batches, grads, opt_name, iters, warmup):
+    return bench_recscale(cfg, batches, grads, opt_name, iters, warmup, kernel="torch")
 
 
 def bench_plain(cfg, batches, grads, opt_name, iters, warmup):
@@ -212,7 +216,7 @@ def run_config(cfg: BenchConfig, opt_name: str, iters: int, warmup: int, fbgemm:
     grads = [torch.randn(cfg.batch_size, out_dim, generator=gen) for _ in range(NUM_BATCHES)]
     results: dict[str, Any] = {}
     notes: list[str] = []
-    impls = [("recscale", bench_recscale), ("plain_pytorch", bench_plain)]
+    impls = [("recscale", bench_recscale), ("recscale_torch", bench_recscale_torch), ("plain_pytorch", bench_plain)]
     if fbgemm:
         impls.append(("fbgemm", bench_fbgemm))
     for name, fn in impls:
