@@ -228,3 +228,25 @@ def test_same_result_on_one_and_two_threads():
         torch.set_num_threads(old)
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_embedding_op_benchmark_multi_hot_quick(tmp_path):
+    """The benchmark's multi-hot case runs, times native and torch kernels, writes its JSON."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "op.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/embedding_op.py", "--config", "multi-hot", "--quick", "--threads", "1",
+         "--iters", "2", "--json", str(out)],
+        cwd=repo, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (rep,) = json.loads(out.read_text())["configs"]
+    assert rep["config"] == "multi-hot" and rep["ids_per_sample"] == 214
+    assert {"recscale", "recscale_torch", "plain_pytorch"} <= set(rep["results"])
+    assert "native kernels" in rep["results"]["recscale"]["description"]
+    assert "torch kernels" in rep["results"]["recscale_torch"]["description"]
