@@ -73,6 +73,35 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_prepare(args: argparse.Namespace) -> int:
+    from recscale.data.prepare import PrepareOptions, build_schema, prepare, resolve_inputs
+
+    schema = build_schema(args.format, args.schema, args.table_rows, args.vocab_min_count)
+    opts = PrepareOptions(
+        inputs=resolve_inputs(args.input),
+        fmt=args.format,
+        schema=schema,
+        out=args.out,
+        workers=args.workers,
+        block_bytes=int(args.block_mb * (1 << 20)),
+        row_group_rows=args.row_group_rows,
+        skip_bad_rows=args.skip_bad_rows,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+        compression=args.compression,
+    )
+    r = prepare(opts)
+    print(
+        f"prepared {r.rows:,} rows from {len(opts.inputs)} file(s) ({r.input_bytes / 1e6:,.1f} MB) into {r.shards} shards "
+        f"in {r.out} in {r.seconds:.1f} s: {r.rows_per_s:,.0f} rows/s, {r.input_bytes / 1e6 / max(r.seconds, 1e-9):,.1f} MB/s"
+    )
+    if r.skipped_rows:
+        print(f"skipped {r.skipped_rows:,} bad rows, e.g.:\n  " + "\n  ".join(r.skipped_examples))
+    print(f"table rows per feature: {list(r.table_rows.values())}")
+    print(f"statistics: {r.out}/stats.json; train with --set data.source=prepared --set data.train_path={r.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="recscale", description="Train large recommendation models (DLRM).")
     parser.add_argument("--version", action="version", version=f"recscale {__version__}")
@@ -104,12 +133,34 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--ranks", type=int, default=2, help="local ranks to measure collectives between")
     c.add_argument("--out", default="topology.json", help="hardware JSON to write")
     c.set_defaults(func=_calibrate)
+
+    data = sub.add_parser("data", help="prepare click logs into sharded Parquet for fast, resumable reading")
+    dsub = data.add_subparsers(dest="data_command", required=True)
+    d = dsub.add_parser("prepare", help="stream raw logs (TSV/CSV/Parquet, plain or gzip) into Parquet shards + stats")
+    d.add_argument("--input", nargs="+", required=True, metavar="PATH_OR_GLOB", help="input files (quote globs)")
+    d.add_argument("--format", required=True, choices=["criteo-tsv", "csv", "parquet"])
+    d.add_argument("--schema", help="schema file (JSON or TOML): label, dense and sparse columns (required for csv/parquet)")
+    d.add_argument("--out", required=True, help="output directory (shards, stats.json, manifest.json)")
+    d.add_argument("--table-rows", type=lambda t: [int(x) for x in t.split(",")], metavar="N[,N...]",
+                   help="hash categorical values into tables of N rows (one value, or 26 for criteo-tsv)")
+    d.add_argument("--vocab-min-count", type=int, metavar="K",
+                   help="instead of hashing: a vocabulary of the values seen at least K times (MLPerf-style)")
+    d.add_argument("--workers", type=int, default=2, help="worker processes (0: in this process)")
+    d.add_argument("--block-mb", type=float, default=64, help="input read per block (one shard per block)")
+    d.add_argument("--row-group-rows", type=int, default=32768, help="rows per Parquet row group (the unit ranks split)")
+    d.add_argument("--compression", default="zstd", choices=["zstd", "snappy", "lz4", "none"])
+    d.add_argument("--skip-bad-rows", action="store_true", help="count, report and skip malformed rows instead of stopping")
+    d.add_argument("--overwrite", action="store_true", help="replace an existing prepared directory")
+    d.add_argument("--no-progress", action="store_true", help="no progress bar")
+    d.set_defaults(func=_data_prepare)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from recscale.comm.process_group import DistributedError
     from recscale.data.errors import DataFormatError
+    from recscale.data.schema import SchemaError
+    from recscale.data.sharded_reader import ReaderStateError
     from recscale.sharding.plan import PlanError
     from recscale.sparse import SparseInputError
     from recscale.train.config import ConfigError
@@ -117,7 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, DataFormatError, SparseInputError, PlanError, FileNotFoundError) as e:
+    except (
+        ConfigError, DataFormatError, SparseInputError, PlanError, FileNotFoundError, SchemaError, ReaderStateError, FileExistsError
+    ) as e:
         print(f"recscale: error: {e}", file=sys.stderr)
         return 2
     except DistributedError as e:

@@ -36,7 +36,8 @@ class CommStats:
         """Add the wall time of the block to ``name`` (blocking time of this rank)."""
         t0 = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(f"comm:{name}"):  # visible in profiles as communication
+                yield
         finally:
             self.seconds[name] += time.perf_counter() - t0
 
@@ -81,6 +82,51 @@ def all_to_all(
         raise _fail(name, e) from e
     return out
 
+
+
+class PendingCollective:
+    """The received tensor of a collective started with ``async_op``; ``wait()`` returns it
+    once it has arrived (and counts the blocking time, as the synchronous calls do)."""
+
+    def __init__(self, out: torch.Tensor, work, name: str, stats: CommStats | None) -> None:
+        self._out, self._work, self._name, self._stats = out, work, name, stats
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            try:
+                with self._stats.timed(self._name) if self._stats is not None else nullcontext():
+                    self._work.wait()
+            except RuntimeError as e:
+                raise _fail(self._name, e) from e
+            self._work = None
+        return self._out
+
+
+def all_to_all_async(
+    x: torch.Tensor,
+    send_splits: Sequence[int],
+    recv_splits: Sequence[int],
+    group: dist.ProcessGroup | None,
+    stats: CommStats | None = None,
+    name: str = "all_to_all",
+) -> PendingCollective:
+    """``all_to_all`` that returns at once; the exchange runs while the caller computes.
+
+    Every rank must start its collectives in the same order (as for the blocking calls)."""
+    out = x.new_empty((int(sum(recv_splits)),) + tuple(x.shape[1:]))
+    if group is None:
+        out.copy_(x)
+        return PendingCollective(out, None, name, stats)
+    if stats is not None:
+        me = dist.get_rank(group)
+        stats.add(name, (int(sum(send_splits)) - int(send_splits[me])) * x.element_size() * _row_numel(x))
+    try:
+        work = dist.all_to_all_single(
+            out, x.contiguous(), list(map(int, recv_splits)), list(map(int, send_splits)), group=group, async_op=True
+        )
+    except RuntimeError as e:
+        raise _fail(name, e) from e
+    return PendingCollective(out, work, name, stats)
 
 
 def _row_numel(x: torch.Tensor) -> int:

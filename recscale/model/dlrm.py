@@ -23,8 +23,14 @@ class DLRM(nn.Module):
         num_dense: int,
         bottom_mlp: Sequence[int],
         top_mlp: Sequence[int],
+        mlp_precision: str = "fp32",
     ) -> None:
+        """``mlp_precision="bf16"`` runs the MLPs and the interaction in bf16 (autocast: bf16
+        matmuls, fp32 master weights and gradients); the embeddings and the loss stay fp32."""
         super().__init__()
+        if mlp_precision not in ("fp32", "bf16"):
+            raise ValueError(f"mlp_precision must be 'fp32' or 'bf16', got {mlp_precision!r}")
+        self.mlp_precision = mlp_precision
         dims = set(embeddings.feature_dims)
         if len(dims) != 1:
             raise ValueError(f"dot interaction needs one embedding dim for every feature, got {sorted(dims)}")
@@ -42,9 +48,12 @@ class DLRM(nn.Module):
         self.top = MLP(self.interaction.out_features, top_mlp, final_activation=False)
 
     def forward(self, dense: torch.Tensor, sparse: JaggedBatch) -> torch.Tensor:
-        x = self.bottom(dense)
         pooled = self.embeddings(sparse)
-        return self.top(self.interaction(x, pooled)).squeeze(1)
+        if self.mlp_precision == "fp32":
+            return self.top(self.interaction(self.bottom(dense), pooled)).squeeze(1)
+        with torch.autocast(dense.device.type, dtype=torch.bfloat16):
+            logits = self.top(self.interaction(self.bottom(dense), pooled))
+        return logits.squeeze(1).float()
 
     def dense_parameters(self) -> list[nn.Parameter]:
         return [p for name, p in self.named_parameters() if not name.startswith("embeddings.")]

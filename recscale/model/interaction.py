@@ -8,7 +8,13 @@ from torch import nn
 
 class DotInteraction(nn.Module):
     """Pairwise dot products of all F vectors (strictly lower triangle), concatenated with the
-    bottom-MLP output, as in DLRM. Output width: ``dim + F (F - 1) / 2``."""
+    bottom-MLP output, as in DLRM. Output width: ``dim + F (F - 1) / 2``.
+
+    Forward is one batched matmul (the Gram matrix) and one gather of its lower triangle.
+    Backward uses the symmetry of the Gram matrix: the gradient of ``X X^T`` read through the
+    triangle is ``(G + G^T) X``, one batched matmul, where autograd's generic rule for
+    ``bmm(X, X^T)`` would run two plus a transpose-add of ``[B, F, D]`` tensors.
+    """
 
     def __init__(self, num_vectors: int, dim: int) -> None:
         super().__init__()
@@ -23,6 +29,27 @@ class DotInteraction(nn.Module):
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         b = dense.shape[0]
+        if pooled.dtype != dense.dtype:  # bf16 MLPs: interact in the MLPs' precision
+            pooled = pooled.to(dense.dtype)
         vectors = torch.cat([dense, pooled], dim=1).view(b, self.num_vectors, self.dim)
-        gram = torch.bmm(vectors, vectors.transpose(1, 2)).view(b, self.num_vectors * self.num_vectors)
-        return torch.cat([dense, gram.index_select(1, self._flat_index)], dim=1)
+        pairs = _TrianglePairs.apply(vectors, self._flat_index)
+        return torch.cat([dense, pairs], dim=1)
+
+
+class _TrianglePairs(torch.autograd.Function):
+    """``[B, F, D] -> [B, P]``: the dot products of the pairs listed by ``flat_index`` (i > j)."""
+
+    @staticmethod
+    def forward(ctx, vectors: torch.Tensor, flat_index: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        b, f, _ = vectors.shape
+        ctx.save_for_backward(vectors, flat_index)
+        gram = torch.bmm(vectors, vectors.transpose(1, 2))
+        return gram.view(b, f * f).index_select(1, flat_index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        vectors, flat_index = ctx.saved_tensors
+        b, f, _ = vectors.shape
+        g = grad.new_zeros(b, f * f).index_copy_(1, flat_index, grad.contiguous()).view(b, f, f)
+        sym = g + g.transpose(1, 2)
+        return torch.bmm(sym.to(vectors.dtype), vectors), None

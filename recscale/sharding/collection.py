@@ -18,13 +18,14 @@ before the same fused optimizer updates every replica identically.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from recscale.comm.codecs import get_codec
-from recscale.comm.collectives import CommStats, all_gather_rows, all_gather_sizes, all_to_all
+from recscale.comm.collectives import CommStats, all_gather_rows, all_gather_sizes, all_to_all, all_to_all_async
 from recscale.comm.process_group import ProcessGroups
 from recscale.embedding import SparseOptimizer, TableBatchedEmbeddingBags, TableConfig
 from recscale.embedding.table_batched import init_rows, output_feature_order, row_gradients
@@ -53,6 +54,22 @@ class _ShardFeature:
     col_offset: int
     num_cols: int
     routes_by_row: bool
+
+
+@dataclass
+class PendingInput:
+    """A local batch whose ids are on their way to their owners (``start_input_dist``)."""
+
+    batch: JaggedBatch
+    sizes: list[int]
+    _finish: Callable[[], JaggedBatch] = field(repr=False)
+    _received: JaggedBatch | None = field(default=None, repr=False)
+
+    def wait(self) -> JaggedBatch:
+        """The ids this rank's shards serve, ordered for its operator (waits once)."""
+        if self._received is None:
+            self._received = self._finish()
+        return self._received
 
 
 def _shard_table_name(table: str, index: int) -> str:
@@ -180,6 +197,7 @@ class ShardedEmbeddingCollection(nn.Module):
         self._shard_index = {
             (tp.table, s.row_offset, s.col_offset): i for tp in plan.tables for i, s in enumerate(tp.shards)
         }
+        self._bag_order_cache: dict[tuple[int, ...], torch.Tensor] = {}
         # Makes the output require grad on every rank, so every rank joins the backward collectives.
         self._anchor = nn.Parameter(torch.zeros(0, device=device))
 
@@ -190,12 +208,20 @@ class ShardedEmbeddingCollection(nn.Module):
             raise SparseInputError(f"batch lacks features {missing} that the embedding tables expect")
         batch.validate(self.num_rows_by_feature)
 
-    def forward(self, batch: JaggedBatch) -> torch.Tensor:
-        pg = self.groups.embedding
-        b_local = batch.batch_size
-        sizes = all_gather_sizes(b_local, pg, self.groups.device, "batch_sizes")
+    def start_input_dist(self, batch: JaggedBatch) -> PendingInput:
+        """Send this batch's ids to their owners now; ``forward(pending)`` uses them later.
+
+        The batch sizes and lengths are exchanged at once (small); the ids and weights travel
+        in the background while the caller computes the previous batch. Every rank must call
+        this and ``forward`` in the same order, as for any collective."""
+        sizes = all_gather_sizes(batch.batch_size, self.groups.embedding, self.groups.device, "batch_sizes")
+        return PendingInput(batch, sizes, self._distribute_input(batch, sizes))
+
+    def forward(self, batch: JaggedBatch | PendingInput) -> torch.Tensor:
+        pending = batch if isinstance(batch, PendingInput) else self.start_input_dist(batch)
+        batch, sizes = pending.batch, pending.sizes
         self.global_batch_size = sum(sizes)
-        received = self._distribute_input(batch, sizes)
+        received = pending.wait()
         self._received = received  # column shards with row-wise state need it in backward
         if self.local is not None:
             pooled = self.local(received)
@@ -224,7 +250,9 @@ class ShardedEmbeddingCollection(nn.Module):
             out[f] = (vals, lens, w)
         return out
 
-    def _distribute_input(self, batch: JaggedBatch, sizes: list[int]) -> JaggedBatch:
+    def _distribute_input(self, batch: JaggedBatch, sizes: list[int]) -> Callable[[], JaggedBatch]:
+        """Exchange lengths now, start the ids (and weights) exchange; the returned function
+        waits for them and orders the received bags for the operator."""
         me, b = self.rank, batch.batch_size
         need_weights = batch.weights is not None or bool(self._mean_features)
         per_feature = self._feature_ids(batch)
@@ -255,25 +283,45 @@ class ShardedEmbeddingCollection(nn.Module):
         val_recv_splits = [int(x.sum()) for x in per_src]
         vals_send = torch.cat(vals_out) if vals_out else torch.zeros(0, dtype=torch.int64, device=dev)
         # Ids travel as int32 when every table is small enough: half the bytes.
-        vals_recv = all_to_all(vals_send.to(self._id_wire_dtype), val_splits, val_recv_splits, pg, self.stats, "input_ids")
-        vals_recv = vals_recv.to(torch.int64)
-        wts_recv = None
+        ids_pending = all_to_all_async(
+            vals_send.to(self._id_wire_dtype), val_splits, val_recv_splits, pg, self.stats, "input_ids"
+        )
+        wts_pending = None
         if need_weights:
             wts_send = torch.cat(wts_out) if wts_out else torch.zeros(0, device=dev)
-            wts_recv = all_to_all(wts_send, val_splits, val_recv_splits, pg, self.stats, "input_weights")
+            wts_pending = all_to_all_async(wts_send, val_splits, val_recv_splits, pg, self.stats, "input_weights")
+
+        def finish() -> JaggedBatch:
+            vals_recv = ids_pending.wait().to(torch.int64)
+            wts_recv = None if wts_pending is None else wts_pending.wait()
+            return self._order_received(vals_recv, lens_recv, wts_recv, sizes)
+
+        return finish
+
+    def _order_received(
+        self, vals_recv: torch.Tensor, lens_recv: torch.Tensor, wts_recv: torch.Tensor | None, sizes: list[int]
+    ) -> JaggedBatch:
         # Received bags are ordered (source, feature, sample); the operator wants (feature, source, sample).
+        mine = self._served[self.rank]
+        dev = self.groups.device
         k = len(mine)
         if k == 0:
             return JaggedBatch((), vals_recv, lens_recv, wts_recv)
-        bag_order = []
-        src_start = [0]
-        for s in range(self.world):
-            src_start.append(src_start[-1] + k * sizes[s])
-        for j in range(k):
+        key = tuple(sizes)
+        order = self._bag_order_cache.get(key)
+        if order is None:  # depends only on the batch sizes: built once, not every step
+            bag_order = []
+            src_start = [0]
             for s in range(self.world):
-                start = src_start[s] + j * sizes[s]
-                bag_order.append(torch.arange(start, start + sizes[s], device=dev))
-        order = torch.cat(bag_order)
+                src_start.append(src_start[-1] + k * sizes[s])
+            for j in range(k):
+                for s in range(self.world):
+                    start = src_start[s] + j * sizes[s]
+                    bag_order.append(torch.arange(start, start + sizes[s], device=dev))
+            order = torch.cat(bag_order)
+            if len(self._bag_order_cache) > 8:
+                self._bag_order_cache.clear()
+            self._bag_order_cache[key] = order
         vals, lens, wts = permute_bags(vals_recv, lens_recv, wts_recv, order)
         return JaggedBatch(tuple(sf.key for sf in mine), vals, lens, wts)
 

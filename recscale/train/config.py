@@ -25,7 +25,7 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the key or path and the fix."""
 
 
-DataSource = Literal["synthetic", "criteo_tsv", "criteo_encoded_csv"]
+DataSource = Literal["synthetic", "criteo_tsv", "criteo_encoded_csv", "prepared"]
 
 
 @dataclass
@@ -43,6 +43,12 @@ class DataConfig:
     eval_samples: int = 20_000
     pooling_factors: list[int] = field(default_factory=list)
     zipf_alpha: float = 1.05
+    # Prepared directories only (`recscale data prepare`): samples shuffled together within a
+    # window (0: only the row-group order is shuffled), chunks each loader worker decodes
+    # ahead, and whether shard checksums are verified when the data is opened.
+    shuffle_window: int = 65_536
+    prefetch: int = 2
+    verify_checksums: bool = True
 
 
 @dataclass
@@ -57,6 +63,8 @@ class ModelConfig:
     embedding_kernel: Literal["auto", "native", "torch"] = "auto"
     bottom_mlp: list[int] = field(default_factory=lambda: [64, 16])
     top_mlp: list[int] = field(default_factory=lambda: [64, 1])
+    # MLP and interaction precision: "bf16" = bf16 matmuls with fp32 master weights (opt-in).
+    mlp_precision: Literal["fp32", "bf16"] = "fp32"
 
     def rows_for(self, num_features: int) -> list[int]:
         """Rows of each feature's table: one value applies to all, else one per feature."""
@@ -100,6 +108,8 @@ class TrainConfig:
     threads: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: bool = True
+    # Prepare batch i+1 (load, move, validate, send its ids to their owners) while batch i computes.
+    pipeline: bool = True
 
 
 ShardingTypeName = Literal["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]
@@ -298,6 +308,16 @@ def validate(cfg: Config) -> None:
             )
         if d.zipf_alpha <= 0:
             raise ConfigError(f"config key 'data.zipf_alpha': expected > 0, got {d.zipf_alpha}")
+    elif d.source == "prepared":
+        _non_negative("data.shuffle_window", d.shuffle_window)
+        _positive("data.prefetch", d.prefetch)
+        for key in ("train_path", "eval_path"):
+            p = getattr(d, key)
+            if (p or key == "train_path") and not Path(p).is_dir():
+                raise ConfigError(
+                    f"config key 'data.{key}': '{p}' is not a directory; data.source = 'prepared' reads a "
+                    "directory made by `recscale data prepare`"
+                )
     else:
         if not d.train_path:
             raise ConfigError(f"config key 'data.train_path': required for data.source = '{d.source}'")

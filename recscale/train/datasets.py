@@ -16,23 +16,29 @@ from recscale.data import (
     read_criteo_tsv,
     read_encoded_csv,
 )
+from recscale.data.sharded_reader import ShardedReader
 from recscale.train.config import Config, ConfigError
 
 
 @dataclass
 class DataSplits:
-    train: ClickBatches
-    eval: ClickBatches
+    train: ClickBatches | ShardedReader
+    eval: ClickBatches | ShardedReader
     num_workers: int
     sparse_names: tuple[str, ...]
     num_dense: int
     description: str
 
     def train_loader(self) -> torch.utils.data.DataLoader:
+        if isinstance(self.train, ShardedReader):
+            return self.train.loader()  # type: ignore[return-value]
         # A new loader per epoch, so worker processes see the dataset's current epoch.
         return make_loader(self.train, num_workers=self.num_workers)
 
     def eval_loader(self) -> torch.utils.data.DataLoader:
+        if isinstance(self.eval, ShardedReader):
+            self.eval.set_epoch(0)
+            return self.eval.loader()  # type: ignore[return-value]
         return make_loader(self.eval, num_workers=self.num_workers)
 
 
@@ -49,6 +55,10 @@ def _hold_out(data: ClickData, fraction: float) -> tuple[ClickData, ClickData]:
 def build_data(cfg: Config, rank: int = 0, world_size: int = 1) -> DataSplits:
     """Train and eval batches; with several ranks each rank builds only its share of every batch."""
     d, t = cfg.data, cfg.train
+    if d.source == "prepared":
+        from recscale.train.prepared_data import build_prepared
+
+        return build_prepared(cfg, rank, world_size)
     if d.source == "synthetic":
         rows = cfg.model.table_rows
         pf = d.pooling_factors or [1]

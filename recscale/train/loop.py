@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from recscale.atomic import write_text_atomic
@@ -29,6 +28,7 @@ from recscale.sharding.plan import ShardingPlan
 from recscale.train.config import Config, ConfigError
 from recscale.train.datasets import DataSplits, build_data
 from recscale.train.metrics import EvalMetrics, evaluate_predictions
+from recscale.train.pipeline import TrainPipeline, train_step
 
 
 def seed_everything(seed: int) -> None:
@@ -104,7 +104,7 @@ def build_model(
         embeddings = ShardedEmbeddingCollection(
             tables, optimizer, plan, groups, cfg.train.seed, precision, stats, kernel=cfg.model.embedding_kernel
         )
-    model = DLRM(embeddings, num_dense, cfg.model.bottom_mlp, cfg.model.top_mlp)  # type: ignore[arg-type]
+    model = DLRM(embeddings, num_dense, cfg.model.bottom_mlp, cfg.model.top_mlp, cfg.model.mlp_precision)  # type: ignore[arg-type]
     return model.to(device)
 
 
@@ -187,29 +187,23 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None]) -> di
     if max_steps:
         total_steps = min(total_steps, max_steps)
     bar = tqdm(total=total_steps, disable=not cfg.train.progress or rank != 0, unit="step", dynamic_ncols=True)
-    running_loss, running_n = 0.0, 0
+    running_loss = torch.zeros((), dtype=torch.float64, device=device)  # a tensor: no host sync per step
+    running_n = 0
     done = False
     for epoch in range(cfg.train.epochs):
         data.train.set_epoch(epoch)
         t0 = time.perf_counter()
-        for batch in data.train_loader():
-            batch = batch.to(device, non_blocking=True)
-            model.embeddings.validate(batch.sparse)
-            logits = model(batch.dense, batch.sparse)
-            global_batch = model.embeddings.global_batch_size
-            # Sum over local samples / global batch: summing over ranks gives the global mean.
-            loss_sum = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
-            dense_opt.zero_grad(set_to_none=True)
-            (loss_sum / global_batch).backward()  # embedding rows are updated here, fused into backward
-            sync.finish()
-            dense_opt.step()
+        pipeline = TrainPipeline(data.train_loader(), model.embeddings, device, cfg.train.pipeline)
+        for batch, sparse in pipeline:
+            # Embedding rows are updated inside backward, fused into it.
+            loss_sum = train_step(model, batch, sparse, dense_opt, sync)
             state.step += 1
-            state.samples += global_batch
-            running_loss += loss_sum.item()
+            state.samples += model.embeddings.global_batch_size
+            running_loss += loss_sum
             running_n += batch.batch_size
             if state.step % 20 == 0 or state.step == total_steps:
                 elapsed = state.train_seconds + time.perf_counter() - t0
-                bar.set_postfix(loss=f"{running_loss / max(running_n, 1):.4f}", samples_per_s=f"{state.samples / elapsed:,.0f}")
+                bar.set_postfix(loss=f"{float(running_loss) / max(running_n, 1):.4f}", samples_per_s=f"{state.samples / elapsed:,.0f}")
             bar.update(1)
             if cfg.train.eval_every_steps and state.step % cfg.train.eval_every_steps == 0:
                 state.train_seconds += time.perf_counter() - t0
@@ -221,21 +215,22 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None]) -> di
             if max_steps and state.step >= max_steps:
                 done = True
                 break
+        pipeline.close()
         state.train_seconds += time.perf_counter() - t0
         if done:
             break
     bar.close()
     if world > 1:  # the training loss over every rank's samples
-        totals = torch.tensor([running_loss, float(running_n)], dtype=torch.float64)
+        totals = torch.tensor([float(running_loss), float(running_n)], dtype=torch.float64)
         torch.distributed.all_reduce(totals, group=groups.dense)
-        running_loss, running_n = float(totals[0]), int(totals[1])
+        running_loss, running_n = totals[0], int(totals[1])
     comm_bytes = {k: v / max(state.step, 1) for k, v in stats.snapshot().items()}
     comm_seconds = {k: v / max(state.step, 1) for k, v in stats.seconds.items()}
 
     final = evaluate(model, data.eval_loader(), device, eval_group)
     summary: dict[str, Any] = {
         **final.as_dict(),
-        "train_logloss": running_loss / max(running_n, 1),
+        "train_logloss": float(running_loss) / max(running_n, 1),
         "train_samples_per_sec": state.samples / max(state.train_seconds, 1e-9),
         "train_seconds": state.train_seconds,
         "steps": state.step,
