@@ -86,6 +86,7 @@ class ShardedEmbeddingCollection(nn.Module):
         seed: int = 0,
         precision: CommPrecision = CommPrecision(),
         stats: CommStats | None = None,
+        kernel: str = "auto",
     ) -> None:
         super().__init__()
         plan.validate(tables)
@@ -161,13 +162,15 @@ class ShardedEmbeddingCollection(nn.Module):
         self.local = (
             TableBatchedEmbeddingBags(
                 local_tables[self.rank], optimizer, seed, device, init_fn=shard_init,
-                row_stat_fn=self._row_mean_sq if self._cw_row_stat else None,
+                row_stat_fn=self._row_mean_sq if self._cw_row_stat else None, kernel=kernel,
             )
             if local_tables[self.rank]
             else None
         )
         self.dp = (
-            TableBatchedEmbeddingBags(self._dp_tables, optimizer, seed, device, grad_reducer=self._reduce_dp_grads)
+            TableBatchedEmbeddingBags(
+                self._dp_tables, optimizer, seed, device, grad_reducer=self._reduce_dp_grads, kernel=kernel
+            )
             if self._dp_tables
             else None
         )

@@ -60,6 +60,9 @@ class ModelConfig:
     table_rows: list[int] = field(default_factory=lambda: [100_000] * 26)
     pooling: Literal["sum", "mean"] = "sum"
     embedding_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
+    # Embedding kernels: native C++ on the CPU where it builds ("auto"), always ("native"), or
+    # the pure-PyTorch ones ("torch"); env RECSCALE_EMBEDDING_KERNEL overrides.
+    embedding_kernel: Literal["auto", "native", "torch"] = "auto"
     bottom_mlp: list[int] = field(default_factory=lambda: [64, 16])
     top_mlp: list[int] = field(default_factory=lambda: [64, 1])
     # MLP and interaction precision: "bf16" = bf16 matmuls with fp32 master weights (opt-in).

@@ -119,12 +119,16 @@ def build_model(
     tables = build_tables(cfg, sparse_names)
     embeddings: torch.nn.Module
     if groups is None or groups.world_size == 1:
-        embeddings = TableBatchedEmbeddingBags(tables, optimizer, seed=cfg.train.seed, device=device)
+        embeddings = TableBatchedEmbeddingBags(
+            tables, optimizer, seed=cfg.train.seed, device=device, kernel=cfg.model.embedding_kernel
+        )
     else:
         plan = build_plan(cfg, tables, groups)
         all_gather_object_check(plan.digest(), groups.dense, "sharding plans")
         precision = CommPrecision(cfg.comm.forward, cfg.comm.backward, cfg.comm.loss_scale)
-        embeddings = ShardedEmbeddingCollection(tables, optimizer, plan, groups, cfg.train.seed, precision, stats)
+        embeddings = ShardedEmbeddingCollection(
+            tables, optimizer, plan, groups, cfg.train.seed, precision, stats, kernel=cfg.model.embedding_kernel
+        )
     model = DLRM(embeddings, num_dense, cfg.model.bottom_mlp, cfg.model.top_mlp, cfg.model.mlp_precision)  # type: ignore[arg-type]
     return model.to(device)
 
