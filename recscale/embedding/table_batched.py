@@ -171,7 +171,10 @@ class TableBatchedEmbeddingBags(nn.Module):
         for t in tables:
             offsets.append(rows)
             rows += t.num_rows
-        weight = torch.cat([self._init_fn(t) for t in tables]).to(self.device)
+        # One buffer filled table by table: a concatenation would hold every table twice at peak.
+        weight = torch.empty(rows, dim, dtype=dtype, device=self.device)
+        for t, off in zip(tables, offsets):
+            weight[off : off + t.num_rows].copy_(self._init_fn(t))
         storage = DenseRowStorage(weight, self.optimizer.state_columns(dim))
         features = tuple(f for t in tables for f in t.features)
         feat_off = [off for t, off in zip(tables, offsets) for _ in t.features]
