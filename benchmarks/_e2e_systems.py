@@ -210,7 +210,8 @@ class RecscaleSystem(System):
         self.run([inp], 0, 1)
 
     def embedding_modules(self) -> list[nn.Module]:
-        return [self.model.embeddings]
+        emb = self.model.embeddings  # sharded: DLRM calls start_forward, the local operator pools
+        return [getattr(emb, "local", None) or emb]
 
     def mlp_modules(self) -> list[nn.Module]:
         return [self.model.bottom, self.model.interaction, self.model.top]
@@ -409,7 +410,7 @@ BUILDERS: dict[str, Callable[[ModelSpec], System]] = {
 # --------------------------------------------------------------------------- time breakdown
 
 _COMM = ("comm:", "c10d", "gloo", "all_to_all", "alltoall", "all2all", "allreduce", "all_reduce", "allgather",
-         "all_gather", "record_param_comms", "wait_tensor", "_OutputDist", "All2All", "ReduceScatter", "Awaitable")
+         "all_gather", "record_param_comms", "wait_tensor", "_OutputDist", "_OutputSend", "_OutputRecv", "All2All", "ReduceScatter", "Awaitable")
 _EMB = ("e2e.embeddings", "_FusedPooling", "EmbeddingBag", "SplitLookup", "fbgemm", "embedding", "Embedding")
 _MLP = ("e2e.mlp", "Addmm", "Mm", "Relu", "Threshold", "Bmm", "_TrianglePairs", "Linear", "Index", "Optimizer.step",
         "BinaryCrossEntropy", "Mean", "Squeeze", "Cat", "View", "Transpose", "Unsqueeze", "Div", "Permute")

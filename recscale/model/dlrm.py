@@ -48,11 +48,22 @@ class DLRM(nn.Module):
         self.top = MLP(self.interaction.out_features, top_mlp, final_activation=False)
 
     def forward(self, dense: torch.Tensor, sparse: JaggedBatch) -> torch.Tensor:
-        pooled = self.embeddings(sparse)
+        start = getattr(self.embeddings, "start_forward", None)
+        if start is None:
+            pooled, pending = self.embeddings(sparse), None
+        else:  # sharded: the bottom MLP runs while the pooled outputs travel
+            pooled, pending = None, start(sparse)
         if self.mlp_precision == "fp32":
-            return self.top(self.interaction(self.bottom(dense), pooled)).squeeze(1)
+            x = self.bottom(dense)
+            if pending is not None:
+                pooled = pending.finish()
+            return self.top(self.interaction(x, pooled)).squeeze(1)
         with torch.autocast(dense.device.type, dtype=torch.bfloat16):
-            logits = self.top(self.interaction(self.bottom(dense), pooled))
+            x = self.bottom(dense)
+            if pending is not None:
+                with torch.autocast(dense.device.type, enabled=False):
+                    pooled = pending.finish()
+            logits = self.top(self.interaction(x, pooled))
         return logits.squeeze(1).float()
 
     def dense_parameters(self) -> list[nn.Parameter]:

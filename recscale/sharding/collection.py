@@ -72,6 +72,30 @@ class PendingInput:
         return self._received
 
 
+@dataclass
+class _Exchange:
+    """The in-flight output (forward) and gradient (backward) all-to-alls of one step, shared
+    by the sending and the receiving autograd nodes."""
+
+    output: object = None
+    grad: object = None
+
+
+class PendingOutput:
+    """A step's pooled outputs on their way home (``ShardedEmbeddingCollection.start_forward``)."""
+
+    def __init__(self, coll: "ShardedEmbeddingCollection", batch: JaggedBatch, token: torch.Tensor, state: _Exchange) -> None:
+        self._coll, self._batch, self._token, self._state = coll, batch, token, state
+
+    def finish(self) -> torch.Tensor:
+        coll = self._coll
+        out = _OutputRecv.apply(self._token, coll, self._state)
+        if coll.dp is not None:
+            dp_out = coll.dp(self._batch.select(coll.dp.feature_names))
+            out = out.index_add(1, coll._dp_cols, dp_out)
+        return out
+
+
 def _shard_table_name(table: str, index: int) -> str:
     return f"{table}#{index}"
 
@@ -238,6 +262,13 @@ class ShardedEmbeddingCollection(nn.Module):
         return PendingInput(batch, sizes, self._distribute_input(batch, sizes))
 
     def forward(self, batch: JaggedBatch | PendingInput) -> torch.Tensor:
+        return self.start_forward(batch).finish()
+
+    def start_forward(self, batch: JaggedBatch | PendingInput) -> PendingOutput:
+        """Pool this rank's shards and start sending the outputs home; ``finish()`` waits for
+        them. Work the caller does in between (the bottom MLP, which needs no embeddings)
+        overlaps the output all-to-all, and in backward the bottom MLP's gradients overlap the
+        gradient all-to-all (autograd runs the later-created receiving node first)."""
         pending = batch if isinstance(batch, PendingInput) else self.start_input_dist(batch)
         batch, sizes = pending.batch, pending.sizes
         self.global_batch_size = sum(sizes)
@@ -247,11 +278,9 @@ class ShardedEmbeddingCollection(nn.Module):
             pooled = self.local(received)
         else:
             pooled = torch.zeros(self.global_batch_size, 0, device=self.groups.device)
-        out = _OutputDist.apply(self._anchor, self, pooled, sizes)
-        if self.dp is not None:
-            dp_out = self.dp(batch.select(self.dp.feature_names))
-            out = out.index_add(1, self._dp_cols, dp_out)
-        return out
+        state = _Exchange()
+        token = _OutputSend.apply(self._anchor, self, pooled, sizes, state)
+        return PendingOutput(self, batch, token, state)
 
     def _feature_ids(self, batch: JaggedBatch) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """Per feature: ids, lengths and weights, mean pooling folded into the weights."""
@@ -487,23 +516,54 @@ class ShardedEmbeddingCollection(nn.Module):
         return full
 
 
-class _OutputDist(torch.autograd.Function):
-    """Pooled shard outputs back to their source ranks, summed into column ranges; backward
-    sends the gradient columns of each shard back to its owner."""
+class _OutputSend(torch.autograd.Function):
+    """Starts the output all-to-all (pooled shard outputs back to their source ranks); its
+    backward waits for the gradient all-to-all that ``_OutputRecv.backward`` started."""
 
     @staticmethod
-    def forward(ctx, anchor, coll: ShardedEmbeddingCollection, pooled: torch.Tensor, sizes: list[int]):  # type: ignore[override]
-        ctx.coll, ctx.sizes = coll, sizes
+    def forward(ctx, anchor, coll: ShardedEmbeddingCollection, pooled: torch.Tensor, sizes: list[int], state: _Exchange):  # type: ignore[override]
+        ctx.coll, ctx.sizes, ctx.state = coll, sizes, state
         me, world = coll.rank, coll.world
         codec = coll.fwd_codec
         local_dim = coll._local_dims[me]
         payload = codec.encode(pooled.detach().float().contiguous())  # [B_total, row_bytes]
         send = [sizes[s] * codec.row_bytes(local_dim) for s in range(world)]
         recv = [sizes[me] * codec.row_bytes(coll._local_dims[d]) for d in range(world)]
-        got = all_to_all(payload.reshape(-1), send, recv, coll.groups.embedding, coll.stats, "output_a2a")
+        state.output = (all_to_all_async(payload.reshape(-1), send, recv, coll.groups.embedding, coll.stats, "output_a2a"),
+                        recv, sizes)
+        return pooled.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _grad_token):  # type: ignore[override]
+        coll, sizes, state = ctx.coll, ctx.sizes, ctx.state
+        codec = coll.bwd_codec
+        scale = coll.precision.loss_scale if codec.name == "fp16" else 1.0
+        local_dim = coll._local_dims[coll.rank]
+        got = state.grad.wait()
+        state.grad = None
+        grad_pooled = codec.decode(got.view(sum(sizes), codec.row_bytes(local_dim)), local_dim)
+        if scale != 1.0:
+            grad_pooled = grad_pooled / scale
+        if coll._cw_row_stat:
+            coll._exchange_column_shard_row_sq(grad_pooled)
+        return None, None, grad_pooled, None, None
+
+
+class _OutputRecv(torch.autograd.Function):
+    """Waits for the output all-to-all and sums each shard into its column range; backward
+    starts sending the gradient columns of each shard back to its owner."""
+
+    @staticmethod
+    def forward(ctx, token: torch.Tensor, coll: ShardedEmbeddingCollection, state: _Exchange):  # type: ignore[override]
+        pending, recv, sizes = state.output
+        state.output = None
+        ctx.coll, ctx.sizes, ctx.state = coll, sizes, state
+        me = coll.rank
+        codec = coll.fwd_codec
+        got = pending.wait()
         b = sizes[me]
         alloc = torch.empty if coll._output_all_copied else torch.zeros
-        out = alloc(b, coll.total_dim, device=pooled.device)
+        out = alloc(b, coll.total_dim, device=token.device)
         for d, part in enumerate(torch.split(got, recv)):
             dim_d = coll._local_dims[d]
             if dim_d == 0:
@@ -519,7 +579,7 @@ class _OutputDist(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        coll, sizes = ctx.coll, ctx.sizes
+        coll, sizes, state = ctx.coll, ctx.sizes, ctx.state
         me, world = coll.rank, coll.world
         codec = coll.bwd_codec
         scale = coll.precision.loss_scale if codec.name == "fp16" else 1.0
@@ -539,10 +599,5 @@ class _OutputDist(torch.autograd.Function):
             send.append(sizes[me] * codec.row_bytes(dim_d))
         local_dim = coll._local_dims[me]
         recv = [sizes[s] * codec.row_bytes(local_dim) for s in range(world)]
-        got = all_to_all(torch.cat(parts), send, recv, coll.groups.embedding, coll.stats, "grad_a2a")
-        grad_pooled = codec.decode(got.view(sum(sizes), codec.row_bytes(local_dim)), local_dim)
-        if scale != 1.0:
-            grad_pooled = grad_pooled / scale
-        if coll._cw_row_stat:
-            coll._exchange_column_shard_row_sq(grad_pooled)
-        return None, None, grad_pooled, None
+        state.grad = all_to_all_async(torch.cat(parts), send, recv, coll.groups.embedding, coll.stats, "grad_a2a")
+        return grad_out.new_zeros(0), None, None
