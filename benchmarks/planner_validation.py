@@ -32,7 +32,7 @@ from recscale.planner.calibrate import calibrate  # noqa: E402
 from recscale.planner.cost_model import TableSpec, Workload  # noqa: E402
 from recscale.planner.hardware import Hardware, resolve_hardware  # noqa: E402
 from recscale.planner.measure import synthetic_batches, time_plan, unique_fractions  # noqa: E402
-from recscale.planner.search import baseline_plan, plan_tables, score_plan  # noqa: E402
+from recscale.planner.search import plan_tables, score_plan  # noqa: E402
 from recscale.sharding.default_plan import TableSharding, default_plan  # noqa: E402
 from recscale.sharding.plan import Shard, ShardingPlan, TablePlan  # noqa: E402
 
@@ -55,12 +55,11 @@ def with_statistics(tables: list[TableSpec], batch) -> list[TableSpec]:
 
 def one_rank_plans(cfgs: list[TableConfig]) -> list[tuple[str, ShardingPlan]]:
     topo = Topology(1, 0, 1)
-    big = {c.name for c in cfgs if c.num_rows >= 200_000}
-    mixed = {c.name: TableSharding("row_wise" if c.name in big else "data_parallel") for c in cfgs}
+    big = {c.name: TableSharding("column_wise", 2) for c in cfgs if c.num_rows >= 100_000}
     return [
         ("1: table-wise", default_plan(cfgs, topo, "table_wise")),
         ("1: row-wise", default_plan(cfgs, topo, "row_wise")),
-        ("1: mixed row-wise/dp", default_plan(cfgs, topo, "table_wise", mixed)),
+        ("1: column-wise x2 big", default_plan(cfgs, topo, "table_wise", big)),
         ("1: column-wise x2", default_plan(cfgs, topo, "table_wise", {c.name: TableSharding("column_wise", 2) for c in cfgs})),
         ("1: column-wise x4", default_plan(cfgs, topo, "table_wise", {c.name: TableSharding("column_wise", 4) for c in cfgs})),
     ]
@@ -71,11 +70,11 @@ def two_rank_plans(cfgs: list[TableConfig], tables: list[TableSpec], hw2: Hardwa
     on_rank0 = ShardingPlan(2, 2, tuple(TablePlan(c.name, "table_wise", (Shard(0, 0, c.num_rows, 0, c.dim),)) for c in cfgs))
     return [
         ("2: recscale planner", plan_tables(tables, hw2, wl, time_budget_s=5).plan),
-        ("2: greedy by size", baseline_plan("greedy_size", tables, hw2, wl).plan),
-        ("2: row-wise", default_plan(cfgs, topo, "row_wise")),
-        ("2: data-parallel", default_plan(cfgs, topo, "data_parallel")),
-        ("2: column-wise", default_plan(cfgs, topo, "column_wise")),
         ("2: all on rank 0", on_rank0),
+        ("2: row-wise", default_plan(cfgs, topo, "row_wise")),
+        ("2: column-wise", default_plan(cfgs, topo, "column_wise")),
+        ("2: data-parallel", default_plan(cfgs, topo, "data_parallel")),
+        ("2: column-wise x4", default_plan(cfgs, topo, "table_wise", {c.name: TableSharding("column_wise", 4) for c in cfgs})),
     ]
 
 
@@ -147,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
               f"per routed id {hw.route_id_s * 1e9:.1f} ns, per column-stat id {hw.column_stat_id_s * 1e9:.1f} ns, "
               f"per shard {2 * hw.kernel_overhead_s * 1e6:.0f} us, per feature {hw.feature_s * 1e6:.0f} us, "
               f"per step {hw.step_overhead_s * 1e6:.0f} us, all-to-all {hw.intra_host_bw / 1e9:.2f} GB/s, "
-              f"latency {hw.latency_s * 1e6:.0f} us")
+              f"latency {hw.latency_s * 1e6:.0f} us, contention {hw.contention:.2f}")
     if args.json:
         write_json(args.json, {"environment": environment(), "args": vars(args), "results": records, "summary": summary,
                                "hardware": {w: vars(hw) for w, hw in hws.items()}})

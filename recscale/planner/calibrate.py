@@ -109,18 +109,24 @@ def _nnls(a: np.ndarray, b: np.ndarray, iters: int = 200) -> np.ndarray:
     return x
 
 
-def fit(probes_by_bf: dict[float, list[Probe]]) -> tuple[dict[str, float], float, float]:
-    """Constants (per FIT_TERMS), the backward factor and the median relative error of the best fit."""
+def fit(probes_by_bf: dict[float, list[Probe]], fixed: dict[str, float] | None = None) -> tuple[dict[str, float], float, float]:
+    """Constants (per FIT_TERMS), the backward factor and the median relative error of the best fit.
+    ``fixed`` constants (measured by their own probe, e.g. the gather bandwidth) are not fitted:
+    their part of each probe's time is taken off first, so they cannot trade off against the
+    per-item terms that move with them."""
+    fixed = fixed or {}
+    free = [k for k in FIT_TERMS if k not in fixed]
     best = None
     for bf, probes in probes_by_bf.items():
         y = np.array([p.measured_s for p in probes])
-        a = np.array([[p.terms[k] for k in FIT_TERMS] for p in probes]) / y[:, None]
+        known = np.array([sum(v * p.terms[k] for k, v in fixed.items()) for p in probes])
+        a = np.array([[p.terms[k] for k in free] for p in probes]) / y[:, None]
         scale = np.abs(a).max(0)
         scale[scale == 0] = 1.0
-        coef = _nnls(a / scale, np.ones(len(probes))) / scale
-        rel = np.abs(a @ coef - 1.0)
+        coef = _nnls(a / scale, 1.0 - known / y) / scale
+        rel = np.abs(a @ coef + known / y - 1.0)
         if best is None or rel.mean() < best[2]:
-            best = (dict(zip(FIT_TERMS, coef.tolist())), bf, float(rel.mean()), float(np.median(rel)))
+            best = ({**dict(zip(free, coef.tolist())), **fixed}, bf, float(rel.mean()), float(np.median(rel)))
     assert best is not None
     return best[0], best[1], best[3]
 
@@ -150,9 +156,11 @@ def measure_compute(world_size: int, batches: tuple[int, ...] = (1024, 4096), st
                 measured.append((f"{set_name}/{kind}/B{b}", plan, tables, gb[0], t))
                 if progress:
                     progress(f"{set_name}/{kind}/B{b}: {t * 1e3:.2f} ms")
-    by_bf = {}
-    for bf in (0.5, 1.0, 1.5, 2.0, 3.0, 4.0):
-        by_bf[bf] = [Probe(n, probe_terms(p, tb, g, bf), t) for n, p, tb, g, t in measured]
+    # The backward pass moves what the forward moved once more (each id's row gradient is
+    # formed from its bag's gradient and scattered): backward factor 1, not a free parameter.
+    # (An isolated gather of uniformly random rows runs far slower than the skewed, partly
+    # cache-resident gathers of real steps, so the byte term is fitted, not measured alone.)
+    by_bf = {1.0: [Probe(n, probe_terms(p, tb, g, 1.0), t) for n, p, tb, g, t in measured]}
     coef, bf, err = fit(by_bf)
     return coef, bf, err, by_bf[bf]
 
@@ -189,17 +197,16 @@ def measure_all_to_all(world: int = 2) -> dict[str, float]:
     return {"intra_host_bw": moved / max(big - small, 1e-9), "latency_s": small}
 
 
-COMPUTE_SCALED = ("kernel_overhead_s", "id_s", "row_s", "bag_s", "route_id_s", "column_stat_id_s", "feature_s", "step_overhead_s")
-
-
 def measure_collection(hw: Hardware, batches: tuple[int, ...] = (1024, 4096), steps: int = 5,
                        progress=None, sets: tuple[str, ...] = ("mixed", "large", "many_small")) -> dict[str, float]:
     """Stage 3 (more than one rank): the real collection on ``hw.world_size`` local processes.
 
     Steps of balanced plans (table-wise, row-wise, data-parallel, column shards over every rank)
-    are fitted as ``load x compute + latency x collectives + bytes / bandwidth``, with compute
-    as stage 1 predicts it for one rank alone. ``load`` (>= 1 when ranks share memory bandwidth
-    and caches) scales every compute constant; latency and bandwidth are what a collective costs
+    are fitted as ``compute + contention x overlap + latency x collectives + bytes / bandwidth``,
+    with compute as stage 1 predicts it for one rank alone and overlap what the slowest rank
+    computes while the others compute too (``search.apply_contention``). ``contention`` (> 0 when
+    ranks share cores, memory bandwidth and caches) is thus separate from the per-item constants,
+    and a plan that leaves a rank idle is not charged for it; latency and bandwidth are what a collective costs
     inside a step, which on shared cores is far more than an isolated all-to-all suggests
     (the ranks' threads must wake each other up)."""
     from recscale.planner.measure import unique_fractions
@@ -207,8 +214,8 @@ def measure_collection(hw: Hardware, batches: tuple[int, ...] = (1024, 4096), st
 
     w = hw.world_size
     topo = Topology(w, 0, w)
-    fast = replace(hw, intra_host_bw=1e30, cross_host_bw=1e30, latency_s=0.0)
-    rows_a, n = [], 0
+    fast = replace(hw, intra_host_bw=1e30, cross_host_bw=1e30, latency_s=0.0, contention=0.0)
+    ys, rows_a = [], []
     for set_name in sets:
         raw = [TableSpec(f"{set_name}{i}", r, d, p) for i, (r, d, p) in enumerate(PROBE_SETS[set_name])]
         for batch in batches:
@@ -222,18 +229,21 @@ def measure_collection(hw: Hardware, batches: tuple[int, ...] = (1024, 4096), st
                     continue
                 plan = default_plan(cfgs, topo, kind)
                 meas = time_plan(plan, tables, gb, steps)
-                base = score_plan(plan, tables, fast, wl).max_rank_s
+                alone = score_plan(plan, tables, fast, wl)
+                base = alone.max_rank_s
+                # the contention term's regressor: what the slowest rank computes alongside the others
+                overlap = score_plan(plan, tables, replace(fast, contention=1.0), wl).max_rank_s - base
                 lat = score_plan(plan, tables, replace(fast, latency_s=1e-3), wl).max_rank_s - base
                 nbytes = (score_plan(plan, tables, replace(fast, intra_host_bw=1e9, cross_host_bw=1e9), wl).max_rank_s - base) * 1e9
-                rows_a.append([base / meas, lat / 1e-3 / meas, nbytes / meas])
-                n += 1
+                ys.append((meas - base) / meas)
+                rows_a.append([overlap / meas, lat / 1e-3 / meas, nbytes / meas])
                 if progress:
                     progress(f"{w} ranks {set_name}/{kind}/B{batch}: {meas * 1e3:.2f} ms, one rank alone {base * 1e3:.2f} ms")
     a = np.array(rows_a)
     scale = a.max(0)
     scale[scale == 0] = 1.0
-    load, latency, per_byte = _nnls(a / scale, np.ones(n)) / scale
-    return {"load": float(max(load, 1e-3)), "latency_s": float(latency),
+    contention, latency, per_byte = _nnls(a / scale, np.array(ys)) / scale
+    return {"contention": float(contention), "latency_s": float(latency),
             "intra_host_bw": float(1.0 / per_byte) if per_byte > 0 else 1e12}
 
 
@@ -275,8 +285,7 @@ def calibrate(world_size: int = 2, memory_fraction: float = 0.6, progress=None, 
         if progress:
             progress(f"isolated all-to-all: {comm['latency_s'] * 1e6:.0f} us, {comm['intra_host_bw'] / 1e9:.2f} GB/s; "
                      f"in the collection: {fitted['latency_s'] * 1e6:.0f} us, {fitted['intra_host_bw'] / 1e9:.2f} GB/s, "
-                     f"compute x{fitted['load']:.2f} with every rank busy")
-        scaled = {k: getattr(hw, k) * fitted["load"] for k in COMPUTE_SCALED}
+                     f"contention {fitted['contention']:.2f} (compute x{1 + fitted['contention']:.2f} while every rank is busy)")
         hw = replace(hw, latency_s=fitted["latency_s"], intra_host_bw=fitted["intra_host_bw"],
-                     cross_host_bw=fitted["intra_host_bw"], memory_bw=hw.memory_bw / fitted["load"], **scaled)
+                     cross_host_bw=fitted["intra_host_bw"], contention=fitted["contention"])
     return hw

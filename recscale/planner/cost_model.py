@@ -7,7 +7,8 @@ Model (per step, global batch B, world W, R ranks per host), for a shard of ``ro
 table with ``rows_t`` rows, dim ``d``, pooling factor P and unique fraction u:
   ids routed to the shard   n = B P (x rows / rows_t for row-split types; B P / W for data-parallel)
   pooled bags produced      m = B (every source sample has a bag per shard), B / W data-parallel
-  unique rows updated       U = min(rows, u n)
+  unique rows updated       U = min(rows, u n); data-parallel: the replica's own U from a Zipf
+                            model of its B/W samples, and every row of the global batch updated
   bytes moved               (n cols e + m cols 4)(1 + backward_factor) + 2 U (cols e + state)
   compute                   bytes / memory_bw + n id_s + U row_s + m bag_s + 2 kernel_overhead_s
                             (+ B P / W route_id_s for row-split shards: the source bucketizes;
@@ -25,8 +26,11 @@ and kernel overhead; ``recscale calibrate`` measures all of them on this machine
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from recscale.planner.hardware import Hardware
 
@@ -89,6 +93,53 @@ def _others_link_time(nbytes: float, hw: Hardware) -> float:
     return nbytes * ((r - 1) / (w - 1) / hw.intra_host_bw + (w - r) / (w - 1) / hw.cross_host_bw)
 
 
+@functools.lru_cache(maxsize=4096)
+def _zipf_ranks(rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Row popularity ranks 1..rows as (representative rank, count) buckets: exact for the
+    first 1024, then 512 log-spaced buckets (enough for sums over 10^8 rows to ~0.1%)."""
+    head = np.arange(1, min(rows, 1024) + 1, dtype=np.float64)
+    reps, counts = [head], [np.ones_like(head)]
+    if rows > 1024:
+        edges = np.unique(np.geomspace(1025, rows + 1, 513).round())
+        reps.append(np.sqrt(edges[:-1] * (edges[1:] - 1)))
+        counts.append(np.diff(edges))
+    return np.concatenate(reps), np.concatenate(counts)
+
+
+def _zipf_unique(rows: int, alpha: float, ids: float) -> float:
+    reps, counts = _zipf_ranks(rows)
+    w = reps**-alpha
+    p = w / float((w * counts).sum())
+    return float((counts * -np.expm1(-ids * p)).sum())
+
+
+@functools.lru_cache(maxsize=65536)
+def unique_rows(rows: int, unique_fraction: float, batch_ids: float, ids: float) -> float:
+    """Distinct rows among ``ids`` lookups of a table of ``rows`` rows, given
+    ``unique_fraction`` measured over ``batch_ids`` lookups (the global batch). Skewed ids repeat
+    more the more ids there are, so a data-parallel replica's share of the batch (B/W samples)
+    has a *higher* unique fraction than the global batch. Model: Zipf-distributed ids over the
+    table's rows, with the exponent fitted so that the global batch has ``unique_fraction x
+    batch_ids`` distinct rows."""
+    if ids <= 0:
+        return 0.0
+    if batch_ids <= 0 or ids >= batch_ids:
+        return min(float(rows), ids * unique_fraction)
+    target = unique_fraction * batch_ids
+    lo, hi = 0.0, 4.0  # distinct rows fall as the exponent grows
+    if _zipf_unique(rows, lo, batch_ids) <= target:
+        hi = lo
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        if _zipf_unique(rows, mid, batch_ids) > target:
+            lo = mid
+        else:
+            hi = mid
+    alpha = 0.5 * (lo + hi)
+    # scale so the model reproduces the measured global-batch figure exactly
+    return min(float(rows), _zipf_unique(rows, alpha, ids) * target / max(_zipf_unique(rows, alpha, batch_ids), 1e-9))
+
+
 def shard_cost(t: TableSpec, sharding_type: str, rows: int, cols: int, hw: Hardware, wl: Workload) -> ShardCost:
     b, w = wl.batch_size, hw.world_size
     row_bytes = cols * (t.element_bytes + t.state_bytes_per_element) + t.state_bytes_per_row
@@ -98,19 +149,25 @@ def shard_cost(t: TableSpec, sharding_type: str, rows: int, cols: int, hw: Hardw
         n, m = b * t.pooling / w, b / w
     else:
         n, m = b * t.pooling * (rows / t.rows if routes else 1.0), float(b)
-    unique = min(float(rows), n * t.unique_fraction)
-    nbytes = (n * cols * t.element_bytes + m * cols * 4) * (1 + hw.backward_factor) + 2 * unique * row_bytes
-    compute = nbytes / hw.memory_bw + n * hw.id_s + unique * hw.row_s + m * hw.bag_s + 2 * hw.kernel_overhead_s
+    unique = min(float(rows), n * t.unique_fraction)  # rows this shard's own ids touch
+    updated = unique
+    if sharding_type == "data_parallel":
+        # a replica sees B/W samples: more distinct rows per id than the global batch, and
+        # after the gradient gather it updates every row any replica touched (the global set)
+        unique = unique_rows(t.rows, t.unique_fraction, b * t.pooling, n)
+        updated = min(float(rows), b * t.pooling * t.unique_fraction)
+    nbytes = (n * cols * t.element_bytes + m * cols * 4) * (1 + hw.backward_factor) + 2 * updated * row_bytes
+    compute = nbytes / hw.memory_bw + n * hw.id_s + updated * hw.row_s + m * hw.bag_s + 2 * hw.kernel_overhead_s
     if routes:
         compute += b * t.pooling / w * hw.route_id_s
     if sharding_type == "column_wise" and cols < t.dim and t.state_bytes_per_row > 0:
         compute += n * hw.column_stat_id_s
     if sharding_type == "data_parallel":
-        # Every rank gathers every rank's unique row gradients (its own included), sums them
-        # (a second sort and pooling pass over W U rows) and updates the other ranks' rows too.
-        others = unique * (w - 1)
-        comm = _others_link_time(others * (cols * 4 + 8), hw)
-        compute += unique * w * (hw.id_s + cols * 4 * 2 / hw.memory_bw) + others * (hw.row_s + 2 * row_bytes / hw.memory_bw)
+        # ``_reduce_dp_grads``: every rank gathers every replica's unique rows and their
+        # gradients (int64 row + fp32 values), and sums them (a second sort and pooling pass
+        # over the W x U gathered rows) before updating the union (``updated`` above).
+        comm = _others_link_time(unique * (w - 1) * (cols * 4 + 8), hw)
+        compute += unique * w * (hw.id_s + cols * 4 * 2 / hw.memory_bw)
     else:
         traffic = n * wl.id_bytes + m * cols * (wl.fwd_wire_bytes + wl.bwd_wire_bytes)
         comm = _link_time(traffic, hw)

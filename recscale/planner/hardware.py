@@ -39,6 +39,10 @@ class Hardware:
     column_stat_id_s: float = 0.0
     feature_s: float = 0.0  # per feature per step at its source (input/output distribution)
     step_overhead_s: float = 0.0  # fixed per step
+    # Ranks of one host that share cores and memory bandwidth (CPU processes) slow each other
+    # while both compute: a rank pays ``contention`` x the time it computes alongside each other
+    # rank of its host (min of the two computes, averaged over the others). 0 on GPUs (own HBM).
+    contention: float = 0.0
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.ranks_per_host < 1 or self.world_size % self.ranks_per_host:
@@ -49,7 +53,7 @@ class Hardware:
             if getattr(self, key) <= 0:
                 raise ValueError(f"hardware '{self.name}': {key} must be > 0")
         for key in ("latency_s", "kernel_overhead_s", "backward_factor", "id_s", "row_s", "bag_s", "route_id_s",
-                    "column_stat_id_s", "feature_s", "step_overhead_s"):
+                    "column_stat_id_s", "feature_s", "step_overhead_s", "contention"):
             if getattr(self, key) < 0:
                 raise ValueError(f"hardware '{self.name}': {key} must be >= 0")
 
@@ -104,26 +108,27 @@ TORCHREC_DEFAULTS = Hardware(
 )
 
 # This kind of machine (2-core AMD EPYC VM, gloo between local ranks), as `recscale calibrate
-# --ranks 2` measured it; the trainer's planner uses it when no calibration is cached. Memory is
+# --ranks 2` measured it with the native kernels on; the trainer's planner uses it when no calibration is cached. Memory is
 # a conservative 4 GB per rank: recalibrate (or pass a file) to plan for a bigger machine.
 LOCAL_CPU = Hardware(
     name="local-cpu",
     world_size=2,
     ranks_per_host=2,
     memory_bytes=4 * GB,
-    memory_bw=17.9 * GB,
-    intra_host_bw=0.81 * GB,
-    cross_host_bw=0.81 * GB,
-    latency_s=1.11e-3,
-    kernel_overhead_s=0.0,
-    backward_factor=4.0,
+    memory_bw=9.95 * GB,
+    intra_host_bw=1.08 * GB,
+    cross_host_bw=1.08 * GB,
+    latency_s=0.79e-3,
+    kernel_overhead_s=0.9e-6,
+    backward_factor=1.0,
     id_s=0.0,
-    row_s=57e-9,
-    bag_s=6.8e-9,
-    route_id_s=22.9e-9,
-    column_stat_id_s=47e-9,
+    row_s=128e-9,
+    bag_s=36e-9,
+    route_id_s=26.4e-9,
+    column_stat_id_s=59.5e-9,
     feature_s=0.0,
-    step_overhead_s=0.48e-3,
+    step_overhead_s=0.23e-3,
+    contention=0.28,
 )
 
 PRESETS = {h.name: h for h in (ZIONEX, TORCHREC_DEFAULTS, LOCAL_CPU)}

@@ -36,10 +36,11 @@ class RankLoad:
     comm_s: float = 0.0
     memory_bytes: float = 0.0
     tables: list[str] = field(default_factory=list)
+    contention_s: float = 0.0  # slowdown from other ranks of the host computing at the same time
 
     @property
     def time_s(self) -> float:
-        return self.compute_s + self.comm_s
+        return self.compute_s + self.comm_s + self.contention_s
 
 
 @dataclass
@@ -172,6 +173,21 @@ def _no_fit_error(unplaced: list[TableSpec], hw: Hardware, loads: _Loads, all_ta
     )
 
 
+def apply_contention(ranks: list[RankLoad], hw: Hardware) -> None:
+    """Ranks sharing a host's cores slow each other only while both compute: rank r pays
+    ``contention x min(c_r, c_o)`` averaged over the other ranks o of its host. A plan that
+    leaves a rank idle thus runs its busy rank at single-rank speed, a balanced one pays the
+    full factor (which is what the calibration fits)."""
+    r = hw.ranks_per_host
+    if hw.contention <= 0 or r < 2:
+        return
+    for host in range(hw.world_size // r):
+        group = ranks[host * r : (host + 1) * r]
+        for rl in group:
+            overlap = sum(min(rl.compute_s, o.compute_s) for o in group if o is not rl) / (r - 1)
+            rl.contention_s = hw.contention * overlap
+
+
 def _result(method: str, placements: dict[str, Placement], tables: list[TableSpec], hw: Hardware, wl: Workload, t0: float) -> PlanResult:
     ranks = [RankLoad() for _ in range(hw.world_size)]
     for p in placements.values():
@@ -182,6 +198,7 @@ def _result(method: str, placements: dict[str, Placement], tables: list[TableSpe
             rl.memory_bytes += c.memory_bytes
             if p.table not in rl.tables:
                 rl.tables.append(p.table)
+    apply_contention(ranks, hw)
     plan = ShardingPlan(
         hw.world_size,
         hw.ranks_per_host,
