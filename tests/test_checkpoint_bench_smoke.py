@@ -1,5 +1,7 @@
 """Smoke run of the checkpoint benchmark with tiny sizes: the figures are produced and consistent
-(a full fp32 checkpoint is the 1x reference, lossless restores are exact, 2-bit ones are not)."""
+(a full fp32 checkpoint of every row is the 1x reference; full checkpoints that leave out rows
+never updated write less and still restore exactly, as lossless differentials do; 2-bit ones
+do not restore exactly)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,10 @@ def test_checkpoint_benchmark_smoke(tmp_path):
     )
     d = json.loads(out.read_text())
     by = {r["setting"]: r for r in d["results"]}
-    assert by["full/none/state-fp32"]["write_reduction"] == pytest.approx(1.0, rel=0.01)
+    full = by["full/none/state-fp32"]
+    assert full["restored_rel_l2_error"] == 0.0
+    assert all(b < full["full_fp32_reference_bytes"] for b in full["bytes_written"])
+    assert full["write_reduction"] > 1.0
     assert by["intermittent/none/state-fp32"]["restored_rel_l2_error"] == 0.0
     q = by["incremental/uniform2/state-fp16"]
     assert q["kinds"] == ["full", "incremental", "incremental"]
