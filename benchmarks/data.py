@@ -184,30 +184,35 @@ def trainer_rate(overrides: list[str]) -> float:
     return float(train(cfg, log=lambda _: None)["train_samples_per_sec"])
 
 
-def stream_measure(gb: float, tmp: Path, workers: int) -> dict[str, Any]:
-    """Generate an X GB TSV, prepare it in a subprocess, sample the process tree's memory."""
+def stream_measure(gb: float, tmp: Path, workers: int, tsv: Path | None = None, block_mb: float = 32) -> dict[str, Any]:
+    """Generate an X GB TSV (or take ``tsv``), prepare it in a subprocess, sample the process
+    tree's memory (RSS summed over the main process and its workers, sampled every 0.2 s)."""
     import psutil
 
     work = Path(tempfile.mkdtemp(prefix="recscale-stream-", dir=tmp))
     try:
-        tsv = work / "big.tsv"
-        t0 = time.perf_counter()
-        rows = write_criteo_tsv(tsv, target_bytes=int(gb * 1e9))
-        gen_s = time.perf_counter() - t0
+        if tsv is None:
+            tsv = work / "big.tsv"
+            t0 = time.perf_counter()
+            write_criteo_tsv(tsv, target_bytes=int(gb * 1e9))
+            print(f"generated {tsv.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
+        with open(tsv, "rb") as f:
+            rows = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 24), b""))
         size = tsv.stat().st_size
-        print(f"generated {rows:,} rows, {size / 1e9:.2f} GB in {gen_s:.0f} s", flush=True)
         cmd = [sys.executable, "-m", "recscale", "data", "prepare", "--input", str(tsv), "--format", "criteo-tsv",
-               "--table-rows", "40000000", "--out", str(work / "out"), "--workers", str(workers), "--no-progress"]
+               "--table-rows", "40000000", "--out", str(work / "out"), "--workers", str(workers), "--no-progress",
+               "--block-mb", str(block_mb)]
         t0 = time.perf_counter()
         proc = psutil.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        peak = 0
+        peak = peak_pss = 0
         while proc.poll() is None:
             try:
                 procs = [proc] + proc.children(recursive=True)
-                rss = sum(p.memory_info().rss for p in procs if p.is_running())
+                info = [p.memory_full_info() for p in procs if p.is_running()]
+                rss, pss = sum(i.rss for i in info), sum(getattr(i, "pss", i.rss) for i in info)
             except psutil.Error:
-                rss = 0
-            peak = max(peak, rss)
+                rss = pss = 0
+            peak, peak_pss = max(peak, rss), max(peak_pss, pss)
             time.sleep(0.2)
         seconds = time.perf_counter() - t0
         out = proc.stdout.read() if proc.stdout else ""
@@ -215,7 +220,8 @@ def stream_measure(gb: float, tmp: Path, workers: int) -> dict[str, Any]:
             raise SystemExit(f"prepare failed:\n{out}")
         print(out.strip())
         return {"rows": rows, "input_bytes": size, "workers": workers, "seconds": seconds, "rows_per_s": rows / seconds,
-                "mb_per_s": size / 1e6 / seconds, "peak_rss_bytes": peak, "peak_rss_gb": peak / 1e9}
+                "mb_per_s": size / 1e6 / seconds, "peak_rss_bytes": peak, "peak_rss_gb": peak / 1e9,
+                "peak_pss_bytes": peak_pss, "peak_pss_gb": peak_pss / 1e9}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -224,22 +230,30 @@ def stream_measure(gb: float, tmp: Path, workers: int) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
-    p.add_argument("--tsv-rows", type=int, default=None, help="rows of the generated TSV (default 1,000,000; 20,000 quick)")
-    p.add_argument("--samples", type=int, default=None, help="samples of the reader dataset (default 400,000; 20,000 quick)")
-    p.add_argument("--steps", type=int, default=None, help="trainer steps timed (default 100; 5 quick)")
+    p.add_argument("--tsv-rows", type=int, default=None, help="rows of the generated TSV (default 1,000,000; 5,000 quick)")
+    p.add_argument("--samples", type=int, default=None, help="samples of the reader dataset (default 400,000; 10,000 quick)")
+    p.add_argument("--steps", type=int, default=None, help="trainer steps timed (default 100; 3 quick)")
     p.add_argument("--no-torchrec", action="store_true", help="skip TorchRec's tsv_to_npys")
     p.add_argument("--stream-gb", type=float, default=None, help="only the streaming measurement of an X GB TSV")
     p.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()), help="where generated files go")
     p.add_argument("--workers", type=int, default=2, help="prepare workers for --stream-gb")
+    p.add_argument("--block-mb", type=float, default=32, help="--stream-gb: prepare's --block-mb")
+    p.add_argument("--input-tsv", type=Path, default=None, help="--stream-gb: use this TSV instead of generating one")
+    p.add_argument("--generate-tsv", type=Path, default=None, metavar="PATH", help="only write an X GB (--stream-gb) TSV to PATH")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the figures as JSON")
     args = p.parse_args()
     result: dict[str, Any] = {"benchmark": "data", "environment": environment(), "args": {k: str(v) for k, v in vars(args).items()}}
     result["args"]["quick"] = args.quick
-    if args.stream_gb:
-        s = stream_measure(args.stream_gb, args.tmp, args.workers)
-        print(format_table(["input GB", "rows", "workers", "seconds", "rows/s", "MB/s", "peak RSS GB"],
+    if args.generate_tsv:
+        rows = write_criteo_tsv(args.generate_tsv, target_bytes=int((args.stream_gb or 1) * 1e9))
+        print(f"wrote {rows:,} rows, {args.generate_tsv.stat().st_size / 1e9:.2f} GB to {args.generate_tsv}")
+        return
+    if args.stream_gb or args.input_tsv:
+        s = stream_measure(args.stream_gb or 0, args.tmp, args.workers, args.input_tsv, args.block_mb)
+        print(format_table(["input GB", "rows", "workers", "seconds", "rows/s", "MB/s", "peak RSS GB", "peak PSS GB"],
                            [[f"{s['input_bytes'] / 1e9:.2f}", f"{s['rows']:,}", s["workers"], f"{s['seconds']:.1f}",
-                             f"{s['rows_per_s']:,.0f}", f"{s['mb_per_s']:.1f}", f"{s['peak_rss_gb']:.2f}"]]))
+                             f"{s['rows_per_s']:,.0f}", f"{s['mb_per_s']:.1f}", f"{s['peak_rss_gb']:.2f}", f"{s['peak_pss_gb']:.2f}"]]))
+        print("RSS sums each process's resident pages (pages shared after fork count once per process); PSS splits them fairly")
         result["stream"] = s
         if args.json:
             write_json(args.json, result)
@@ -247,9 +261,9 @@ def main() -> None:
 
     from recscale.data.schema import criteo_schema, schema_from_dict
 
-    tsv_rows = args.tsv_rows or (20_000 if args.quick else 1_000_000)
-    samples = args.samples or (20_000 if args.quick else 400_000)
-    steps = args.steps or (5 if args.quick else 100)
+    tsv_rows = args.tsv_rows or (5_000 if args.quick else 1_000_000)
+    samples = args.samples or (10_000 if args.quick else 400_000)
+    steps = args.steps or (3 if args.quick else 100)
     work = Path(tempfile.mkdtemp(prefix="recscale-bench-data-", dir=args.tmp))
     try:
         tsv = work / "criteo.tsv"
@@ -257,9 +271,13 @@ def main() -> None:
         prep = {}
         for w in (1, 2):
             prep[f"recscale prepare, {w} worker(s)"] = run_prepare([tsv], "criteo-tsv", criteo_schema(40_000_000), work / f"c{w}", w)
-        prep["python reader (read_criteo_tsv)"] = time_python_reader(tsv, min(tsv_rows, 200_000))
+        # The per-row baselines get at most 200k rows (they are slow); rows/s is what compares.
+        small = tsv if tsv_rows <= 200_000 else work / "small.tsv"
+        if small != tsv:
+            write_criteo_tsv(small, rows=200_000)
+        prep["python reader (read_criteo_tsv)"] = time_python_reader(small, 200_000)
         if not args.no_torchrec:
-            prep["torchrec tsv_to_npys"] = time_torchrec(tsv, work)
+            prep["torchrec tsv_to_npys"] = time_torchrec(small, work)
         result["prepare"] = prep
         print(f"prepare: {tsv_rows:,}-row Criteo TSV ({tsv.stat().st_size / 1e6:.0f} MB)")
         print(format_table(["impl", "rows", "seconds", "rows/s"], [
@@ -278,8 +296,9 @@ def main() -> None:
         t_prep = trainer_rate([f"train.max_steps={steps}", "data.source=prepared", f"data.train_path={work / 'syn'}",
                                "data.eval_fraction=0.01", "data.verify_checksums=false"])
         result["trainer"] = {"synthetic_source_samples_per_s": t_syn, "prepared_source_samples_per_s": t_prep}
-        best1 = max(readers[0]["samples_per_s"], readers[1]["samples_per_s"])
-        result["reader_over_trainer_max1worker"] = best1 / t_syn
+        # One worker is the honest figure: with 0 the reading runs in the trainer's own process.
+        one = readers[1]["samples_per_s"]
+        result["reader_1worker_over_trainer"] = one / t_syn
         print(f"\nreader: {samples:,} samples shaped like configs/synthetic.toml, batch {batch}, window 65,536 "
               f"(prepared from Parquet at {prep_pq['rows_per_s']:,.0f} rows/s)")
         print(format_table(["what", "samples/s", "x trainer", "startup s"], [
@@ -288,8 +307,8 @@ def main() -> None:
             ["trainer (configs/synthetic.toml)", f"{t_syn:,.0f}", "1.0", "-"],
             ["trainer reading the prepared data", f"{t_prep:,.0f}", f"{t_prep / t_syn:.2f}", "-"],
         ]))
-        verdict = "meets" if best1 >= 3 * t_syn else "MISSES"
-        print(f"reader with <= 1 worker: {best1 / t_syn:.1f}x the trainer's rate ({verdict} the 3x goal)")
+        verdict = "meets" if one >= 3 * t_syn else "MISSES"
+        print(f"reader with 1 worker: {one / t_syn:.1f}x the trainer's rate ({verdict} the 3x goal)")
         if args.json:
             write_json(args.json, result)
             print(f"written to {args.json}")

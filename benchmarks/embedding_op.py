@@ -4,7 +4,9 @@ Times, per training iteration, the pooled lookup (forward), the backward pass wi
 embedding update (backward+update) and both together (total) of
 
   * recscale   ``TableBatchedEmbeddingBags``: one operator for all tables, the sparse
-                optimizer fused into ``loss.backward()``;
+                optimizer fused into ``loss.backward()``, native C++ kernels (``auto``: the
+                torch kernels if the native ones cannot be built here, said in the notes);
+  * recscale_torch  the same operator on its pure-PyTorch kernels (``kernel="torch"``);
   * plain      one ``nn.EmbeddingBag(mode="sum", sparse=True)`` per table, outputs
                 concatenated, sparse gradients applied by a ``torch.optim`` optimizer
                 (``SGD``; ``Adagrad`` for both Adagrad variants, since torch has no row-wise
@@ -37,8 +39,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # recscale from this checkout when not installed
 from _common import environment, fmt_ms, format_table, set_threads, time_phases, write_json, zipf_ids  # noqa: E402
 
+from recscale.embedding import native  # noqa: E402
 from recscale.embedding.config import TableConfig  # noqa: E402
 from recscale.embedding.optimizers import make_optimizer  # noqa: E402
 from recscale.embedding.table_batched import TableBatchedEmbeddingBags  # noqa: E402
@@ -118,10 +122,10 @@ def make_batches(cfg: BenchConfig, n: int) -> list[JaggedBatch]:
 # --------------------------------------------------------------------------- implementations
 
 
-def bench_recscale(cfg, batches, grads, opt_name, iters, warmup):
+def bench_recscale(cfg, batches, grads, opt_name, iters, warmup, kernel="auto"):
     tables = [TableConfig(f"t{k}", rows, cfg.dim, features=(f"f{k}",)) for k, rows in enumerate(cfg.rows)]
     opt = make_optimizer(opt_name, lr=LR, **({} if opt_name == "sgd" else {"eps": EPS}))
-    model = TableBatchedEmbeddingBags(tables, opt, seed=SEED)
+    model = TableBatchedEmbeddingBags(tables, opt, seed=SEED, kernel=kernel)
     n = len(batches)
 
     def forward(i):
@@ -130,7 +134,14 @@ def bench_recscale(cfg, batches, grads, opt_name, iters, warmup):
     def backward(i, out):
         out.backward(grads[i % n])
 
-    return time_phases(forward, backward, iters, warmup), f"TableBatchedEmbeddingBags, {opt.name} fused"
+    used = "native" if model._native_kernels(model.groups[0]) is not None else "torch"
+    if kernel == "auto" and used == "torch":
+        used += f" (native unavailable: {native.failure()})"
+    return time_phases(forward, backward, iters, warmup), f"TableBatchedEmbeddingBags, {used} kernels, {opt.name} fused"
+
+
+def bench_recscale_torch(cfg, batches, grads, opt_name, iters, warmup):
+    return bench_recscale(cfg, batches, grads, opt_name, iters, warmup, kernel="torch")
 
 
 def bench_plain(cfg, batches, grads, opt_name, iters, warmup):
@@ -212,7 +223,7 @@ def run_config(cfg: BenchConfig, opt_name: str, iters: int, warmup: int, fbgemm:
     grads = [torch.randn(cfg.batch_size, out_dim, generator=gen) for _ in range(NUM_BATCHES)]
     results: dict[str, Any] = {}
     notes: list[str] = []
-    impls = [("recscale", bench_recscale), ("plain_pytorch", bench_plain)]
+    impls = [("recscale", bench_recscale), ("recscale_torch", bench_recscale_torch), ("plain_pytorch", bench_plain)]
     if fbgemm:
         impls.append(("fbgemm", bench_fbgemm))
     for name, fn in impls:
@@ -315,6 +326,14 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(TABLE_HEADERS, [r for rep in reports for r in table_rows(rep)], right_align_from=2))
     print()
     print("times: median [min-max] ms per iteration; 'x' columns: impl time / recscale time (>1: recscale faster)")
+    for rep in reports:
+        ratio = rep["ratio_vs_recscale"].get("fbgemm")
+        if ratio is not None:
+            verdict = "at least as fast" if min(ratio["forward"], ratio["backward_update"]) >= 1.0 else "SLOWER"
+            print(
+                f"  {rep['config']}: recscale vs FBGEMM: forward {ratio['forward']:.2f}x, backward+update "
+                f"{ratio['backward_update']:.2f}x -> {verdict}"
+            )
     for rep in reports:
         for name, r in rep["results"].items():
             print(f"  {rep['config']}/{name}: {r['description']}")

@@ -22,11 +22,13 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import environment, format_table, write_json  # noqa: E402
 
 from recscale.planner.cost_model import TableSpec, Workload  # noqa: E402
 from recscale.planner.hardware import ZIONEX  # noqa: E402
-from recscale.planner.search import BASELINES, baseline_plan, plan_tables  # noqa: E402
+from recscale.planner.search import BASELINES, baseline_plan, plan_tables, score_plan  # noqa: E402
+import _torchrec_planner  # noqa: E402
 from recscale.sharding.plan import PlanError  # noqa: E402
 
 TABLES_JSON = Path(__file__).resolve().parents[1].parent / "shared/data/tables/criteo_table_sizes.json"
@@ -68,55 +70,111 @@ def synthetic_sets() -> dict[str, list[TableSpec]]:
     }
 
 
+def _fmt(v: float | None) -> str:
+    return "no fit" if v is None else f"{v * 1e3:.3f}"
+
+
+def _gain(ours: float | None, others: dict[str, float | None]) -> tuple[str, float]:
+    valid = {k: v for k, v in others.items() if v is not None}
+    if ours is None or not valid:
+        return "-", math.nan
+    best = min(valid, key=lambda k: valid[k])
+    return best, 100 * (1 - ours / valid[best])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", default="8,16,64,128")
     p.add_argument("--batch-size", type=int, default=65536, help="global batch (MLPerf DCNv2 uses 65536)")
     p.add_argument("--time-budget", type=float, default=20.0)
+    p.add_argument("--no-torchrec", action="store_true", help="skip TorchRec even when it is installed")
+    p.add_argument("--torchrec-timeout", type=int, default=60, help="seconds TorchRec's planner may search per case")
+    p.add_argument("--sets", help="comma-separated subset of the table sets (default: all)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     sets = {**real_sets(), **synthetic_sets()}
     worlds = [int(w) for w in args.worlds.split(",")]
+    if args.sets:
+        unknown = set(args.sets.split(",")) - set(sets)
+        if unknown:
+            p.error(f"--sets: unknown {sorted(unknown)}; choose from {sorted(sets)}")
+        sets = {k: v for k, v in sets.items() if k in args.sets.split(",")}
     if args.quick:
-        sets = dict(list(sets.items())[:2]) if len(sets) > 1 else sets
-        worlds, args.time_budget = [8, 16], 3.0
+        sets = {k: v[:60] for k, v in list(sets.items())[:2]}
+        worlds, args.time_budget = [8], 2.0
+    use_torchrec = _torchrec_planner.available() and not args.no_torchrec
+    if use_torchrec:
+        import logging
+        import warnings
+
+        logging.disable(logging.WARNING)  # TorchRec logs a line per table
+        warnings.filterwarnings("ignore")
     wl = Workload(batch_size=args.batch_size)
-    rows, records, gains = [], [], []
+    methods = ["recscale", *BASELINES] + (["torchrec"] if use_torchrec else [])
+    rows, records = [], []
+    gains: dict[str, list[float]] = {"recscale model": [], "torchrec estimator": []}
     for name, tables in sets.items():
         for w in worlds:
             hw = ZIONEX.with_world(w)
             ours = plan_tables(tables, hw, wl, time_budget_s=args.time_budget)
-            base: dict[str, float] = {}
+            plans = {"recscale": ours.plan}
+            seconds = {"recscale": ours.seconds}
             for m in BASELINES:
                 try:
-                    base[m] = baseline_plan(m, tables, hw, wl).max_rank_s
+                    plans[m] = baseline_plan(m, tables, hw, wl).plan
                 except PlanError:
-                    base[m] = math.inf
-            best_name = min(base, key=lambda k: base[k])
-            best = base[best_name]
-            gain = 100 * (1 - ours.max_rank_s / best) if math.isfinite(best) else math.nan
-            if math.isfinite(gain):
-                gains.append(gain)
+                    plans[m] = None
+            tr = None
+            if use_torchrec:
+                tr = _torchrec_planner.TorchRecPlanning(tables, hw, wl, args.torchrec_timeout)
+                try:
+                    plans["torchrec"], seconds["torchrec"] = tr.plan()
+                except Exception as e:  # TorchRec raises its own planner errors when nothing fits
+                    print(f"{name} x {w}: TorchRec's planner failed: {type(e).__name__}: {str(e)[:200]}")
+                    plans["torchrec"] = None
+            ours_model = {m: (score_plan(pl, tables, hw, wl).max_rank_s if pl is not None else None) for m, pl in plans.items()}
+            ours_model["recscale"] = ours.max_rank_s
+            tr_est = {m: (tr.score(pl) if pl is not None else None) for m, pl in plans.items()} if tr else {}
+            best_m, gain_m = _gain(ours_model["recscale"], {k: v for k, v in ours_model.items() if k != "recscale"})
+            best_t, gain_t = _gain(tr_est.get("recscale"), {k: v for k, v in tr_est.items() if k != "recscale"})
+            if math.isfinite(gain_m):
+                gains["recscale model"].append(gain_m)
+            if math.isfinite(gain_t):
+                gains["torchrec estimator"].append(gain_t)
             rows.append(
-                [name, w, len(tables), f"{ours.max_rank_s * 1e3:.3f}", f"{ours.imbalance:.2f}"]
-                + [f"{base[m] * 1e3:.3f}" if math.isfinite(base[m]) else "no fit" for m in BASELINES]
-                + [best_name.replace("greedy_", ""), f"{gain:.1f}%", f"{ours.seconds:.1f}"]
+                [name, w, len(tables), "recscale model"] + [_fmt(ours_model.get(m)) for m in methods]
+                + [best_m.replace("greedy_", ""), f"{gain_m:.1f}%", f"{ours.seconds:.1f}"]
             )
+            if tr:
+                rows.append(
+                    ["", "", "", "torchrec estimator"] + [_fmt(tr_est.get(m)) for m in methods]
+                    + [best_t.replace("greedy_", ""), f"{gain_t:.1f}%", f"{seconds.get('torchrec', math.nan):.1f}"]
+                )
+            print(f"{name} x {w}: gain {gain_m:.1f}% (recscale model), {gain_t:.1f}% (torchrec estimator); "
+                  f"planned in {ours.seconds:.1f} s, torchrec {seconds.get('torchrec', math.nan):.1f} s", flush=True)
             records.append({
-                "set": name, "world_size": w, "tables": len(tables), "recscale_ms": ours.max_rank_s * 1e3,
-                "recscale_imbalance": ours.imbalance, "baselines_ms": {k: (v * 1e3 if math.isfinite(v) else None) for k, v in base.items()},
-                "best_baseline": best_name, "gain_pct": gain, "plan_seconds": ours.seconds,
+                "set": name, "world_size": w, "tables": len(tables),
+                "recscale_model_ms": {k: (v * 1e3 if v is not None else None) for k, v in ours_model.items()},
+                "torchrec_estimator_ms": {k: (v * 1e3 if v is not None else None) for k, v in tr_est.items()},
+                "gain_pct_recscale_model": gain_m, "best_other_recscale_model": best_m,
+                "gain_pct_torchrec_estimator": gain_t if tr else None, "best_other_torchrec_estimator": best_t if tr else None,
+                "recscale_imbalance": ours.imbalance, "plan_seconds": seconds,
                 "sharding_mix": {t: sum(1 for x in ours.plan.tables if x.sharding_type == t) for t in {x.sharding_type for x in ours.plan.tables}},
             })
-    headers = ["set", "ranks", "tables", "recscale ms", "imbal"] + [m.replace("greedy_", "") + " ms" for m in BASELINES] + ["best baseline", "gain", "plan s"]
+    headers = ["set", "ranks", "tables", "scored by"] + [m.replace("greedy_", "") + " ms" for m in methods] + ["best other", "gain", "plan s"]
     print(format_table(headers, rows, right_align_from=1))
-    mean_gain = sum(gains) / len(gains) if gains else math.nan
-    print(f"predicted step time of the slowest rank (recscale cost model, ZionEX-like preset, global batch {args.batch_size}); "
-          f"gain = reduction vs the best baseline; mean gain {mean_gain:.1f}%, min {min(gains):.1f}%")
-    print("TorchRec's EmbeddingShardingPlanner: not compared (not wired into this benchmark yet)")
+    print(f"predicted step time of the slowest rank (ZionEX-like preset, global batch {args.batch_size}); gain = reduction of "
+          "the recscale plan's score vs the best other plan under the same scorer; plan s = planning seconds (recscale; torchrec)")
+    summary = {}
+    for scorer, g in gains.items():
+        if g:
+            summary[scorer] = {"mean_gain_pct": sum(g) / len(g), "min_gain_pct": min(g), "cases": len(g)}
+            print(f"{scorer}: mean gain {sum(g) / len(g):.1f}%, min {min(g):.1f}% over {len(g)} cases")
+    if not use_torchrec:
+        print("TorchRec: not installed (pip install torchrec fbgemm-gpu-cpu) or --no-torchrec; compared with the baselines only")
     if args.json:
-        write_json(args.json, {"environment": environment(), "args": vars(args), "results": records, "mean_gain_pct": mean_gain})
+        write_json(args.json, {"environment": environment(), "args": vars(args), "results": records, "summary": summary})
     return 0
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from recscale import __version__
 
@@ -14,6 +16,8 @@ def _train(args: argparse.Namespace) -> int:
     from recscale.train.loop import format_summary, train, write_json_atomic
 
     overrides = list(args.set) + ([f"checkpoint.resume={_toml_str(args.resume)}"] if args.resume else [])
+    if args.plan:  # --plan FILE is --set sharding.plan="FILE"
+        overrides.append(f"sharding.plan={_toml_str(args.plan)}")
     cfg = load_config(args.config, overrides)
     summary = train(cfg)
     if summary.get("rank", 0) != 0:
@@ -92,15 +96,23 @@ def _plan(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     from recscale.planner.calibrate import calibrate
 
-    hw = calibrate(args.ranks)
-    hw.save(args.out)
+    from recscale.planner.hardware import cached_calibration
+
+    out = args.out or str(cached_calibration(args.ranks))
+    hw = calibrate(args.ranks, progress=print if args.verbose else None, quick=args.quick)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    hw.save(out)
     print(
         f"this machine, {hw.world_size} local rank(s): row gathers {hw.memory_bw / 1e9:.1f} GB/s, "
         f"backward + update {hw.backward_factor:.2f} x forward, kernel overhead {hw.kernel_overhead_s * 1e6:.0f} us, "
         f"all-to-all {hw.intra_host_bw / 1e9:.2f} GB/s per rank, latency {hw.latency_s * 1e6:.0f} us, "
         f"memory {hw.memory_bytes / 1e9:.1f} GB per rank"
     )
-    print(f"written to {args.out} (use it with: recscale plan --topology {args.out})")
+    print(f"per id {hw.id_s * 1e9:.1f} ns, per unique row {hw.row_s * 1e9:.1f} ns, per bag {hw.bag_s * 1e9:.1f} ns, "
+          f"per bucketized id {hw.route_id_s * 1e9:.1f} ns, per column-statistic id {hw.column_stat_id_s * 1e9:.1f} ns, "
+          f"per step {hw.step_overhead_s * 1e6:.0f} us")
+    print(f"written to {out} (use it with: recscale plan --topology {out}; the trainer's planner uses the cached file "
+          "by default)")
     return 0
 
 
@@ -151,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", metavar="DIR|latest",
         help="continue from a checkpoint directory, or the newest one under checkpoint.dir (= checkpoint.resume)",
     )
+    p.add_argument("--plan", metavar="PLAN_JSON", help="shard tables as this plan says (from `recscale plan --out`) "
+                   "instead of planning them (same as --set sharding.plan=...)")
     p.set_defaults(func=_train)
 
     k = sub.add_parser("ckpt", help="list, inspect, verify or export checkpoints")
@@ -172,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     q.add_argument("--world-size", type=int, help="ranks to plan for (default: the topology's)")
     q.add_argument("--ranks-per-host", type=int, help="ranks per host (default: the topology's)")
-    q.add_argument("--topology", default="zionex", help="preset (zionex, torchrec-defaults) or a calibrated JSON file")
+    q.add_argument("--topology", default="zionex", help="preset (zionex, torchrec-defaults, local-cpu) or a calibrated JSON file")
     q.add_argument("--time-budget", type=float, default=20.0, help="seconds of local search at most")
     q.add_argument("--out", metavar="PLAN_JSON", help="write the plan (readable by `recscale train --set sharding.plan=...`)")
     q.add_argument("--report", metavar="HTML", help="write an HTML report with a per-rank load chart")
@@ -180,7 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("calibrate", help="measure this machine (lookups, updates, collectives) for the planner")
     c.add_argument("--ranks", type=int, default=2, help="local ranks to measure collectives between")
-    c.add_argument("--out", default="topology.json", help="hardware JSON to write")
+    c.add_argument("--out", help="hardware JSON to write (default: this machine's cached calibration, "
+                   "~/.cache/recscale/topology-local-RANKS.json, which the trainer's planner reads)")
+    c.add_argument("--verbose", action="store_true", help="print every probe as it is measured")
+    c.add_argument("--quick", action="store_true", help="fewer, smaller probes (seconds; rougher constants)")
     c.set_defaults(func=_calibrate)
 
     data = sub.add_parser("data", help="prepare click logs into sharded Parquet for fast, resumable reading")
@@ -195,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--vocab-min-count", type=int, metavar="K",
                    help="instead of hashing: a vocabulary of the values seen at least K times (MLPerf-style)")
     d.add_argument("--workers", type=int, default=2, help="worker processes (0: in this process)")
-    d.add_argument("--block-mb", type=float, default=64, help="input read per block (one shard per block)")
+    d.add_argument("--block-mb", type=float, default=32, help="input read per block (one shard per block; memory grows with it)")
     d.add_argument("--row-group-rows", type=int, default=32768, help="rows per Parquet row group (the unit ranks split)")
     d.add_argument("--compression", default="zstd", choices=["zstd", "snappy", "lz4", "none"])
     d.add_argument("--skip-bad-rows", action="store_true", help="count, report and skip malformed rows instead of stopping")

@@ -69,4 +69,4 @@ def test_planner_benchmark_quick_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "recscale ms" in proc.stdout and "karmarkar_karp ms" in proc.stdout
     data = json.loads(out.read_text())
-    assert all(r["recscale_ms"] > 0 for r in data["results"])
+    assert all(r["recscale_model_ms"]["recscale"] > 0 for r in data["results"])

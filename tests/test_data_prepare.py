@@ -257,3 +257,21 @@ def test_vocabulary_with_frequency_threshold(tmp_path):
         found = (pos < vocab.size) & (vocab[np.minimum(pos, max(vocab.size - 1, 0))] == raw) if vocab.size else raw < 0
         want = np.where(raw == 0, 0, np.where(found, pos + 2, 1))
         assert got.sparse.values[j * 900 : (j + 1) * 900].tolist() == want.tolist(), name
+
+
+@needs_criteo
+def test_train_loader_starts_mid_epoch(tmp_path):
+    """The checkpoint contract: an epoch started at batch i yields exactly batches i.. of an
+    uninterrupted epoch, for prepared directories and for the file sources."""
+    from recscale.train.datasets import build_data
+
+    _prep([TSV900], tmp_path / "p")
+    common = ["model.table_rows=1000", "train.batch_size=64", "data.num_workers=0", "data.shuffle_window=128"]
+    for source in (["data.source=prepared", f"data.train_path={tmp_path / 'p'}"],
+                   ["data.source=criteo_tsv", f"data.train_path={TSV900}"]):
+        data = build_data(load_config(None, common + source))
+        data.train.set_epoch(1)
+        whole = list(data.train_loader())
+        data.train.set_epoch(1)
+        part = list(data.train_loader(start_batch=5))
+        assert len(part) == len(whole) - 5 and all(_same_batch(a, b) for a, b in zip(part, whole[5:]))

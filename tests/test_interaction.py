@@ -64,3 +64,29 @@ def test_bf16_mlp_mode_close_to_fp32_with_fp32_master_weights() -> None:
     assert all(p.dtype == torch.float32 for p in bf16.dense_parameters())
     with pytest.raises(ValueError, match="mlp_precision"):
         build("fp8")
+
+
+@pytest.mark.parametrize("b,f,d", [(33, 27, 64), (7, 5, 3), (0, 4, 8), (2, 2, 1)])
+def test_native_kernel_matches_pytorch_formulation(b: int, f: int, d: int) -> None:
+    from recscale.model.native import interaction_kernels
+
+    if interaction_kernels() is None:
+        pytest.skip("the native interaction kernel cannot be built here (no C++ compiler?)")
+    gen = torch.Generator().manual_seed(7)
+    dense64 = torch.randn(b, d, generator=gen, dtype=torch.float64)
+    pooled64 = torch.randn(b, (f - 1) * d, generator=gen, dtype=torch.float64)
+    grad64 = torch.randn(b, d + f * (f - 1) // 2, generator=gen, dtype=torch.float64)
+    results = {}
+    for native in (True, False):
+        dense = dense64.float().requires_grad_()
+        pooled = pooled64.float().requires_grad_()
+        out = DotInteraction(f, d, native=native)(dense, pooled)
+        out.backward(grad64.float())
+        results[native] = (out.detach(), dense.grad, pooled.grad)
+    dense, pooled = dense64.clone().requires_grad_(), pooled64.clone().requires_grad_()
+    ref = _reference(dense, pooled, f, d)
+    ref.backward(grad64)
+    want = (ref.detach(), dense.grad, pooled.grad)
+    for got in results.values():  # both within fp32 rounding of the float64 reference
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4)

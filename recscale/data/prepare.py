@@ -49,7 +49,7 @@ class PrepareOptions:
     schema: DataSchema
     out: str
     workers: int = 2
-    block_bytes: int = 64 << 20
+    block_bytes: int = 32 << 20
     row_group_rows: int = 32_768
     skip_bad_rows: bool = False
     overwrite: bool = False
@@ -237,16 +237,27 @@ def _write_block(block: Block) -> tuple[dict[str, Any], BlockStats, int, list[st
     return shard, stats, clean.skipped, clean.examples
 
 
-def _run(opts: PrepareOptions, fn: Callable, vocab: dict[str, np.ndarray], desc: str) -> Iterator[Any]:
-    """Results of ``fn`` over every block, in input order, at most 2 blocks per worker in flight."""
+def _run(
+    opts: PrepareOptions, fn: Callable, vocab: dict[str, np.ndarray], desc: str, rows_of: Callable[[Any], int]
+) -> Iterator[Any]:
+    """Results of ``fn`` over every block, in input order, at most 2 blocks per worker in flight
+    (so memory is bounded by the block size); the bar shows input bytes and rows/s."""
     total = sum(os.path.getsize(p) for p in opts.inputs)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not opts.progress, dynamic_ncols=True)
     blocks = (_parquet_blocks if opts.fmt == "parquet" else _text_blocks)(opts, bar.update)
+    t0, rows = time.perf_counter(), 0
+
+    def done(result: Any) -> Any:
+        nonlocal rows
+        rows += rows_of(result)
+        bar.set_postfix_str(f"{rows:,} rows, {rows / max(time.perf_counter() - t0, 1e-9):,.0f} rows/s")
+        return result
+
     try:
         if opts.workers <= 0:
             _init(opts, vocab)
             for b in blocks:
-                yield fn(b)
+                yield done(fn(b))
             return
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         with ctx.Pool(opts.workers, initializer=_init, initargs=(opts, vocab)) as pool:
@@ -254,9 +265,9 @@ def _run(opts: PrepareOptions, fn: Callable, vocab: dict[str, np.ndarray], desc:
             for b in blocks:
                 pending.append(pool.apply_async(fn, (b,)))
                 while len(pending) >= 2 * opts.workers:
-                    yield pending.popleft().get()
+                    yield done(pending.popleft().get())
             while pending:
-                yield pending.popleft().get()
+                yield done(pending.popleft().get())
     finally:
         bar.close()
 
@@ -281,7 +292,7 @@ def _build_vocab(opts: PrepareOptions, out: Path) -> tuple[dict[str, np.ndarray]
     if not feats:
         return {}, []
     totals = {s.name: (np.zeros(0, np.uint64), np.zeros(0, np.int64)) for s in feats}
-    for counts, _ in _run(opts, _count_block, {}, "vocabulary pass"):
+    for counts, _ in _run(opts, _count_block, {}, "vocabulary pass", lambda r: r[1]):
         for name, c in counts.items():
             totals[name] = merge_counts(totals[name], c)
     vocab, files = {}, []
@@ -312,7 +323,7 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
     shards: list[dict[str, Any]] = []
     stats = BlockStats()
     skipped, examples = 0, []
-    for shard, st, sk, ex in _run(opts, _write_block, vocab, "prepare"):
+    for shard, st, sk, ex in _run(opts, _write_block, vocab, "prepare", lambda r: r[1].rows):
         if shard["rows"]:
             shards.append(shard)
         else:

@@ -5,6 +5,12 @@ batch of every feature is pooled by a single ``embedding_bag`` call. Backward ne
 gradient of table size: it turns pooled-output gradients into per-id gradients, sums the
 gradients of duplicate rows (sorted, so the result is the same on every run), and hands the
 unique rows to the optimizer, which updates each row exactly once.
+
+Two kernels compute the same thing: the native CPU kernels (``native.py``: C++, SIMD, threads;
+pooled output written sample-major straight from the key-major ids; backward and optimizer
+fused in one pass) and the pure-PyTorch ones below (any device, any storage dtype). The
+``kernel`` argument (``model.embedding_kernel``) picks; ``auto`` takes the native one for fp32
+tables in CPU memory whenever it builds.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from recscale.embedding import native
 from recscale.embedding.config import TableConfig, check_tables
 from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.storage import DenseRowStorage, RowStorage
@@ -35,14 +42,28 @@ class TableGroup:
     feature_row_offset: torch.Tensor  # [num features] first row of each feature's table
     feature_is_mean: torch.Tensor  # [num features] bool
     storage: RowStorage
+    feature_num_rows: torch.Tensor  # [num features] rows of each feature's table
     step: int = 0
     # Modified-row tracking for differential checkpoints: a uint8 flag per row, set to 1 for
     # every row the backward updates; None (no cost) unless a checkpoint tracker turns it on.
     touched: torch.Tensor | None = None
     has_mean: bool = field(init=False)
+    num_rows: int = field(init=False)
+    feature_mean_u8: torch.Tensor = field(init=False)  # feature_is_mean as uint8, on the CPU
+    _feature_index: dict[tuple[str, ...], torch.Tensor] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.has_mean = bool(self.feature_is_mean.any())
+        self.num_rows = sum(t.num_rows for t in self.tables)
+        self.feature_mean_u8 = self.feature_is_mean.to(device="cpu", dtype=torch.uint8)
+
+    def feature_index(self, keys: tuple[str, ...]) -> torch.Tensor:
+        """Position of each of this group's features among a batch's ``keys`` (cached)."""
+        idx = self._feature_index.get(keys)
+        if idx is None:
+            idx = torch.tensor([keys.index(f) for f in self.features], dtype=torch.int64)
+            self._feature_index[keys] = idx
+        return idx
 
 
 INIT_CHUNK_ROWS = 4096
@@ -111,11 +132,14 @@ class TableBatchedEmbeddingBags(nn.Module):
         init_fn: InitFn | None = None,
         grad_reducer: GradReducer | None = None,
         row_stat_fn: RowStatFn | None = None,
+        kernel: str = "auto",
     ) -> None:
         """``init_fn`` gives a table's initial rows (default: ``init_table_rows``);
         ``grad_reducer`` combines (unique rows, summed gradients) across replicas before the
         optimizer runs (data-parallel tables); ``row_stat_fn`` gives each unique row's mean square
-        gradient over its whole row when only some of its columns live here (column shards)."""
+        gradient over its whole row when only some of its columns live here (column shards);
+        ``kernel`` is ``auto`` (native where it builds and applies, else torch), ``native``
+        (error if it cannot be built) or ``torch``; ``RECSCALE_EMBEDDING_KERNEL`` overrides it."""
         super().__init__()
         tables = list(tables)
         if not tables:
@@ -126,6 +150,9 @@ class TableBatchedEmbeddingBags(nn.Module):
         self.device = torch.device(device)
         self.grad_reducer = grad_reducer
         self.row_stat_fn = row_stat_fn
+        self.kernel = native.resolve_choice(kernel)
+        if self.kernel == "native":
+            native.require()
         self._init_fn = init_fn or (lambda t: init_table_rows(t, seed))
         self.global_batch_size = 0
         self.groups: list[TableGroup] = []
@@ -144,7 +171,10 @@ class TableBatchedEmbeddingBags(nn.Module):
         for t in tables:
             offsets.append(rows)
             rows += t.num_rows
-        weight = torch.cat([self._init_fn(t) for t in tables]).to(self.device)
+        # One buffer filled table by table: a concatenation would hold every table twice at peak.
+        weight = torch.empty(rows, dim, dtype=dtype, device=self.device)
+        for t, off in zip(tables, offsets):
+            weight[off : off + t.num_rows].copy_(self._init_fn(t))
         storage = DenseRowStorage(weight, self.optimizer.state_columns(dim))
         features = tuple(f for t in tables for f in t.features)
         feat_off = [off for t, off in zip(tables, offsets) for _ in t.features]
@@ -158,13 +188,41 @@ class TableBatchedEmbeddingBags(nn.Module):
             feature_row_offset=torch.tensor(feat_off, dtype=torch.int64, device=self.device),
             feature_is_mean=torch.tensor(feat_mean, dtype=torch.bool, device=self.device),
             storage=storage,
+            feature_num_rows=torch.tensor([t.num_rows for t in tables for _ in t.features], dtype=torch.int64),
         )
 
     # ------------------------------------------------------------------ forward
     def forward(self, batch: JaggedBatch) -> torch.Tensor:
         self.global_batch_size = batch.batch_size
-        outs = [self._pool_group(g, batch.select(g.features)) for g in self.groups]
+        outs, offsets = [], None
+        for g in self.groups:
+            mod = self._native_kernels(g)
+            if mod is None:
+                outs.append(self._pool_group(g, batch.select(g.features)))
+                continue
+            if offsets is None:
+                offsets = batch.offsets()
+            outs.append(self._pool_group_native(mod, g, batch, offsets))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    def _native_kernels(self, g: TableGroup):
+        """The native kernels when they serve this group: fp32 rows in one dense CPU buffer."""
+        if self.kernel == "torch" or self.device.type != "cpu":
+            return None
+        if g.dtype != torch.float32 or not isinstance(g.storage, DenseRowStorage) or g.num_rows >= 2**32:
+            return None
+        return native.load()
+
+    def _pool_group_native(self, mod, g: TableGroup, batch: JaggedBatch, offsets: torch.Tensor) -> torch.Tensor:
+        values = batch.values if batch.values.dtype in (torch.int64, torch.int32) else batch.values.long()
+        weights = batch.weights
+        if weights is not None and weights.dtype != torch.float32:
+            weights = weights.float()
+        args = (values.contiguous(), offsets, batch.batch_size, g.feature_index(batch.keys),
+                None if weights is None else weights.contiguous())  # fmt: skip
+        if torch.is_grad_enabled():
+            return _NativeFusedPooling.apply(self._grad_anchor, self, g, mod, batch.keys, args)
+        return _native_pool(mod, g, batch.keys, *args)
 
     def _pool_group(self, g: TableGroup, batch: JaggedBatch) -> torch.Tensor:
         k, b = len(g.features), batch.batch_size
@@ -203,6 +261,32 @@ class TableBatchedEmbeddingBags(nn.Module):
         self.optimizer.apply(g.storage, unique, summed, g.step, row_mean_sq)
         if g.touched is not None:
             g.touched.index_fill_(0, unique, 1)
+
+    def _native_backward(self, mod, g: TableGroup, grad: torch.Tensor, args: tuple) -> None:
+        """The native twin of ``row_gradients`` + ``_apply_gradients``: one pass that sums each
+        unique row's gradient (same order as the torch kernel) and updates it, marking it in
+        ``g.touched``. Gradients go through ``_apply_gradients`` instead when replicas must agree
+        first, a column shard needs the whole row's statistic, or the optimizer is not one the
+        kernel mirrors."""
+        values, offsets, batch_size, feat_idx, weights = args
+        is_mean = g.feature_mean_u8
+        opt = self.optimizer
+        step_args = native.optimizer_args(opt, g.step + 1)
+        in_python = self.grad_reducer is not None or (self.row_stat_fn is not None and opt.uses_row_mean_sq)
+        if step_args is None or in_python:
+            unique, summed = mod.row_gradients(
+                grad, values, offsets, batch_size, feat_idx, g.feature_row_offset, is_mean, weights, g.num_rows, g.dim
+            )
+            self._apply_gradients(g, unique, summed)
+            return
+        g.step += 1
+        kind, hp = step_args
+        state = g.storage.state_tensors()
+        states = [state[name] for name in opt.state_columns(g.dim)]
+        mod.backward_update(
+            grad, values, offsets, batch_size, feat_idx, g.feature_row_offset, is_mean, weights,
+            g.storage.weight, states, kind, hp, g.touched,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ access
     def validate(self, batch: JaggedBatch) -> None:
@@ -334,6 +418,37 @@ def row_gradients(
         bag_of_sorted, grad_pooled, row_offsets, mode="sum", per_sample_weights=psw, include_last_offset=True
     )
     return unique, summed
+
+
+def _native_pool(mod, g: TableGroup, keys: tuple[str, ...], values, offsets, batch_size, feat_idx, weights):
+    out, bad = mod.pool(
+        g.storage.weight, values, offsets, batch_size, feat_idx, g.feature_row_offset, g.feature_num_rows,
+        g.feature_mean_u8, weights,
+    )  # fmt: skip
+    pos = int(bad[0])
+    if pos >= 0:  # the first id outside its table, named like JaggedBatch.validate does
+        key = int(torch.searchsorted(offsets, torch.tensor(pos), right=True)) - 1
+        f = keys[key // batch_size]
+        rows = int(g.feature_num_rows[g.features.index(f)])
+        raise SparseInputError(
+            f"feature '{f}': id {int(values[pos])} is outside its table of {rows} rows; "
+            f"ids must be in [0, {rows}) (hash or clip ids to the table size)"
+        )
+    return out
+
+
+class _NativeFusedPooling(torch.autograd.Function):
+    """The native pooled lookup; its backward updates the rows in the same native pass."""
+
+    @staticmethod
+    def forward(ctx, anchor, module, group, mod, keys, args):  # type: ignore[override]
+        ctx.module, ctx.group, ctx.mod, ctx.args = module, group, mod, args
+        return _native_pool(mod, group, keys, *args)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        ctx.module._native_backward(ctx.mod, ctx.group, grad_out.contiguous(), ctx.args)
+        return None, None, None, None, None, None
 
 
 class _FusedPooling(torch.autograd.Function):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from recscale.model.native import interaction_kernels
+
 
 class DotInteraction(nn.Module):
     """Pairwise dot products of all F vectors (strictly lower triangle), concatenated with the
@@ -16,8 +18,11 @@ class DotInteraction(nn.Module):
     ``bmm(X, X^T)`` would run two plus a transpose-add of ``[B, F, D]`` tensors.
     """
 
-    def __init__(self, num_vectors: int, dim: int) -> None:
+    def __init__(self, num_vectors: int, dim: int, native: bool = True) -> None:
+        """``native``: on the CPU in fp32, use the compiled kernel (``recscale.model.native``)
+        when it builds; the PyTorch formulation otherwise (and on other devices and dtypes)."""
         super().__init__()
+        self.native = native
         self.num_vectors = num_vectors
         self.dim = dim
         rows, cols = torch.tril_indices(num_vectors, num_vectors, offset=-1)
@@ -32,8 +37,27 @@ class DotInteraction(nn.Module):
         if pooled.dtype != dense.dtype:  # bf16 MLPs: interact in the MLPs' precision
             pooled = pooled.to(dense.dtype)
         vectors = torch.cat([dense, pooled], dim=1).view(b, self.num_vectors, self.dim)
-        pairs = _TrianglePairs.apply(vectors, self._flat_index)
+        kernels = interaction_kernels() if self.native and vectors.device.type == "cpu" and vectors.dtype == torch.float32 else None
+        if kernels is not None:
+            pairs = _NativePairs.apply(vectors.contiguous(), kernels)
+        else:
+            pairs = _TrianglePairs.apply(vectors, self._flat_index)
         return torch.cat([dense, pairs], dim=1)
+
+
+class _NativePairs(torch.autograd.Function):
+    """``_TrianglePairs`` computed by the C++ kernel: each sample's pairs in one cache-resident pass."""
+
+    @staticmethod
+    def forward(ctx, vectors: torch.Tensor, kernels) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(vectors)
+        ctx.kernels = kernels
+        return kernels.pairs_forward(vectors)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        (vectors,) = ctx.saved_tensors
+        return ctx.kernels.pairs_backward(vectors, grad.contiguous().float()), None
 
 
 class _TrianglePairs(torch.autograd.Function):

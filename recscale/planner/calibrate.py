@@ -1,70 +1,160 @@
-"""Measure this machine for the planner: row-gather bandwidth, backward + fused update cost,
-per-kernel overhead, and all-to-all bandwidth and latency between local ranks (gloo or NCCL).
+"""Measure this machine for the planner: every constant of the cost model, from the real
+operator and the real sharded collection.
 
-Each measurement is short (a few seconds in all) and uses the same operator and collectives as
-training, so the planner's constants describe what training will actually see.
+Two short stages (about a minute in all):
+
+1. *Compute* (one process, with the threads one of ``world_size`` local ranks gets): time full
+   embedding steps of the sharded collection for probe models that stress one cost each (large
+   tables: bytes; many tiny tables: per-shard and per-feature overhead; high pooling: per id;
+   row-wise: bucketizing; data-parallel; column shards), at two batch sizes, and count what each
+   step really did (ids, unique rows, bags, bytes). The per-item constants (``id_s``, ``row_s``,
+   ``bag_s``, ``route_id_s``, ``feature_s``, ``kernel_overhead_s``, ``step_overhead_s``) and the
+   bandwidth (``memory_bw``, with ``backward_factor``) are the non-negative least-squares fit of
+   the cost model's own formula to those times (relative error weighted).
+2. *Communication* (``world_size`` local processes): all-to-all of a small and a large message;
+   latency per collective and bandwidth (bytes sent plus received per second, as the cost model
+   counts both directions).
+
+The result is a ``Hardware`` JSON (``recscale calibrate --out FILE``) with the fit's residuals.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import socket
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from recscale.embedding import RowWiseAdagrad, TableBatchedEmbeddingBags, TableConfig
+from recscale.comm.process_group import Topology
+from recscale.embedding import TableConfig
+from recscale.planner.cost_model import TableSpec, Workload
 from recscale.planner.hardware import Hardware
-from recscale.sparse import JaggedBatch
+from recscale.planner.measure import _free_port, shard_loads, synthetic_batches, time_plan
+from recscale.sharding.default_plan import TableSharding, default_plan
+from recscale.sharding.plan import ShardingPlan
+
+# Probe models: (rows, dim, pooling) per table. Sizes are chosen so building them is quick.
+PROBE_SETS: dict[str, list[tuple[int, int, float]]] = {
+    "large": [(2_000_000, 64, 1), (400_000, 128, 4)],
+    "mixed": [(200_000, 32, 8), (50_000, 16, 20), (100_000, 64, 2), (5_000, 128, 1)],
+    "many_small": [(1_000, 16, 1)] * 32,
+    "narrow": [(1_000_000, 8, 12)],
+}
+PROBE_TYPES = ("table_wise", "row_wise", "data_parallel", "column_wise")
+FIT_TERMS = ("bytes", "id_s", "row_s", "bag_s", "kernel_overhead_s", "route_id_s", "column_stat_id_s", "feature_s",
+             "step_overhead_s")
 
 
-def _median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+@dataclass(frozen=True)
+class Probe:
+    name: str
+    terms: dict[str, float]  # the cost model's terms, counted from the probe's real batch
+    measured_s: float
 
 
-def measure_lookup(rows: int = 2_000_000, dim: int = 64, ids: int = 262_144, repeats: int = 7) -> dict[str, float]:
-    """Forward gather bandwidth, backward+update / forward ratio, and per-call overhead."""
-    gen = torch.Generator().manual_seed(0)
-    op = TableBatchedEmbeddingBags([TableConfig("t", rows, dim)], RowWiseAdagrad(lr=0.01))
-    batch = JaggedBatch(("t",), torch.randint(0, rows, (ids,), generator=gen), torch.ones(ids, dtype=torch.int64))
-    grad = torch.randn(ids, dim, generator=gen)
-
-    def fwd():
-        with torch.no_grad():
-            op(batch)
-
-    def step():
-        op(batch).backward(grad)
-
-    t_fwd = _median_time(fwd, repeats)
-    t_step = _median_time(step, repeats)
-    tiny = JaggedBatch(("t",), torch.zeros(8, dtype=torch.int64), torch.ones(8, dtype=torch.int64))
-    tiny_grad = torch.zeros(8, dim)
-    t_tiny = _median_time(lambda: op(tiny).backward(tiny_grad), 50)
-    fwd_bytes = ids * dim * 4 * 2  # rows read + pooled rows written
-    return {
-        "memory_bw": fwd_bytes / t_fwd,
-        "backward_factor": max((t_step - t_fwd) / t_fwd, 0.5),
-        "kernel_overhead_s": t_tiny / 2,
-    }
+def probe_terms(plan: ShardingPlan, tables: list[TableSpec], batch, backward_factor: float) -> dict[str, float]:
+    """The cost model's terms for one step of ``plan`` on ``batch``, counted from its ids."""
+    loads = shard_loads(plan, batch)
+    by_dim = {t.name: t.dim for t in tables}
+    rank_of_max: dict[int, dict[str, float]] = {}
+    for sl in loads:
+        r = rank_of_max.setdefault(sl.rank, dict.fromkeys(FIT_TERMS, 0.0))
+        e, state = 4, 4  # fp32 rows, row-wise Adagrad
+        r["bytes"] += (sl.ids * sl.cols * e + sl.bags * sl.cols * 4) * (1 + backward_factor) + 2 * sl.unique * (sl.cols * e + state)
+        r["id_s"] += sl.ids
+        if sl.sharding_type == "data_parallel":  # second pass over every replica's unique rows
+            r["id_s"] += sl.unique * plan.world_size
+            r["bytes"] += sl.unique * plan.world_size * sl.cols * 8
+        r["row_s"] += sl.unique
+        r["bag_s"] += sl.bags
+        r["kernel_overhead_s"] += 2
+        r["route_id_s"] += sl.routed
+        if sl.sharding_type == "column_wise" and sl.cols < by_dim[sl.table]:
+            r["column_stat_id_s"] += sl.ids
+    terms = rank_of_max[0]
+    terms["feature_s"] = float(len(tables))
+    terms["step_overhead_s"] = 1.0
+    return terms
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _nnls(a: np.ndarray, b: np.ndarray, iters: int = 200) -> np.ndarray:
+    """Non-negative least squares (Lawson-Hanson active set)."""
+    n = a.shape[1]
+    x, passive = np.zeros(n), np.zeros(n, dtype=bool)
+    for _ in range(iters):
+        w = a.T @ (b - a @ x)
+        if passive.all() or w[~passive].max(initial=-np.inf) <= 1e-12 * max(1.0, np.abs(w).max()):
+            break
+        j = np.argmax(np.where(passive, -np.inf, w))
+        passive[j] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            neg = passive & (z <= 0)
+            alpha = np.min(x[neg] / (x[neg] - z[neg]))
+            x = x + alpha * (z - x)
+            passive &= x > 1e-15
+            x[~passive] = 0.0
+    return x
+
+
+def fit(probes_by_bf: dict[float, list[Probe]]) -> tuple[dict[str, float], float, float]:
+    """Constants (per FIT_TERMS), the backward factor and the median relative error of the best fit."""
+    best = None
+    for bf, probes in probes_by_bf.items():
+        y = np.array([p.measured_s for p in probes])
+        a = np.array([[p.terms[k] for k in FIT_TERMS] for p in probes]) / y[:, None]
+        scale = np.abs(a).max(0)
+        scale[scale == 0] = 1.0
+        coef = _nnls(a / scale, np.ones(len(probes))) / scale
+        rel = np.abs(a @ coef - 1.0)
+        if best is None or rel.mean() < best[2]:
+            best = (dict(zip(FIT_TERMS, coef.tolist())), bf, float(rel.mean()), float(np.median(rel)))
+    assert best is not None
+    return best[0], best[1], best[3]
+
+
+def measure_compute(world_size: int, batches: tuple[int, ...] = (1024, 4096), steps: int = 5,
+                    progress=None, quick: bool = False) -> tuple[dict[str, float], float, float, list[Probe]]:
+    """Stage 1: fit the compute constants for one of ``world_size`` local ranks."""
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    measured: list[tuple[str, ShardingPlan, list[TableSpec], object, float]] = []
+    topo = Topology(1, 0, 1)
+    for set_name, rows in PROBE_SETS.items():
+        if quick and set_name in ("large", "narrow"):
+            continue
+        tables = [TableSpec(f"{set_name}{i}", r, d, p) for i, (r, d, p) in enumerate(rows)]
+        cfgs = [TableConfig(t.name, t.rows, t.dim) for t in tables]
+        for kind in PROBE_TYPES:
+            if set_name == "large" and kind in ("data_parallel", "column_wise"):
+                continue  # same bytes as table-wise; skip to keep calibration short
+            if set_name == "many_small" and kind == "column_wise":
+                continue  # planners never split 16-wide tiny tables; their row-statistic
+                # bookkeeping grows with shards x shards and would distort the fit
+            overrides = {c.name: TableSharding("column_wise", 2) for c in cfgs} if kind == "column_wise" else None
+            plan = default_plan(cfgs, topo, "table_wise" if kind == "column_wise" else kind, overrides)
+            for b in batches:
+                gb = synthetic_batches(tables, b, 2, seed=b)
+                t = time_plan(plan, tables, gb, steps, threads=threads)
+                measured.append((f"{set_name}/{kind}/B{b}", plan, tables, gb[0], t))
+                if progress:
+                    progress(f"{set_name}/{kind}/B{b}: {t * 1e3:.2f} ms")
+    by_bf = {}
+    for bf in (0.5, 1.0, 1.5, 2.0, 3.0, 4.0):
+        by_bf[bf] = [Probe(n, probe_terms(p, tb, g, bf), t) for n, p, tb, g, t in measured]
+    coef, bf, err = fit(by_bf)
+    return coef, bf, err, by_bf[bf]
 
 
 def _a2a_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -72,44 +162,121 @@ def _a2a_worker(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     results = {}
-    for nbytes in (256, 8 << 20):
+    for nbytes in (256, 4 << 20):
         x = torch.zeros(nbytes * world // 4)
         y = torch.empty_like(x)
-        t = _median_time(lambda: dist.all_to_all_single(y, x), 9)
-        results[nbytes] = t
+        dist.all_to_all_single(y, x)
+        times = []
+        for _ in range(15):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_to_all_single(y, x)
+            times.append(time.perf_counter() - t0)
+        results[nbytes] = statistics.median(times)
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
 
 
 def measure_all_to_all(world: int = 2) -> dict[str, float]:
-    """Per-rank all-to-all bandwidth (bytes sent to other ranks / time) and latency."""
+    """Per-collective latency and bandwidth counted as bytes sent plus received per second."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "a2a.pt")
         mp.start_processes(_a2a_worker, args=(world, _free_port(), out), nprocs=world, start_method="spawn")
         r = torch.load(out)
-    small, big = r[256], r[8 << 20]
-    sent = (8 << 20) * (world - 1)  # each rank sends nbytes to every other rank
-    return {"intra_host_bw": sent / max(big - small, 1e-9), "latency_s": small}
+    small, big = r[256], r[4 << 20]
+    moved = 2 * (4 << 20) * (world - 1)  # each rank sends and receives nbytes per peer
+    return {"intra_host_bw": moved / max(big - small, 1e-9), "latency_s": small}
+
+
+COMPUTE_SCALED = ("kernel_overhead_s", "id_s", "row_s", "bag_s", "route_id_s", "column_stat_id_s", "feature_s", "step_overhead_s")
+
+
+def measure_collection(hw: Hardware, batches: tuple[int, ...] = (1024, 4096), steps: int = 5,
+                       progress=None, sets: tuple[str, ...] = ("mixed", "large", "many_small")) -> dict[str, float]:
+    """Stage 3 (more than one rank): the real collection on ``hw.world_size`` local processes.
+
+    Steps of balanced plans (table-wise, row-wise, data-parallel, column shards over every rank)
+    are fitted as ``load x compute + latency x collectives + bytes / bandwidth``, with compute
+    as stage 1 predicts it for one rank alone. ``load`` (>= 1 when ranks share memory bandwidth
+    and caches) scales every compute constant; latency and bandwidth are what a collective costs
+    inside a step, which on shared cores is far more than an isolated all-to-all suggests
+    (the ranks' threads must wake each other up)."""
+    from recscale.planner.measure import unique_fractions
+    from recscale.planner.search import score_plan
+
+    w = hw.world_size
+    topo = Topology(w, 0, w)
+    fast = replace(hw, intra_host_bw=1e30, cross_host_bw=1e30, latency_s=0.0)
+    rows_a, n = [], 0
+    for set_name in sets:
+        raw = [TableSpec(f"{set_name}{i}", r, d, p) for i, (r, d, p) in enumerate(PROBE_SETS[set_name])]
+        for batch in batches:
+            gb = synthetic_batches(raw, batch, 2, seed=7 + batch)
+            uf = unique_fractions(raw, gb[0])
+            tables = [TableSpec(t.name, t.rows, t.dim, t.pooling, uf[t.name]) for t in raw]
+            cfgs = [TableConfig(t.name, t.rows, t.dim) for t in tables]
+            wl = Workload(batch_size=batch)
+            for kind in ("table_wise", "row_wise", "data_parallel", "column_wise"):
+                if set_name == "many_small" and kind == "column_wise":
+                    continue
+                plan = default_plan(cfgs, topo, kind)
+                meas = time_plan(plan, tables, gb, steps)
+                base = score_plan(plan, tables, fast, wl).max_rank_s
+                lat = score_plan(plan, tables, replace(fast, latency_s=1e-3), wl).max_rank_s - base
+                nbytes = (score_plan(plan, tables, replace(fast, intra_host_bw=1e9, cross_host_bw=1e9), wl).max_rank_s - base) * 1e9
+                rows_a.append([base / meas, lat / 1e-3 / meas, nbytes / meas])
+                n += 1
+                if progress:
+                    progress(f"{w} ranks {set_name}/{kind}/B{batch}: {meas * 1e3:.2f} ms, one rank alone {base * 1e3:.2f} ms")
+    a = np.array(rows_a)
+    scale = a.max(0)
+    scale[scale == 0] = 1.0
+    load, latency, per_byte = _nnls(a / scale, np.ones(n)) / scale
+    return {"load": float(max(load, 1e-3)), "latency_s": float(latency),
+            "intra_host_bw": float(1.0 / per_byte) if per_byte > 0 else 1e12}
 
 
 def physical_memory_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def calibrate(world_size: int = 2, memory_fraction: float = 0.6) -> Hardware:
-    """This machine as a Hardware description for ``world_size`` local ranks."""
-    lookup = measure_lookup()
+def calibrate(world_size: int = 2, memory_fraction: float = 0.6, progress=None, quick: bool = False) -> Hardware:
+    """This machine as a Hardware description for ``world_size`` local ranks (``quick``: fewer,
+    smaller probes, for smoke tests; the constants are rougher)."""
+    batches = (512, 2048) if quick else (1024, 4096)
+    steps = 3 if quick else 5
+    coef, bf, err, _ = measure_compute(world_size, batches, steps, progress=progress, quick=quick)
+    if progress:
+        progress(f"compute fit: median error {100 * err:.1f}%, backward factor {bf}")
     comm = measure_all_to_all(world_size) if world_size > 1 else {"intra_host_bw": 1e12, "latency_s": 0.0}
-    return Hardware(
-        name="local",
+    hw = Hardware(
+        name=f"local-{world_size}",
         world_size=world_size,
         ranks_per_host=world_size,
         memory_bytes=physical_memory_bytes() * memory_fraction / world_size,
-        memory_bw=lookup["memory_bw"],
+        memory_bw=1.0 / coef["bytes"] if coef["bytes"] > 0 else 1e15,
         intra_host_bw=comm["intra_host_bw"],
         cross_host_bw=comm["intra_host_bw"],  # one host: no cross-host link measured
         latency_s=comm["latency_s"],
-        kernel_overhead_s=lookup["kernel_overhead_s"],
-        backward_factor=lookup["backward_factor"],
+        kernel_overhead_s=coef["kernel_overhead_s"],
+        column_stat_id_s=coef["column_stat_id_s"],
+        backward_factor=bf,
+        id_s=coef["id_s"],
+        row_s=coef["row_s"],
+        bag_s=coef["bag_s"],
+        route_id_s=coef["route_id_s"],
+        feature_s=coef["feature_s"],
+        step_overhead_s=coef["step_overhead_s"],
     )
+    if world_size > 1:
+        fitted = measure_collection(hw, batches[-1:] if quick else batches, steps, progress=progress,
+                                    sets=("mixed",) if quick else ("mixed", "large", "many_small"))
+        if progress:
+            progress(f"isolated all-to-all: {comm['latency_s'] * 1e6:.0f} us, {comm['intra_host_bw'] / 1e9:.2f} GB/s; "
+                     f"in the collection: {fitted['latency_s'] * 1e6:.0f} us, {fitted['intra_host_bw'] / 1e9:.2f} GB/s, "
+                     f"compute x{fitted['load']:.2f} with every rank busy")
+        scaled = {k: getattr(hw, k) * fitted["load"] for k in COMPUTE_SCALED}
+        hw = replace(hw, latency_s=fitted["latency_s"], intra_host_bw=fitted["intra_host_bw"],
+                     cross_host_bw=fitted["intra_host_bw"], memory_bw=hw.memory_bw / fitted["load"], **scaled)
+    return hw

@@ -6,6 +6,7 @@ Bandwidths are in bytes per second per rank, memory in bytes per rank, latency i
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -26,6 +27,18 @@ class Hardware:
     latency_s: float = 10e-6  # per collective
     kernel_overhead_s: float = 20e-6  # per lookup kernel launch / per shard
     backward_factor: float = 2.0  # backward + fused update relative to forward bytes
+    # Per-item costs beyond bytes moved. On a GPU they hide behind bandwidth (0 in the GPU
+    # presets); on a CPU the index work (offsets, sorting ids, bucketizing, Python per feature)
+    # costs as much as the bytes, so `recscale calibrate` measures them.
+    id_s: float = 0.0  # per id looked up, forward + backward (offsets, sort for exact updates)
+    row_s: float = 0.0  # per unique row updated
+    bag_s: float = 0.0  # per pooled bag (one per sample per feature a shard serves)
+    route_id_s: float = 0.0  # per id bucketized by row range at its source (row-split tables)
+    # per id of a column shard whose optimizer keeps a whole-row statistic (row-wise Adagrad):
+    # its row gradients are formed a second time to share the row's sum of squares
+    column_stat_id_s: float = 0.0
+    feature_s: float = 0.0  # per feature per step at its source (input/output distribution)
+    step_overhead_s: float = 0.0  # fixed per step
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.ranks_per_host < 1 or self.world_size % self.ranks_per_host:
@@ -35,6 +48,10 @@ class Hardware:
         for key in ("memory_bytes", "memory_bw", "intra_host_bw", "cross_host_bw"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"hardware '{self.name}': {key} must be > 0")
+        for key in ("latency_s", "kernel_overhead_s", "backward_factor", "id_s", "row_s", "bag_s", "route_id_s",
+                    "column_stat_id_s", "feature_s", "step_overhead_s"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"hardware '{self.name}': {key} must be >= 0")
 
     @property
     def num_hosts(self) -> int:
@@ -86,7 +103,47 @@ TORCHREC_DEFAULTS = Hardware(
     cross_host_bw=12.5 * GB,
 )
 
-PRESETS = {h.name: h for h in (ZIONEX, TORCHREC_DEFAULTS)}
+# This kind of machine (2-core AMD EPYC VM, gloo between local ranks), as `recscale calibrate
+# --ranks 2` measured it; the trainer's planner uses it when no calibration is cached. Memory is
+# a conservative 4 GB per rank: recalibrate (or pass a file) to plan for a bigger machine.
+LOCAL_CPU = Hardware(
+    name="local-cpu",
+    world_size=2,
+    ranks_per_host=2,
+    memory_bytes=4 * GB,
+    memory_bw=17.9 * GB,
+    intra_host_bw=0.81 * GB,
+    cross_host_bw=0.81 * GB,
+    latency_s=1.11e-3,
+    kernel_overhead_s=0.0,
+    backward_factor=4.0,
+    id_s=0.0,
+    row_s=57e-9,
+    bag_s=6.8e-9,
+    route_id_s=22.9e-9,
+    column_stat_id_s=47e-9,
+    feature_s=0.0,
+    step_overhead_s=0.48e-3,
+)
+
+PRESETS = {h.name: h for h in (ZIONEX, TORCHREC_DEFAULTS, LOCAL_CPU)}
+
+
+def cached_calibration(world_size: int) -> Path:
+    """Where `recscale calibrate` keeps this machine's description for ``world_size`` ranks."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "recscale"
+    return base / f"topology-local-{world_size}.json"
+
+
+def this_machine(world_size: int, ranks_per_host: int, gpu: bool) -> Hardware:
+    """The planner's default description of the machine a job runs on: its cached calibration
+    when there is one, else the ZionEX-like preset on GPUs and ``local-cpu`` on CPUs."""
+    cached = cached_calibration(ranks_per_host)
+    if cached.is_file():
+        hw = Hardware.load(cached)
+    else:
+        hw = ZIONEX if gpu else LOCAL_CPU
+    return hw.with_world(world_size, ranks_per_host)
 
 
 def resolve_hardware(name_or_file: str, world_size: int | None = None, ranks_per_host: int | None = None) -> Hardware:

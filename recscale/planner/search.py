@@ -65,6 +65,10 @@ class _Loads:
         self.time = [0.0] * world
         self.mem = [0.0] * world
         self.cap = cap
+        # Options that keep every touched rank under ``floor`` (a lower bound on the final
+        # slowest rank) are equally good for the maximum, so the cheapest in total wins:
+        # tables are not split over ranks before the load requires it.
+        self.floor = 0.0
 
     def fits(self, rank: int, nbytes: float) -> bool:
         return self.mem[rank] + nbytes <= self.cap
@@ -134,7 +138,7 @@ def _score(p: Placement, loads: _Loads, current_max: float) -> tuple[float, floa
 
 
 def _best_option(t: TableSpec, hw: Hardware, wl: Workload, loads: _Loads, allowed: set[str] | None) -> Placement | None:
-    current = max(loads.time)
+    current = max(max(loads.time), loads.floor)
     best, best_key = None, None
     for kind, rects in _templates(t, hw):
         if allowed is not None and kind not in allowed:
@@ -183,48 +187,71 @@ def _result(method: str, placements: dict[str, Placement], tables: list[TableSpe
         hw.ranks_per_host,
         tuple(TablePlan(t.name, placements[t.name].sharding_type, tuple(placements[t.name].shards)) for t in tables),  # type: ignore[arg-type]
     )
-    return PlanResult(method, plan, ranks, source_cost(tables, hw, wl), time.perf_counter() - t0)
+    kinds = {name: p.sharding_type for name, p in placements.items()}
+    return PlanResult(method, plan, ranks, source_cost(tables, hw, wl, kinds), time.perf_counter() - t0)
+
+
+def score_plan(plan: ShardingPlan, tables: list[TableSpec], hw: Hardware, wl: Workload, method: str = "given") -> PlanResult:
+    """Any plan (a file, another planner's, a default placement) costed by the model."""
+    by_name = {t.name: t for t in tables}
+    placements = {}
+    for tp in plan.tables:
+        t = by_name[tp.table]
+        costs = [shard_cost(t, tp.sharding_type, s.num_rows, s.num_cols, hw, wl) for s in tp.shards]
+        placements[tp.table] = Placement(tp.table, tp.sharding_type, list(tp.shards), costs)
+    return _result(method, placements, tables, hw, wl, time.perf_counter())
 
 
 def plan_tables(
     tables: list[TableSpec], hw: Hardware, wl: Workload, allowed: set[str] | None = None, time_budget_s: float = 20.0
 ) -> PlanResult:
-    """The default planner: several starts (greedy over every option, greedy table-wise, and
-    each baseline that fits), each improved by local search over every option; the best wins.
+    """The default planner: several starts (greedy over every option with and without the
+    average-load floor, greedy table-wise, and each baseline that fits), each improved by local search over every option; the best wins.
     Starting from every baseline means the result is never worse than any of them."""
     t0 = time.perf_counter()
     _check_names(tables)
     starts: list[dict[str, Placement]] = []
-    for subset in (allowed, {"table_wise"} if allowed is None or "table_wise" in allowed else None):
-        if subset is None and starts:
-            continue
+    no_fit: PlanError | None = None
+    subsets: list[tuple[set[str] | None, bool]] = [(allowed, True), (allowed, False)]
+    if allowed is None or "table_wise" in allowed:
+        subsets.append(({"table_wise"}, False))
+    for subset, floor in subsets:
         try:
-            starts.append(_greedy(tables, hw, wl, subset))
-        except PlanError:
-            if not starts and subset == allowed:
-                raise
+            starts.append(_greedy(tables, hw, wl, subset, floor=floor))
+        except PlanError as e:
+            no_fit = no_fit or e
     for method in BASELINES:
         try:
             starts.append(_baseline_placements(method, tables, hw, wl))
         except PlanError:
             continue
+    if not starts:
+        assert no_fit is not None
+        raise no_fit
     deadline = t0 + time_budget_s
-    best, best_max = None, math.inf
+    best: PlanResult | None = None
     for i, placements in enumerate(starts):
         loads = _Loads(hw.world_size, hw.memory_bytes)
         for p in placements.values():
             loads.apply(p)
         share = (deadline - time.perf_counter()) / (len(starts) - i)
         _local_search(tables, placements, loads, hw, wl, allowed, time.perf_counter() + max(share, 0.0))
-        if max(loads.time) < best_max:
-            best, best_max = placements, max(loads.time)
+        # Compare finished starts on the full step time: what all ranks pay alike depends on
+        # the plan too (collectives of data-parallel groups, bucketizing ids).
+        result = _result("recscale", placements, tables, hw, wl, t0)
+        if best is None or result.max_rank_s < best.max_rank_s:
+            best = result
     assert best is not None
-    return _result("recscale", best, tables, hw, wl, t0)
+    best.seconds = time.perf_counter() - t0
+    return best
 
 
-def _greedy(tables: list[TableSpec], hw: Hardware, wl: Workload, allowed: set[str] | None) -> dict[str, Placement]:
-    """Largest tables first, each with the option and ranks that keep the maximum lowest."""
+def _greedy(tables: list[TableSpec], hw: Hardware, wl: Workload, allowed: set[str] | None, floor: bool = False) -> dict[str, Placement]:
+    """Largest tables first, each with the option and ranks that keep the maximum lowest
+    (with ``floor``: no lower than the average load of the cheapest options, then cheapest)."""
     loads = _Loads(hw.world_size, hw.memory_bytes)
+    if floor:
+        loads.floor = _average_load_bound(tables, hw, wl, allowed)
     placements: dict[str, Placement] = {}
     tw = {t.name: shard_cost(t, "table_wise", t.rows, t.dim, hw, wl).time_s for t in tables}
     unplaced = []
@@ -238,6 +265,20 @@ def _greedy(tables: list[TableSpec], hw: Hardware, wl: Workload, allowed: set[st
     if unplaced:
         raise _no_fit_error(unplaced, hw, loads, tables)
     return placements
+
+
+def _average_load_bound(tables: list[TableSpec], hw: Hardware, wl: Workload, allowed: set[str] | None) -> float:
+    """Sum over tables of their cheapest option's total time, per rank: no plan's slowest rank
+    can be faster."""
+    total = 0.0
+    for t in tables:
+        costs = [
+            sum(shard_cost(t, kind, rows, cols, hw, wl).time_s for _, rows, _, cols in rects)
+            for kind, rects in _templates(t, hw)
+            if allowed is None or kind in allowed
+        ]
+        total += min(costs) if costs else 0.0
+    return total / hw.world_size
 
 
 def _local_search(tables, placements, loads: _Loads, hw, wl, allowed, deadline: float) -> None:
@@ -260,9 +301,16 @@ def _local_search(tables, placements, loads: _Loads, hw, wl, allowed, deadline: 
             new = _best_option(by_name[name], hw, wl, loads, allowed)
             if new is not None:
                 loads.apply(new)
-                if max(loads.time) < current - 1e-12 and (name, round(max(loads.time), 15)) not in tabu:
+                new_max = max(loads.time)
+                # Lower the maximum, or keep it and do less work in total (e.g. merge a split
+                # table), which frees room for later moves when several ranks tie at the top.
+                better = new_max < current - 1e-12 or (
+                    new_max <= current + 1e-12
+                    and sum(c.time_s for c in new.costs) < sum(c.time_s for c in old.costs) * (1 - 1e-9)
+                )
+                if better and (name, round(new_max, 15), round(sum(loads.time), 12)) not in tabu:
                     placements[name] = new
-                    tabu.add((name, round(max(loads.time), 15)))
+                    tabu.add((name, round(new_max, 15), round(sum(loads.time), 12)))
                     improved = True
                     break
                 loads.apply(new, -1.0)

@@ -86,6 +86,7 @@ class ShardedEmbeddingCollection(nn.Module):
         seed: int = 0,
         precision: CommPrecision = CommPrecision(),
         stats: CommStats | None = None,
+        kernel: str = "auto",
     ) -> None:
         super().__init__()
         plan.validate(tables)
@@ -161,13 +162,15 @@ class ShardedEmbeddingCollection(nn.Module):
         self.local = (
             TableBatchedEmbeddingBags(
                 local_tables[self.rank], optimizer, seed, device, init_fn=shard_init,
-                row_stat_fn=self._row_mean_sq if self._cw_row_stat else None,
+                row_stat_fn=self._row_mean_sq if self._cw_row_stat else None, kernel=kernel,
             )
             if local_tables[self.rank]
             else None
         )
         self.dp = (
-            TableBatchedEmbeddingBags(self._dp_tables, optimizer, seed, device, grad_reducer=self._reduce_dp_grads)
+            TableBatchedEmbeddingBags(
+                self._dp_tables, optimizer, seed, device, grad_reducer=self._reduce_dp_grads, kernel=kernel
+            )
             if self._dp_tables
             else None
         )
@@ -180,6 +183,26 @@ class ShardedEmbeddingCollection(nn.Module):
             )
             for served in self._served
         ]
+        # Owners whose shards are whole features (full width, not row-split) of one common dim
+        # place their block with one copy of dim-wide rows per feature instead of a per-column
+        # scatter-add (and gradients go back by the same rows). None: the general path.
+        dims = set(self.feature_dims)
+        common = dims.pop() if len(dims) == 1 else None
+        order = {f: i for i, f in enumerate(self.feature_names)}
+        self._feature_slots = [
+            torch.tensor([order[sf.feature] for sf in served], dtype=torch.int64, device=device)
+            if common is not None and served and all(
+                not sf.routes_by_row and sf.col_offset == 0 and sf.num_cols == common for sf in served)
+            else None
+            for served in self._served
+        ]
+        self._common_dim = common
+        covered = {sf.feature for served, slots in zip(self._served, self._feature_slots) if slots is not None for sf in served}
+        # Every output column is written by a copy: no need to zero the output first.
+        self._output_all_copied = (
+            not self._dp_tables and covered == set(self.feature_names)
+            and all(slots is not None or not served for served, slots in zip(self._served, self._feature_slots))
+        )
         if self.dp is not None:
             self._dp_cols = torch.tensor(
                 [self._feature_col[f] + c for f, d in zip(self.dp.feature_names, self.dp.feature_dims) for c in range(d)],
@@ -479,13 +502,19 @@ class _OutputDist(torch.autograd.Function):
         recv = [sizes[me] * codec.row_bytes(coll._local_dims[d]) for d in range(world)]
         got = all_to_all(payload.reshape(-1), send, recv, coll.groups.embedding, coll.stats, "output_a2a")
         b = sizes[me]
-        out = torch.zeros(b, coll.total_dim, device=pooled.device)
+        alloc = torch.empty if coll._output_all_copied else torch.zeros
+        out = alloc(b, coll.total_dim, device=pooled.device)
         for d, part in enumerate(torch.split(got, recv)):
             dim_d = coll._local_dims[d]
             if dim_d == 0:
                 continue
             block = codec.decode(part.view(b, codec.row_bytes(dim_d)), dim_d)
-            out.index_add_(1, coll._colmaps[d], block)
+            slots = coll._feature_slots[d]
+            if slots is not None:  # whole features: copy dim-wide rows
+                dim = coll._common_dim
+                out.view(b, -1, dim).index_copy_(1, slots, block.view(b, -1, dim))
+            else:
+                out.index_add_(1, coll._colmaps[d], block)
         return out
 
     @staticmethod
@@ -498,7 +527,14 @@ class _OutputDist(torch.autograd.Function):
         parts, send = [], []
         for d in range(world):
             dim_d = coll._local_dims[d]
-            g = grad_out.index_select(1, coll._colmaps[d]) if dim_d else grad_out.new_zeros(sizes[me], 0)
+            slots = coll._feature_slots[d]
+            if not dim_d:
+                g = grad_out.new_zeros(sizes[me], 0)
+            elif slots is not None:  # whole features: gather dim-wide rows
+                b, dim = sizes[me], coll._common_dim
+                g = grad_out.view(b, -1, dim).index_select(1, slots).view(b, dim_d)
+            else:
+                g = grad_out.index_select(1, coll._colmaps[d])
             parts.append(codec.encode(g * scale if scale != 1.0 else g).reshape(-1))
             send.append(sizes[me] * codec.row_bytes(dim_d))
         local_dim = coll._local_dims[me]

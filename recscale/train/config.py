@@ -60,6 +60,9 @@ class ModelConfig:
     table_rows: list[int] = field(default_factory=lambda: [100_000] * 26)
     pooling: Literal["sum", "mean"] = "sum"
     embedding_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
+    # Embedding kernels: native C++ on the CPU where it builds ("auto"), always ("native"), or
+    # the pure-PyTorch ones ("torch"); env RECSCALE_EMBEDDING_KERNEL overrides.
+    embedding_kernel: Literal["auto", "native", "torch"] = "auto"
     bottom_mlp: list[int] = field(default_factory=lambda: [64, 16])
     top_mlp: list[int] = field(default_factory=lambda: [64, 1])
     # MLP and interaction precision: "bf16" = bf16 matmuls with fp32 master weights (opt-in).
@@ -124,10 +127,16 @@ class TableShardingConfig:
 
 @dataclass
 class ShardingConfig:
-    # Sharding type of every table without an entry in [sharding.tables].
-    default: ShardingTypeName = "table_wise"
+    # Sharding type of every table without an entry in [sharding.tables]; "auto": the
+    # cost-model planner chooses type and ranks per table (tables listed in [sharding.tables]
+    # keep their type, the others are table-wise).
+    default: Literal["auto", "table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"] = "auto"
     # A plan JSON file; when set it replaces the default placement.
     plan: str = ""
+    # What the "auto" planner costs plans on: a preset (zionex, torchrec-defaults, local-cpu) or a
+    # calibrated JSON file from `recscale calibrate`; "" = this machine (its cached calibration
+    # when there is one, else local-cpu on CPU and zionex on GPU).
+    topology: str = ""
     tables: dict[str, TableShardingConfig] = field(default_factory=dict)
 
 

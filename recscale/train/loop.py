@@ -24,7 +24,7 @@ from recscale.embedding import TableBatchedEmbeddingBags, TableConfig, make_opti
 from recscale.model import DLRM
 from recscale.sharding.collection import CommPrecision, ShardedEmbeddingCollection
 from recscale.sharding.default_plan import TableSharding, default_plan
-from recscale.sharding.plan import ShardingPlan
+from recscale.sharding.plan import PlanError, ShardingPlan
 from recscale.train.checkpointing import Progress, TrainCheckpointing
 from recscale.train.config import Config, ConfigError
 from recscale.train.datasets import DataSplits, build_data
@@ -63,7 +63,9 @@ def build_tables(cfg: Config, sparse_names: tuple[str, ...]) -> list[TableConfig
 
 
 def build_plan(cfg: Config, tables: list[TableConfig], groups: ProcessGroups) -> ShardingPlan:
-    """The plan file when given, else the default placement with per-table overrides."""
+    """The plan file when given; else with ``sharding.default = "auto"`` (the default) and no
+    per-table overrides the cost-model planner's plan (made on rank 0, sent to every rank, so
+    all ranks run the same plan); else the default placement with per-table overrides."""
     if cfg.sharding.plan:
         plan = ShardingPlan.load(cfg.sharding.plan)
         if plan.world_size != groups.world_size:
@@ -74,7 +76,29 @@ def build_plan(cfg: Config, tables: list[TableConfig], groups: ProcessGroups) ->
         plan.validate(tables)
         return plan
     overrides = {k: TableSharding(v.type, v.shards) for k, v in cfg.sharding.tables.items()}
-    return default_plan(tables, groups.topology, cfg.sharding.default, overrides)
+    if cfg.sharding.default == "auto" and not overrides:
+        return _planned(cfg, tables, groups)
+    default = "table_wise" if cfg.sharding.default == "auto" else cfg.sharding.default
+    return default_plan(tables, groups.topology, default, overrides)
+
+
+def _planned(cfg: Config, tables: list[TableConfig], groups: ProcessGroups) -> ShardingPlan:
+    from recscale.train.planning import auto_plan
+
+    topo = groups.topology
+    box: list[object] = [None]
+    if topo.rank == 0:
+        try:
+            box[0] = auto_plan(cfg, tables, topo.world_size, topo.ranks_per_host, groups.device.type == "cuda").to_dict()
+        except PlanError as e:
+            box[0] = f"sharding.default = 'auto': {e}"
+    if groups.dense is not None:
+        torch.distributed.broadcast_object_list(box, src=0, group=groups.dense)
+    if isinstance(box[0], str):
+        raise PlanError(box[0])
+    plan = ShardingPlan.from_dict(box[0])  # type: ignore[arg-type]
+    plan.validate(tables)
+    return plan
 
 
 def build_model(
@@ -95,12 +119,16 @@ def build_model(
     tables = build_tables(cfg, sparse_names)
     embeddings: torch.nn.Module
     if groups is None or groups.world_size == 1:
-        embeddings = TableBatchedEmbeddingBags(tables, optimizer, seed=cfg.train.seed, device=device)
+        embeddings = TableBatchedEmbeddingBags(
+            tables, optimizer, seed=cfg.train.seed, device=device, kernel=cfg.model.embedding_kernel
+        )
     else:
         plan = build_plan(cfg, tables, groups)
         all_gather_object_check(plan.digest(), groups.dense, "sharding plans")
         precision = CommPrecision(cfg.comm.forward, cfg.comm.backward, cfg.comm.loss_scale)
-        embeddings = ShardedEmbeddingCollection(tables, optimizer, plan, groups, cfg.train.seed, precision, stats)
+        embeddings = ShardedEmbeddingCollection(
+            tables, optimizer, plan, groups, cfg.train.seed, precision, stats, kernel=cfg.model.embedding_kernel
+        )
     model = DLRM(embeddings, num_dense, cfg.model.bottom_mlp, cfg.model.top_mlp, cfg.model.mlp_precision)  # type: ignore[arg-type]
     return model.to(device)
 

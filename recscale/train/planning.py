@@ -1,9 +1,14 @@
-"""A training config as planner input: table specs and the workload."""
+"""A training config as planner input (table specs, workload, hardware) and the planner's plan
+for a training job."""
 
 from __future__ import annotations
 
+from recscale.embedding import TableConfig
 from recscale.planner.cost_model import TableSpec, Workload
-from recscale.train.config import Config
+from recscale.planner.hardware import Hardware, resolve_hardware, this_machine
+from recscale.planner.search import plan_tables
+from recscale.sharding.plan import ShardingPlan
+from recscale.train.config import Config, ConfigError
 
 _ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 _WIRE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0}
@@ -32,3 +37,27 @@ def workload(cfg: Config) -> Workload:
     dim = cfg.model.embedding_dim
     wire = {k: v + (8.0 / dim if k == "int8" else 0.0) for k, v in _WIRE_BYTES.items()}
     return Workload(cfg.train.batch_size, wire[cfg.comm.forward], wire[cfg.comm.backward])
+
+
+def training_hardware(cfg: Config, world_size: int, ranks_per_host: int, gpu: bool) -> Hardware:
+    """``sharding.topology`` (a preset or a calibrated file), else this machine's description."""
+    if cfg.sharding.topology:
+        try:
+            return resolve_hardware(cfg.sharding.topology, world_size, ranks_per_host)
+        except ValueError as e:
+            raise ConfigError(f"config key 'sharding.topology': {e}") from None
+    return this_machine(world_size, ranks_per_host, gpu)
+
+
+def auto_plan(cfg: Config, tables: list[TableConfig], world_size: int, ranks_per_host: int, gpu: bool,
+              time_budget_s: float = 5.0) -> ShardingPlan:
+    """The cost-model planner's plan for a training job (``sharding.default = "auto"``)."""
+    by_name = {s.name: s for s in table_specs(cfg)}
+    specs = []
+    for t in tables:
+        s = by_name.get(t.name)
+        specs.append(TableSpec(t.name, t.num_rows, t.dim, s.pooling if s else 1.0, s.unique_fraction if s else 0.5,
+                               s.element_bytes if s else 4, s.state_bytes_per_row if s else 4.0,
+                               s.state_bytes_per_element if s else 0.0))
+    hw = training_hardware(cfg, world_size, ranks_per_host, gpu)
+    return plan_tables(specs, hw, workload(cfg), time_budget_s=time_budget_s).plan

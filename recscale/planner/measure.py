@@ -1,0 +1,153 @@
+"""Time real embedding steps of a plan on this machine, for calibration and validation.
+
+A *step* here is the embedding part of a training step, exactly as training runs it: the
+sharded collection's input distribution, pooled lookup, output distribution and backward with
+the fused optimizer update. Inputs are realistic: per table a fixed pooling factor, ids drawn
+from a Zipf law and hashed over the rows (as real hashed categorical features are), so hot rows
+spread over row ranges. One rank runs in this process; N ranks run as N local processes (gloo
+on CPU), each with ``cores / N`` threads, and a step lasts as long as its slowest rank.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+
+from recscale.comm.process_group import Topology, init_process_groups
+from recscale.data.synthetic import zipf_ranks
+from recscale.embedding import RowWiseAdagrad, TableConfig
+from recscale.planner.cost_model import TableSpec
+from recscale.sharding.collection import ShardedEmbeddingCollection
+from recscale.sharding.plan import ShardingPlan
+from recscale.sparse import JaggedBatch
+
+ZIPF_ALPHA = 1.05
+
+
+@dataclass(frozen=True)
+class ShardLoad:
+    """What one shard actually did in a step (counted from the ids, not modelled)."""
+
+    rank: int
+    table: str
+    sharding_type: str
+    rows: int
+    cols: int
+    ids: int  # ids it looked up
+    unique: int  # unique rows it updated
+    bags: int  # pooled bags it produced
+    routed: int  # ids its table's sources bucketized by row (row-split types), per rank
+
+
+def threads_per_rank(world: int) -> int:
+    return max(1, (os.cpu_count() or 1) // world)
+
+
+def synthetic_batches(tables: list[TableSpec], batch: int, count: int, seed: int = 0) -> list[JaggedBatch]:
+    """``count`` global batches: per table ``pooling`` ids per sample, Zipf-skewed, hashed."""
+    rng = np.random.default_rng(seed)
+    perms = [np.random.default_rng([seed, i]).permutation(t.rows) for i, t in enumerate(tables)]
+    out = []
+    for _ in range(count):
+        vals, lens = [], []
+        for t, perm in zip(tables, perms):
+            p = int(round(t.pooling))
+            lens.append(np.full(batch, p, dtype=np.int64))
+            vals.append(perm[zipf_ranks(rng, batch * p, t.rows, ZIPF_ALPHA)])
+        out.append(JaggedBatch(
+            tuple(t.name for t in tables), torch.from_numpy(np.concatenate(vals)), torch.from_numpy(np.concatenate(lens))
+        ))
+    return out
+
+
+def unique_fractions(tables: list[TableSpec], batch: JaggedBatch) -> dict[str, float]:
+    """Data statistics for the planner: unique ids / ids per table in one global batch."""
+    out = {}
+    for t in tables:
+        vals, _ = batch[t.name]
+        out[t.name] = float(torch.unique(vals).numel() / max(vals.numel(), 1))
+    return out
+
+
+def shard_loads(plan: ShardingPlan, batch: JaggedBatch) -> list[ShardLoad]:
+    """Per shard, the ids, unique rows and bags it handles for ``batch`` (a global batch)."""
+    out = []
+    b, w = batch.batch_size, plan.world_size
+    for tp in plan.tables:
+        vals, _ = batch[tp.table]
+        for s in tp.shards:
+            if tp.sharding_type == "data_parallel":
+                local = vals.view(b, -1)[s.rank * b // w : (s.rank + 1) * b // w].reshape(-1) if vals.numel() % b == 0 else vals
+                n, u, m = local.numel(), int(torch.unique(local).numel()), b // w
+            else:
+                mine = vals[(vals >= s.row_offset) & (vals < s.row_offset + s.num_rows)] if tp.routes_by_row else vals
+                n, u, m = mine.numel(), int(torch.unique(mine).numel()), b
+            routed = vals.numel() // w if tp.routes_by_row else 0
+            out.append(ShardLoad(s.rank, tp.table, tp.sharding_type, s.num_rows, s.num_cols, n, u, m, routed))
+    return out
+
+
+def _step_times(rank: int, world: int, plan: ShardingPlan, tables: list[TableSpec], batches: list[JaggedBatch],
+                steps: int, groups) -> list[float]:
+    cfgs = [TableConfig(t.name, t.rows, t.dim) for t in tables]
+    coll = ShardedEmbeddingCollection(cfgs, RowWiseAdagrad(lr=0.01), plan, groups)
+    b = batches[0].batch_size
+    sizes = [len(c) for c in torch.arange(b).tensor_split(world)]
+    locals_ = [g.split(sizes)[rank] if world > 1 else g for g in batches]
+    times = []
+    for i in range(steps + 2):  # two warm-up steps
+        local = locals_[i % len(locals_)]
+        if groups.embedding is not None:
+            torch.distributed.barrier(groups.embedding)
+        t0 = time.perf_counter()
+        out = coll(local)
+        out.backward(torch.ones_like(out))
+        times.append(time.perf_counter() - t0)
+    return times[2:]
+
+
+def _worker(rank, world, port, plan_dict, tables, batches, steps, out_dir) -> None:
+    torch.set_num_threads(threads_per_rank(world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    groups = init_process_groups(Topology(world, rank, world), timeout_s=120)
+    try:
+        times = _step_times(rank, world, ShardingPlan.from_dict(plan_dict), tables, batches, steps, groups)
+        torch.save(times, Path(out_dir) / f"r{rank}.pt")
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def time_plan(plan: ShardingPlan, tables: list[TableSpec], batches: list[JaggedBatch], steps: int = 7,
+              threads: int | None = None) -> float:
+    """Median over steps of the slowest rank's step time, in seconds. One rank runs in this
+    process (with ``threads``, default all cores), more as local processes."""
+    world = plan.world_size
+    if world == 1:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads or threads_per_rank(1))
+        try:
+            groups = init_process_groups(Topology(1, 0, 1), device=torch.device("cpu"))
+            return statistics.median(_step_times(0, 1, plan, tables, batches, steps, groups))
+        finally:
+            torch.set_num_threads(before)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = (world, _free_port(), plan.to_dict(), tables, batches, steps, tmp)
+        mp.start_processes(_worker, args=args, nprocs=world, start_method="spawn")
+        per_rank = [torch.load(Path(tmp) / f"r{r}.pt") for r in range(world)]
+    return statistics.median(max(ts) for ts in zip(*per_rank))
