@@ -195,3 +195,24 @@ def test_ckpt_cli_list_inspect_verify_export(written, tmp_path, capsys):
         assert torch.equal(exported[f"embeddings.{name}.sum_sq"], state[f"{name}.sum_sq"])
     dense = [k for k in state if not k.startswith("t_")]
     assert dense and all(torch.equal(exported[f"dense.{k}"], state[k]) for k in dense)
+
+
+def test_full_checkpoints_leave_out_rows_at_their_initial_values(written, tmp_path):
+    """Rows no update reached cost no bytes and restore exactly from the seed (the export and
+    the bitwise-resume tests restore through them); with the setting off every row is held."""
+    from recscale.checkpoint.restore import load_manifest
+    from recscale.checkpoint.storage import LocalStorage
+
+    root, state = written
+    base = load_manifest(LocalStorage(root), "step0000000004")
+    assert base.kind == "full" and base.initial_rows is not None and base.initial_rows["seed"] == 0
+    held = sum(c.num_rows for c in base.chunks)
+    total = sum(t.num_rows for t in base.tables)
+    assert 0 < held < total
+    assert any(bool((state[k] == 0).all(1).any()) for k in state if k.endswith("sum_sq"))  # rows never reached
+    every = tmp_path / "every"
+    run_training([f"checkpoint.dir='{every}'", "train.max_steps=4", "checkpoint.interval_steps=4",
+                  "checkpoint.skip_initial_rows=false"])
+    m = load_manifest(LocalStorage(every), "step0000000004")
+    assert m.initial_rows is None and sum(c.num_rows for c in m.chunks) == total
+    assert m.stats["bytes_written"] > base.stats["bytes_written"]

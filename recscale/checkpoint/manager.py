@@ -40,13 +40,18 @@ class CheckpointManager:
         plan: dict | None = None,
         sum_over_ranks: SumFn | None = None,
         log: Callable[[str], None] = lambda _: None,
+        init_seed: int | None = None,
     ) -> None:
+        """``init_seed``: the seed the embedding rows were initialised with
+        (``recscale.embedding.table_batched.init_rows``); with ``skip_initial_rows`` full
+        checkpoints then leave out rows still bitwise at those values. None: store every row."""
         settings.validate()
         self.settings, self.storage, self.shards = settings, storage, shards
         self.rank, self.world_size, self.plan = rank, world_size, plan
         self.sum_over_ranks = sum_over_ranks or (lambda xs: xs)
         self.log = log
         self.policy = Policy(settings)
+        self.init_seed = init_seed if settings.skip_initial_rows else None
         self.tracker = RowTracker(shards) if settings.policy != "full" else None
         dtypes = {s.table.dtype for s in shards}
         self.weight_codec: Codec = make_codec(
@@ -103,7 +108,9 @@ class CheckpointManager:
         self.policy.record(kind, fraction)
         self.chain = chain
         stall = time.perf_counter() - t0
+        skip = kind == "full" and self.init_seed is not None
         manifest = Manifest(
+            initial_rows=self._initial_rows_meta() if skip else None,
             name=name, step=step, kind=kind, chain=chain, policy=self.settings.policy,
             weight_codec=self.weight_codec.to_dict(), state_codec=self.state_codec.to_dict(),
             world_size=self.world_size, plan=self.plan, tables=self._table_meta(),
@@ -112,7 +119,7 @@ class CheckpointManager:
         )
         job = WriteJob(
             manifest, self.rank, self.world_size, snaps, rank_state, self.weight_codec, self.state_codec,
-            self.settings.chunk_rows, stall, self._full_fp32_bytes(),
+            self.settings.chunk_rows, stall, self._full_fp32_bytes(), self.init_seed if skip else None,
         )
         self.writer.submit(job)
         self.last_step, self.last_time = step, time.monotonic()
@@ -132,7 +139,11 @@ class CheckpointManager:
             weight = w.index_select(0, rows).cpu()
             state = {k: v.index_select(0, rows).cpu() for k, v in states.items() if k in keep_state}
             rows = rows.cpu()
-        return ShardSnapshot(s.table.name, s.row_offset, s.num_rows, s.col_offset, s.num_cols, rows, weight, state)
+        return ShardSnapshot(s.table.name, s.row_offset, s.num_rows, s.col_offset, s.num_cols, rows, weight, state, s.table)
+
+    def _initial_rows_meta(self) -> dict:
+        bounds = {s.table.name: list(s.table.bounds) for s in self.shards}
+        return {"seed": self.init_seed, "bounds": bounds}
 
     def _table_meta(self) -> list[dict]:
         seen: dict[str, TableMeta] = {}

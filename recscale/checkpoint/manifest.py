@@ -12,7 +12,9 @@ Directory ``<root>/step0000000100/``::
 A chunk is one block of rows of one table shard: a row selector (a contiguous range, a bitmap
 over [row_start, row_stop) or sorted int32/int64 ids), then the weights in the chunk's codec,
 then each optimizer-state tensor; it carries its own crc32, so a rank that reads only the rows
-it owns (resharding) still detects damage in what it reads.
+it owns (resharding) still detects damage in what it reads. A full checkpoint with
+``initial_rows`` set holds only the rows that differ from their initial values; a restore
+regenerates the others from the seed.
 """
 
 from __future__ import annotations
@@ -94,6 +96,10 @@ class Manifest:
     chunks: list[Chunk]
     training: dict[str, Any]  # step, epoch, next_batch, data fingerprint, embedding step
     stats: dict[str, Any] = field(default_factory=dict)
+    # Full checkpoints only: rows they do not hold are at their initial values
+    # (``recscale.embedding.table_batched.init_rows`` with this seed and these bounds per table)
+    # with zero optimizer state: {"seed": int, "bounds": {table: [lo, hi]}}. None: every row held.
+    initial_rows: dict[str, Any] | None = None
     created_unix: float = 0.0
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION

@@ -147,6 +147,8 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 def bytes_tensor(buf: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     raw = np.frombuffer(buf, dtype=np.uint8).copy()
+    if raw.size == 0:  # numpy gives an empty array stride 0, which torch cannot view as wider types
+        return torch.empty(shape, dtype=dtype)
     return torch.from_numpy(raw).view(dtype).reshape(shape)
 
 

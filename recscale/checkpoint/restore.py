@@ -20,6 +20,7 @@ from recscale.checkpoint.manifest import MANIFEST, CheckpointError, Chunk, Manif
 from recscale.checkpoint.quantize import Codec
 from recscale.checkpoint.shards import LocalShard, row_state_names
 from recscale.checkpoint.storage import LocalStorage, Storage
+from recscale.embedding.table_batched import init_rows
 
 
 @dataclass
@@ -162,6 +163,10 @@ def restore_shards(storage: Storage, chain: list[Manifest], shards: list[LocalSh
     for s in shards:
         by_table.setdefault(s.table.name, []).append(s)
     seen: set[str] = set()
+    initial = chain[0].initial_rows if chain and chain[0].kind == "full" else None
+    if initial is not None:
+        for s in shards:
+            reset_to_initial(s, chain[0], initial)
     for m in chain:
         for c in m.chunks:
             targets = [
@@ -175,11 +180,27 @@ def restore_shards(storage: Storage, chain: list[Manifest], shards: list[LocalSh
             for s in targets:
                 _apply(s, c, d)
                 seen.add(s.local_name)
-    if chain and chain[0].kind == "full":
+    if chain and chain[0].kind == "full" and initial is None:
         missing = sorted({s.local_name for s in shards} - seen)
         if missing:
             raise CheckpointError(f"checkpoint {chain[-1].name}: holds no rows for {missing[:5]}; it is incomplete")
     return stats
+
+
+def reset_to_initial(s: LocalShard, m: Manifest, initial: dict) -> None:
+    """Set a shard to its initial rows and zero optimizer state: what every row a full
+    checkpoint with ``initial_rows`` leaves out holds."""
+    bounds = initial.get("bounds", {}).get(s.table.name)
+    if bounds is not None and tuple(float(x) for x in bounds) != tuple(float(x) for x in s.table.bounds):
+        raise CheckpointError(
+            f"checkpoint {m.name}: table '{s.table.name}' was initialised in [{bounds[0]}, {bounds[1]}] but the "
+            f"model's is {list(s.table.bounds)}; resume with the model config that wrote it"
+        )
+    init = init_rows(s.table, int(initial["seed"]), s.row_offset, s.num_rows, s.col_offset, s.num_cols)
+    w = s.module.table_weight(s.local_name)
+    w.copy_(init.to(device=w.device, dtype=w.dtype))
+    for t in s.module.table_state(s.local_name).values():
+        t.zero_()
 
 
 def _wants(s: LocalShard, c: Chunk) -> bool:

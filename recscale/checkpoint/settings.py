@@ -49,6 +49,10 @@ class CheckpointSettings:
     # adaptive: greedy range search in steps of (max - min) / bins, shrinking at most ratio of the range.
     adaptive_bins: int = 25
     adaptive_ratio: float = 0.6
+    # Full checkpoints leave out rows still bitwise at their initial values with zero optimizer
+    # state (rows no update ever reached); a restore regenerates them exactly from the seed, so
+    # they cost no bytes and no quantization error.
+    skip_initial_rows: bool = True
     # Precision of the embedding optimizer state in checkpoints.
     optimizer_state: StatePrecision = "fp32"
     # Keep the last this many restorable checkpoints (and whatever baselines they need); 0 keeps all.

@@ -22,7 +22,8 @@ from recscale.checkpoint.restore import (
     resolve,
 )
 from recscale.checkpoint.storage import LocalStorage, Storage
-from recscale.embedding import make_optimizer
+from recscale.embedding import TableConfig, make_optimizer
+from recscale.embedding.table_batched import init_rows
 
 
 @dataclass
@@ -87,8 +88,13 @@ def assemble(storage: Storage, m: Manifest) -> dict[str, torch.Tensor]:
     """Whole tables (weights and optimizer state, float32) plus dense parameters, from the chain."""
     chain = load_chain(storage, m)
     out: dict[str, torch.Tensor] = {}
+    initial = chain[0].initial_rows if chain[0].kind == "full" else None
     for t in m.tables:
         out[f"embeddings.{t.name}.weight"] = torch.zeros(t.num_rows, t.dim)
+        if initial is not None:  # rows the baseline left out are at their initial values
+            bounds = initial.get("bounds", {}).get(t.name)
+            cfg = TableConfig(t.name, t.num_rows, t.dim, init_range=tuple(bounds) if bounds else None, dtype=t.dtype)  # type: ignore[arg-type]
+            out[f"embeddings.{t.name}.weight"] = init_rows(cfg, int(initial["seed"])).float()
     dims = {t.name: t.dim for t in m.tables}
     opt = make_optimizer(m.optimizer["name"]) if m.optimizer.get("name") else None
     for cm in chain:

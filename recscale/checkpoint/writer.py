@@ -26,6 +26,8 @@ import torch
 from recscale.checkpoint.manifest import MANIFEST, Chunk, CheckpointError, FileEntry, Manifest, tmp_name
 from recscale.checkpoint.quantize import Codec
 from recscale.checkpoint.storage import Storage
+from recscale.embedding import TableConfig
+from recscale.embedding.table_batched import init_rows
 
 
 @dataclass
@@ -40,6 +42,7 @@ class ShardSnapshot:
     rows: torch.Tensor | None  # sorted local row indices; None = every row of the shard
     weight: torch.Tensor  # [n, num_cols], storage dtype, CPU
     state: dict[str, torch.Tensor]  # name -> [n, cols] float32, CPU
+    config: TableConfig  # the whole table (its initial rows are a function of it and the seed)
 
 
 @dataclass
@@ -54,6 +57,8 @@ class WriteJob:
     chunk_rows: int
     stall_s: float
     full_fp32_bytes: int  # what an unquantized full checkpoint of this rank's shards would take
+    # Full checkpoints: leave out rows still at their initial values for this seed (None: keep all).
+    init_seed: int | None = None
 
 
 @dataclass
@@ -76,6 +81,17 @@ def rank_file(rank: int, suffix: str) -> str:
 
 
 # ---------------------------------------------------------------------- chunk encoding
+def initial_row_mask(sh: ShardSnapshot, seed: int, a: int, b: int) -> np.ndarray:
+    """Local rows ``a..b`` of a whole-shard snapshot that differ from their initial values
+    (bitwise) or have non-zero optimizer state: the rows a full checkpoint must hold."""
+    init = init_rows(sh.config, seed, sh.row_offset + a, b - a, sh.col_offset, sh.num_cols)
+    w = sh.weight[a:b]
+    keep = (w != init.to(w.dtype)).any(1)
+    for t in sh.state.values():
+        keep |= (t[a:b] != 0).any(1)
+    return np.flatnonzero(keep.numpy())
+
+
 def encode_chunks(job: WriteJob, file: str) -> Iterator[tuple[Chunk, bytes]]:
     """Each shard cut into blocks of ``chunk_rows`` local rows, encoded (offsets filled later)."""
     for sh in job.shards:
@@ -84,27 +100,34 @@ def encode_chunks(job: WriteJob, file: str) -> Iterator[tuple[Chunk, bytes]]:
         positions = None if sh.rows is None else sh.rows.numpy()
         for a in range(0, sh.num_rows, job.chunk_rows):
             b = min(a + job.chunk_rows, sh.num_rows)
-            if positions is None:
+            if positions is None and job.init_seed is None:
+                lo, hi, local = a, b, None
+            elif positions is None:  # a full snapshot: only rows no longer at their initial values
+                local = initial_row_mask(sh, job.init_seed, a, b)
                 lo, hi = a, b
-                selector, ids = "range", b""
             else:
                 lo, hi = np.searchsorted(positions, [a, b])
-                if lo == hi:
-                    continue
                 local = positions[lo:hi] - a
-                n = hi - lo
-                if n == b - a:
-                    selector, ids = "range", b""
-                elif (b - a + 7) // 8 < 4 * n:
-                    mask = np.zeros(b - a, dtype=np.uint8)
-                    mask[local] = 1
-                    selector, ids = "bitmap", np.packbits(mask, bitorder="little").tobytes()
-                else:
-                    selector, ids = "ids", local.astype(np.int32).tobytes()
-            w = job.weight_codec.encode(sh.weight[lo:hi])
+            n = (hi - lo) if local is None else len(local)
+            if n == 0:
+                continue
+            if n == b - a:
+                selector, ids = "range", b""
+            elif (b - a + 7) // 8 < 4 * n:
+                mask = np.zeros(b - a, dtype=np.uint8)
+                mask[local] = 1
+                selector, ids = "bitmap", np.packbits(mask, bitorder="little").tobytes()
+            else:
+                selector, ids = "ids", local.astype(np.int32).tobytes()
+            if positions is None and local is not None and n < b - a:
+                pick = torch.from_numpy(local + a)
+                weight, state = sh.weight.index_select(0, pick), {k: t.index_select(0, pick) for k, t in sh.state.items()}
+            else:
+                weight, state = sh.weight[lo:hi], {k: t[lo:hi] for k, t in sh.state.items()}
+            w = job.weight_codec.encode(weight)
             parts, state_meta = [ids, w], []
-            for name, t in sh.state.items():
-                sb = job.state_codec.encode(t[lo:hi])
+            for name, t in state.items():
+                sb = job.state_codec.encode(t)
                 parts.append(sb)
                 state_meta.append((name, t.shape[1], len(sb)))
             payload = b"".join(parts)
@@ -112,7 +135,7 @@ def encode_chunks(job: WriteJob, file: str) -> Iterator[tuple[Chunk, bytes]]:
                 Chunk(
                     table=sh.table, file=file, offset=0, length=len(payload), crc32=zlib.crc32(payload),
                     row_start=sh.row_offset + a, row_stop=sh.row_offset + b, selector=selector,
-                    num_rows=int(hi - lo), col_offset=sh.col_offset, num_cols=sh.num_cols,
+                    num_rows=int(n), col_offset=sh.col_offset, num_cols=sh.num_cols,
                     id_bytes=len(ids), weight_bytes=len(w), state=tuple(state_meta),
                 ),
                 payload,

@@ -81,7 +81,7 @@ class TrainCheckpointing:
             plan = getattr(model.embeddings, "plan", None)
             self.manager = CheckpointManager(
                 self.settings, LocalStorage(self.settings.dir), self.shards, self.rank, self.world,
-                plan.to_dict() if plan is not None else None, self._sum_over_ranks, log,
+                plan.to_dict() if plan is not None else None, self._sum_over_ranks, log, cfg.train.seed,
             )
 
     # ------------------------------------------------------------------ collectives
