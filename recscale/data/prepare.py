@@ -20,6 +20,7 @@ import os
 import shutil
 import time
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from glob import glob
@@ -259,15 +260,18 @@ def _run(
             for b in blocks:
                 yield done(fn(b))
             return
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        with ctx.Pool(opts.workers, initializer=_init, initargs=(opts, vocab)) as pool:
+        # forkserver: workers start from a clean process, not a fork of one whose torch/arrow
+        # threads may hold locks; an executor (not a Pool) raises if a worker dies instead of
+        # waiting for its result forever.
+        ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
+        with ProcessPoolExecutor(opts.workers, mp_context=ctx, initializer=_init, initargs=(opts, vocab)) as pool:
             pending: deque = deque()
             for b in blocks:
-                pending.append(pool.apply_async(fn, (b,)))
+                pending.append(pool.submit(fn, b))
                 while len(pending) >= 2 * opts.workers:
-                    yield done(pending.popleft().get())
+                    yield done(pending.popleft().result())
             while pending:
-                yield done(pending.popleft().get())
+                yield done(pending.popleft().result())
     finally:
         bar.close()
 

@@ -1,11 +1,9 @@
 """The native CPU embedding kernels: building, loading and choosing them.
 
 ``csrc/embedding_cpu.cpp`` (C++, SIMD over the embedding dim, threads from torch's own OpenMP
-pool) is compiled with ``torch.utils.cpp_extension`` on first use and cached under
-``~/.cache/recscale/kernels`` (``RECSCALE_KERNEL_CACHE`` overrides), in a folder named by a hash
-of the source, the compiler flags, torch's version and the CPU, so branches, machines and torch
-versions never load each other's builds. ``-march=native`` is tried first and dropped if the
-compiler rejects it. When nothing builds (no C++ compiler, say), one warning says why and the
+pool) is compiled on first use and cached by ``recscale.native_build`` (once per machine, source, flags
+and torch version; safe when several ranks ask at once). ``-march=native`` is tried first and
+dropped if the compiler rejects it. When nothing builds (no C++ compiler, say), one warning says why and the
 pure-PyTorch kernels run instead: same results, slower.
 
 Which kernel runs is chosen by ``model.embedding_kernel`` (``auto``, ``native``, ``torch``) or,
@@ -14,20 +12,16 @@ overriding it, the environment variable ``RECSCALE_EMBEDDING_KERNEL``.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import platform
-import shutil
-import sys
 import threading
 import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import Literal, cast
 
-import torch
-
+from recscale import native_build
 from recscale.embedding.optimizers import SGD, Adagrad, Adam, RowWiseAdagrad, SparseOptimizer
+from recscale.native_build import FlagSet
 
 KernelChoice = Literal["auto", "native", "torch"]
 KERNEL_CHOICES: tuple[str, ...] = ("auto", "native", "torch")
@@ -40,10 +34,10 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "embedding_cpu.cpp"
 # there is one thread pool, sized by torch.set_num_threads. The last set (no OpenMP runtime)
 # runs on one thread. -ffp-contract=off keeps every rounding where the source puts it (FMAs are
 # explicit), so results match the torch kernels op for op.
-FLAG_SETS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
-    (("-O3", "-march=native", "-ffp-contract=off", "-fopenmp"), ("-fopenmp",)),
-    (("-O3", "-ffp-contract=off", "-fopenmp"), ("-fopenmp",)),
-    (("-O3", "-ffp-contract=off", "-fopenmp-simd"), ()),
+FLAG_SETS: tuple[FlagSet, ...] = (
+    FlagSet(("-O3", "-march=native", "-ffp-contract=off", "-fopenmp"), ("-fopenmp",)),
+    FlagSet(("-O3", "-ffp-contract=off", "-fopenmp"), ("-fopenmp",)),
+    FlagSet(("-O3", "-ffp-contract=off", "-fopenmp-simd")),
 )
 
 _lock = threading.Lock()
@@ -66,71 +60,8 @@ def resolve_choice(configured: str) -> KernelChoice:
     return cast(KernelChoice, choice)
 
 
-def _cpu_signature() -> str:
-    """What -march=native compiles for: the CPU model and its feature flags."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
-        return "".join(lines)
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
-def build_name(flags: tuple[str, ...], ldflags: tuple[str, ...] = ()) -> str:
-    h = hashlib.sha256()
-    h.update(SOURCE.read_bytes())
-    h.update(" ".join(flags).encode())
-    h.update(" ".join(ldflags).encode())
-    h.update(torch.__version__.encode())
-    h.update(sys.version.encode())
-    if "-march=native" in flags:
-        h.update(_cpu_signature().encode())
-    return f"recscale_embedding_{h.hexdigest()[:16]}"
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("RECSCALE_KERNEL_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "recscale" / "kernels"
-
-
-def _ensure_ninja() -> None:
-    """torch's extension builder runs ``ninja`` from PATH; the ``ninja`` wheel (a dependency)
-    puts it in the environment's bin folder, which is not on PATH unless the venv is active."""
-    if shutil.which("ninja"):
-        return
-    candidates = [os.path.dirname(sys.executable)]
-    try:
-        import ninja  # type: ignore[import-not-found]
-
-        candidates.insert(0, ninja.BIN_DIR)
-    except ImportError:
-        pass
-    for d in candidates:
-        if os.path.exists(os.path.join(d, "ninja")):
-            os.environ["PATH"] = d + os.pathsep + os.environ.get("PATH", "")
-            return
-
-
 def _build() -> ModuleType:
-    from torch.utils import cpp_extension
-
-    _ensure_ninja()
-    errors = []
-    for flags, ldflags in FLAG_SETS:
-        name = build_name(flags, ldflags)
-        build_dir = cache_dir() / name
-        build_dir.mkdir(parents=True, exist_ok=True)
-        if not any(build_dir.glob(f"{name}*.so")):
-            print(f"recscale: compiling the native embedding kernels ({' '.join(flags)}), once per machine ...",
-                  file=sys.stderr, flush=True)
-        try:
-            return cpp_extension.load(
-                name, [str(SOURCE)], extra_cflags=list(flags), extra_ldflags=list(ldflags),
-                build_directory=str(build_dir), verbose=False,
-            )
-        except Exception as e:  # noqa: BLE001 - any build failure means: try the next flags, then fall back
-            errors.append(f"{' '.join(flags)}: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}")
-    raise NativeKernelUnavailable("; ".join(errors))
+    return native_build.build("recscale_embedding", SOURCE, FLAG_SETS, what="the native embedding kernels")
 
 
 def load() -> ModuleType | None:

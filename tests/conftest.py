@@ -1,0 +1,50 @@
+"""Session set-up shared by every test file."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import time
+
+import pytest
+
+_TRACE_STREAM = pytest.StashKey["object"]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """If the run is stopped from outside (a CI time limit sends SIGTERM), print where every
+    thread was first: a hang then names its line in the log."""
+    capman = config.pluginmanager.getplugin("capturemanager")
+    if capman is None or not hasattr(signal, "SIGTERM"):
+        return
+    with capman.global_and_fixture_disabled():
+        stream = os.fdopen(os.dup(2), "w")
+    config.stash[_TRACE_STREAM] = stream
+    faulthandler.register(signal.SIGTERM, file=stream, all_threads=True, chain=True)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    stream = config.stash.get(_TRACE_STREAM, None)
+    if stream is not None:
+        faulthandler.unregister(signal.SIGTERM)
+        stream.close()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build (or load from the cache) the native kernels before any test runs: tests that start
+    training or benchmark subprocesses under a time limit must not spend it compiling, on a fresh
+    machine. Said on the terminal, since a first build takes a while."""
+    from recscale.embedding import native
+    from recscale.model.native import interaction_kernels
+
+    capman = session.config.pluginmanager.getplugin("capturemanager")
+    t0 = time.monotonic()
+    if capman is not None:
+        with capman.global_and_fixture_disabled():
+            ok = native.load() is not None, interaction_kernels() is not None
+    else:
+        ok = native.load() is not None, interaction_kernels() is not None
+    print(f"native kernels: embedding {'ready' if ok[0] else 'unavailable'}, interaction "
+          f"{'ready' if ok[1] else 'unavailable'} ({time.monotonic() - t0:.0f} s)", flush=True)
+
