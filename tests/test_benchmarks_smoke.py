@@ -10,12 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import proc_utils
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_embedding_op_quick(tmp_path: Path) -> None:
     out = tmp_path / "embedding_op.json"
-    proc = subprocess.run(
+    proc = proc_utils.run(
         [sys.executable, "benchmarks/embedding_op.py", "--quick", "--threads", "1", "--json", str(out)],
         cwd=REPO,
         capture_output=True,
@@ -50,7 +52,7 @@ def test_embedding_op_quick(tmp_path: Path) -> None:
 
 def test_scaling_benchmark_quick_runs(tmp_path):
     out = tmp_path / "scaling.json"
-    proc = subprocess.run(
+    proc = proc_utils.run(
         [sys.executable, "benchmarks/scaling.py", "--quick", "--sharding", "row_wise", "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
@@ -62,7 +64,7 @@ def test_scaling_benchmark_quick_runs(tmp_path):
 
 def test_planner_benchmark_quick_runs(tmp_path):
     out = tmp_path / "planner.json"
-    proc = subprocess.run(
+    proc = proc_utils.run(
         [sys.executable, "benchmarks/planner.py", "--quick", "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )

@@ -10,12 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import proc_utils
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_checkpoint_benchmark_smoke(tmp_path):
     out = tmp_path / "ckpt.json"
-    subprocess.run(
+    proc_utils.run(
         [sys.executable, "benchmarks/checkpoint.py", "--quick", "--tables", "2", "--rows", "3000", "--dim", "16",
          "--batch", "256", "--intervals", "3", "--json", str(out),
          "--settings", "full/none/state-fp32,intermittent/none/state-fp32,incremental/uniform2/state-fp16"],
@@ -44,7 +46,7 @@ def test_checkpoint_sensitivity_smoke(tmp_path):
     if not CRITEO_10K.is_file():
         pytest.skip("../shared/data/criteo is not present")
     out = tmp_path / "sens.json"
-    subprocess.run([sys.executable, "benchmarks/checkpoint_sensitivity.py", "--quick", "--json", str(out)],
+    proc_utils.run([sys.executable, "benchmarks/checkpoint_sensitivity.py", "--quick", "--json", str(out)],
                    check=True, cwd=ROOT, timeout=300, capture_output=True)
     d = json.loads(out.read_text())
     by = {r["experiment"]: r["logloss_rel_diff"] for r in d["results"]}

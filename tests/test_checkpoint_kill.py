@@ -13,6 +13,8 @@ from pathlib import Path
 from recscale.checkpoint.manifest import MANIFEST
 from recscale.checkpoint.tools import verify
 
+import proc_utils
+
 ROOT = Path(__file__).resolve().parents[1]
 BIG = [  # large enough that writing a checkpoint takes a while
     "data.source=synthetic", "data.num_samples=200000", "data.eval_samples=1024", "data.num_workers=0",
@@ -57,7 +59,7 @@ def test_kill_during_checkpoint_write_leaves_previous_restorable(tmp_path):
         verify(str(ck / name))
     latest = visible[-1]
     step = int(latest.removeprefix("step"))
-    out = subprocess.run(
+    out = proc_utils.run(
         [sys.executable, "-m", "recscale", "train", "--resume", "latest"]
         + sets(BIG + [f"checkpoint.dir='{ck}'", f"train.max_steps={step + 1}", "checkpoint.at_end=false"]),
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,

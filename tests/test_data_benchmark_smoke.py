@@ -8,12 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import proc_utils
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_data_benchmark_quick(tmp_path: Path) -> None:
     out = tmp_path / "data.json"
-    proc = subprocess.run(
+    proc = proc_utils.run(
         [sys.executable, "benchmarks/data.py", "--quick", "--no-torchrec", "--tmp", str(tmp_path), "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=240,
     )

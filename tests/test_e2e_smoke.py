@@ -9,12 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import proc_utils
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_e2e_quick_runs_and_prints_the_table(tmp_path: Path) -> None:
     out = tmp_path / "e2e.json"
-    proc = subprocess.run(
+    proc = proc_utils.run(
         # TorchRec is optional (absent in CI); its rows are covered by running the script itself.
         [sys.executable, "benchmarks/e2e.py", "--quick", "--systems", "recscale,plain", "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300,

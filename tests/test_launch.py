@@ -15,6 +15,8 @@ import pytest
 
 from dist_utils import free_port, run_ranks
 
+import proc_utils
+
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 TINY = [
@@ -49,10 +51,10 @@ def train_cmd(summary: Path, overrides: list[str]) -> list[str]:
 
 def test_two_ranks_match_one_process(tmp_path):
     one = tmp_path / "one.json"
-    subprocess.run([sys.executable] + train_cmd(one, []), check=True, cwd=ROOT, env=env(), timeout=120)
+    proc_utils.run([sys.executable] + train_cmd(one, []), check=True, cwd=ROOT, env=env(), timeout=120)
     two = tmp_path / "two.json"
     port = str(free_port())
-    subprocess.run(
+    proc_utils.run(
         TORCHRUN + ["--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}"]
         + train_cmd(two, ["sharding.default=row_wise"]),
         check=True, cwd=ROOT, env=env(), timeout=180,
@@ -76,8 +78,13 @@ def test_two_hosts_simulated_train_table_row_wise(tmp_path):
             "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=2",
             "--master_addr=127.0.0.1", f"--master_port={port}",
         ] + train_cmd(summary, ["sharding.default=table_row_wise", "train.max_steps=6"])
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=240)[0] for p in procs]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, start_new_session=True))
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            proc_utils.kill_group(p.pid)
     assert [p.returncode for p in procs] == [0, 0], outs
     s = json.loads(summary.read_text())
     assert s["world_size"] == 4 and s["steps"] == 6
@@ -112,7 +119,8 @@ def test_killing_a_rank_ends_the_job_with_a_clear_error_and_no_orphans(tmp_path)
     cmd = TORCHRUN + ["--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}"] + train_cmd(
         tmp_path / "s.json", ["data.num_samples=2000000", f"dist.timeout_s={timeout_s}"]
     )
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
         victim = None
         deadline = time.monotonic() + 60
@@ -129,9 +137,8 @@ def test_killing_a_rank_ends_the_job_with_a_clear_error_and_no_orphans(tmp_path)
         out, _ = proc.communicate(timeout=timeout_s + 60)
         elapsed = time.monotonic() - killed_at
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        proc_utils.kill_group(proc.pid)
+        proc.wait()
     assert proc.returncode != 0
     assert elapsed < timeout_s + 30, elapsed
     # torchrun names the failed rank; the surviving rank says its collective failed.

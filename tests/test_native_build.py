@@ -18,6 +18,8 @@ import pytest
 from recscale import native_build
 from recscale.embedding import native
 
+import proc_utils
+
 pytestmark = pytest.mark.skipif(native.load() is None, reason=f"native kernels unavailable: {native.failure()}")
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,7 +40,7 @@ def test_stale_torch_lock_left_by_a_killed_build_is_cleared() -> None:
         assert native.load() is not None, native.failure()
         print("loaded")
     """)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = proc_utils.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "loaded" in proc.stdout, proc.stdout + proc.stderr
     assert not (native_build.cache_root() / name / "lock").exists()
 

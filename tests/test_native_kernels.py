@@ -19,6 +19,8 @@ from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.table_batched import row_gradients
 from recscale.sparse import JaggedBatch, SparseInputError
 
+import proc_utils
+
 pytestmark = pytest.mark.skipif(native.load() is None, reason=f"native kernels unavailable: {native.failure()}")
 
 OPTIMIZERS = {
@@ -239,7 +241,7 @@ def test_embedding_op_benchmark_multi_hot_quick(tmp_path):
 
     repo = Path(__file__).resolve().parents[1]
     out = tmp_path / "op.json"
-    proc = subprocess.run(
+    proc = proc_utils.run(
         [sys.executable, "benchmarks/embedding_op.py", "--config", "multi-hot", "--quick", "--threads", "1",
          "--iters", "2", "--json", str(out)],
         cwd=repo, capture_output=True, text=True, timeout=180,
