@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,7 +182,12 @@ class RecscaleSystem(System):
             "embedding_optimizer.name=rowwise_adagrad", f"embedding_optimizer.lr={EMB_LR}",
             f"embedding_optimizer.eps={EPS}", "dense_optimizer.name=adagrad", f"dense_optimizer.lr={DENSE_LR}",
             f"train.pipeline={str(pipeline).lower()}", "train.seed=0",
+            # What the planner (sharding.default = "auto") plans for: the real workload.
+            f"data.pooling_factors={list(spec.pooling)}",
+            f"train.batch_size={spec.batch_size * int(os.environ.get('WORLD_SIZE', '1'))}",
         ]
+        # Extra config overrides for experiments, e.g. RECSCALE_E2E_SET="sharding.default=table_wise".
+        sets += [x.strip() for x in os.environ.get("RECSCALE_E2E_SET", "").split(";") if x.strip()]
         self.cfg = load_config(None, sets)
         self.groups = init_process_groups(env_topology(), 300.0, device=torch.device("cpu"))
         names = tuple(f"s{i}" for i in range(spec.num_features))
