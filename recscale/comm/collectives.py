@@ -67,21 +67,7 @@ def all_to_all(
     name: str = "all_to_all",
 ) -> torch.Tensor:
     """Exchange dim-0 slices: ``send_splits[d]`` rows go to rank d; returns the received rows."""
-    out = x.new_empty((int(sum(recv_splits)),) + tuple(x.shape[1:]))
-    if group is None:  # single process: the only peer is ourselves
-        out.copy_(x)
-        return out
-    if stats is not None:
-        me = dist.get_rank(group)
-        row_bytes = x.element_size() * _row_numel(x)
-        stats.add(name, (int(sum(send_splits)) - int(send_splits[me])) * row_bytes)
-    try:
-        with stats.timed(name) if stats is not None else nullcontext():
-            dist.all_to_all_single(out, x.contiguous(), list(map(int, recv_splits)), list(map(int, send_splits)), group=group)
-    except RuntimeError as e:
-        raise _fail(name, e) from e
-    return out
-
+    return all_to_all_async(x, send_splits, recv_splits, group, stats, name).wait()
 
 
 class PendingCollective:
