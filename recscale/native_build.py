@@ -10,8 +10,8 @@ guards a build folder with a plain ``lock`` file that a killed builder leaves be
 every later load waits for it forever. We therefore hold an OS file lock (``flock``), which the
 kernel releases when its holder dies, around the whole build, and remove torch's lock file once
 we hold ours: it can only be stale then. The compiler runs in a child process. Waiting for
-another builder and compiling each have a limit (``RECSCALE_KERNEL_BUILD_TIMEOUT`` seconds, 600
-by default); past it the build counts as failed and the callers run their pure-PyTorch kernels,
+another builder and compiling share one limit (``RECSCALE_KERNEL_BUILD_TIMEOUT`` seconds, 600
+by default, per flag set); past it the build counts as failed and the callers run their pure-PyTorch kernels,
 so a job never hangs on a compiler.
 """
 
