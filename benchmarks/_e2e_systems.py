@@ -173,6 +173,7 @@ class RecscaleSystem(System):
         from recscale.comm.dense_sync import DenseGradSync
         from recscale.comm.process_group import env_topology, init_process_groups
         from recscale.train.config import load_config
+        from recscale.train.host_memory import retain_freed_memory
         from recscale.train.loop import build_dense_optimizer, build_model
 
         sets = [
@@ -189,6 +190,8 @@ class RecscaleSystem(System):
         # Extra config overrides for experiments, e.g. RECSCALE_E2E_SET="sharding.default=table_wise".
         sets += [x.strip() for x in os.environ.get("RECSCALE_E2E_SET", "").split(";") if x.strip()]
         self.cfg = load_config(None, sets)
+        if self.cfg.train.retain_host_memory:  # as `recscale train` does
+            retain_freed_memory()
         self.groups = init_process_groups(env_topology(), 300.0, device=torch.device("cpu"))
         names = tuple(f"s{i}" for i in range(spec.num_features))
         self.model = build_model(self.cfg, names, spec.num_dense, self.groups.device, self.groups, CommStats())
@@ -418,7 +421,7 @@ BUILDERS: dict[str, Callable[[ModelSpec], System]] = {
 _COMM = ("comm:", "c10d", "gloo", "all_to_all", "alltoall", "all2all", "allreduce", "all_reduce", "allgather",
          "all_gather", "record_param_comms", "wait_tensor", "_OutputDist", "_OutputSend", "_OutputRecv", "All2All", "ReduceScatter", "Awaitable")
 _EMB = ("e2e.embeddings", "_FusedPooling", "EmbeddingBag", "SplitLookup", "fbgemm", "embedding", "Embedding")
-_MLP = ("e2e.mlp", "Addmm", "Mm", "Relu", "Threshold", "Bmm", "_TrianglePairs", "Linear", "Index", "Optimizer.step",
+_MLP = ("e2e.mlp", "Addmm", "Mm", "Relu", "Threshold", "Bmm", "_TrianglePairs", "_NativeInteraction", "Linear", "Index", "Optimizer.step",
         "BinaryCrossEntropy", "Mean", "Squeeze", "Cat", "View", "Transpose", "Unsqueeze", "Div", "Permute")
 
 

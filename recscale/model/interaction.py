@@ -36,28 +36,31 @@ class DotInteraction(nn.Module):
         b = dense.shape[0]
         if pooled.dtype != dense.dtype:  # bf16 MLPs: interact in the MLPs' precision
             pooled = pooled.to(dense.dtype)
-        vectors = torch.cat([dense, pooled], dim=1).view(b, self.num_vectors, self.dim)
-        kernels = interaction_kernels() if self.native and vectors.device.type == "cpu" and vectors.dtype == torch.float32 else None
+        native = self.native and dense.device.type == "cpu" and dense.dtype == torch.float32
+        kernels = interaction_kernels() if native else None
         if kernels is not None:
-            pairs = _NativePairs.apply(vectors.contiguous(), kernels)
-        else:
-            pairs = _TrianglePairs.apply(vectors, self._flat_index)
+            return _NativeInteraction.apply(dense.contiguous(), pooled.contiguous(), kernels)
+        vectors = torch.cat([dense, pooled], dim=1).view(b, self.num_vectors, self.dim)
+        pairs = _TrianglePairs.apply(vectors, self._flat_index)
         return torch.cat([dense, pairs], dim=1)
 
 
-class _NativePairs(torch.autograd.Function):
-    """``_TrianglePairs`` computed by the C++ kernel: each sample's pairs in one cache-resident pass."""
+class _NativeInteraction(torch.autograd.Function):
+    """The whole interaction (dense pass-through and pairs) in the C++ kernel: it reads
+    ``dense`` and ``pooled`` where they lie and writes each output and gradient once, where the
+    PyTorch formulation concatenates the vectors, the output, and splits their gradients."""
 
     @staticmethod
-    def forward(ctx, vectors: torch.Tensor, kernels) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(vectors)
+    def forward(ctx, dense: torch.Tensor, pooled: torch.Tensor, kernels) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(dense, pooled)
         ctx.kernels = kernels
-        return kernels.pairs_forward(vectors)
+        return kernels.interact_forward(dense, pooled)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        (vectors,) = ctx.saved_tensors
-        return ctx.kernels.pairs_backward(vectors, grad.contiguous().float()), None
+        dense, pooled = ctx.saved_tensors
+        grad_dense, grad_pooled = ctx.kernels.interact_backward(dense, pooled, grad.contiguous().float())
+        return grad_dense, grad_pooled, None
 
 
 class _TrianglePairs(torch.autograd.Function):

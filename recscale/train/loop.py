@@ -28,6 +28,7 @@ from recscale.sharding.plan import PlanError, ShardingPlan
 from recscale.train.checkpointing import Progress, TrainCheckpointing
 from recscale.train.config import Config, ConfigError
 from recscale.train.datasets import DataSplits, build_data
+from recscale.train.host_memory import retain_freed_memory
 from recscale.train.metrics import EvalMetrics, evaluate_predictions
 from recscale.train.pipeline import TrainPipeline, train_step
 
@@ -176,6 +177,8 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train and evaluate as configured (one process, or every rank of a torchrun job)."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
+    if cfg.train.retain_host_memory:
+        retain_freed_memory()
     device = pick_device(cfg.train.device)
     groups = init_process_groups(env_topology(cfg.dist.ranks_per_host), cfg.dist.timeout_s, device=device)
     try:

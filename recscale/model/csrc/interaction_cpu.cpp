@@ -5,6 +5,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <cstring>
+#include <vector>
+
 namespace {
 
 template <typename scalar_t>
@@ -17,63 +20,99 @@ inline float dot(const scalar_t* a, const scalar_t* b, int64_t d) {
 
 }  // namespace
 
-torch::Tensor pairs_forward(const torch::Tensor& vectors) {
-  TORCH_CHECK(vectors.dim() == 3 && vectors.is_contiguous() && vectors.scalar_type() == at::kFloat,
-              "pairs_forward: expected contiguous float32 [B, F, D]");
-  const int64_t b = vectors.size(0), f = vectors.size(1), d = vectors.size(2);
+namespace {
+
+// The F vectors of sample s: the dense (bottom-MLP) row, then the pooled embedding rows.
+template <typename P>
+inline void sample_rows(P* rows, P dense, P pooled, int64_t s, int64_t f, int64_t d) {
+  rows[0] = dense + s * d;
+  for (int64_t i = 1; i < f; ++i) rows[i] = pooled + (s * (f - 1) + (i - 1)) * d;
+}
+
+void check_inputs(const torch::Tensor& dense, const torch::Tensor& pooled, const char* what) {
+  TORCH_CHECK(dense.dim() == 2 && pooled.dim() == 2 && dense.is_contiguous() && pooled.is_contiguous() &&
+                  dense.scalar_type() == at::kFloat && pooled.scalar_type() == at::kFloat,
+              what, ": expected contiguous float32 dense [B, D] and pooled [B, (F-1) D]");
+  TORCH_CHECK(pooled.size(0) == dense.size(0) && dense.size(1) > 0 && pooled.size(1) % dense.size(1) == 0,
+              what, ": pooled width ", pooled.size(1), " is not a multiple of the dense width ", dense.size(1));
+}
+
+}  // namespace
+
+// [B, D] dense and [B, (F-1) D] pooled -> [B, D + P]: the dense row, then the pair dot products.
+// Reading the two inputs in place and writing the output once replaces a concatenation of the
+// vectors, a separate pairs tensor and a concatenation of the output.
+torch::Tensor interact_forward(const torch::Tensor& dense, const torch::Tensor& pooled) {
+  check_inputs(dense, pooled, "interact_forward");
+  const int64_t b = dense.size(0), d = dense.size(1), f = pooled.size(1) / d + 1;
   const int64_t p = f * (f - 1) / 2;
-  auto out = torch::empty({b, p}, vectors.options());
-  const float* x = vectors.data_ptr<float>();
+  auto out = torch::empty({b, d + p}, dense.options());
+  const float* xd = dense.data_ptr<float>();
+  const float* xp = pooled.data_ptr<float>();
   float* o = out.data_ptr<float>();
   at::parallel_for(0, b, 16, [&](int64_t lo, int64_t hi) {
+    std::vector<const float*> rows(f);
     for (int64_t s = lo; s < hi; ++s) {
-      const float* xs = x + s * f * d;
-      float* os = o + s * p;
+      sample_rows(rows.data(), xd, xp, s, f, d);
+      float* os = o + s * (d + p);
+      std::memcpy(os, rows[0], d * sizeof(float));
+      float* op = os + d;
       int64_t q = 0;
-      for (int64_t i = 1; i < f; ++i) {
-        const float* xi = xs + i * d;
-        for (int64_t j = 0; j < i; ++j) os[q++] = dot(xi, xs + j * d, d);
-      }
+      for (int64_t i = 1; i < f; ++i)
+        for (int64_t j = 0; j < i; ++j) op[q++] = dot(rows[i], rows[j], d);
     }
   });
   return out;
 }
 
-torch::Tensor pairs_backward(const torch::Tensor& vectors, const torch::Tensor& grad) {
-  TORCH_CHECK(vectors.is_contiguous() && grad.is_contiguous() && grad.scalar_type() == at::kFloat,
-              "pairs_backward: expected contiguous float32 inputs");
-  const int64_t b = vectors.size(0), f = vectors.size(1), d = vectors.size(2);
+// Gradients of interact_forward for dense and pooled from the output gradient [B, D + P].
+// Each vector's gradient row is summed in cache over its F - 1 partners and written once, so
+// no zero-filled [B, F, D] buffer is needed; the dense gradient includes the pass-through.
+std::vector<torch::Tensor> interact_backward(const torch::Tensor& dense, const torch::Tensor& pooled,
+                                             const torch::Tensor& grad) {
+  check_inputs(dense, pooled, "interact_backward");
+  const int64_t b = dense.size(0), d = dense.size(1), f = pooled.size(1) / d + 1;
   const int64_t p = f * (f - 1) / 2;
-  auto gx = torch::zeros_like(vectors);
-  const float* x = vectors.data_ptr<float>();
+  TORCH_CHECK(grad.is_contiguous() && grad.scalar_type() == at::kFloat && grad.dim() == 2 &&
+                  grad.size(0) == b && grad.size(1) == d + p,
+              "interact_backward: expected a contiguous float32 gradient [B, D + P]");
+  auto gd = torch::empty_like(dense);
+  auto gp = torch::empty_like(pooled);
+  const float* xd = dense.data_ptr<float>();
+  const float* xp = pooled.data_ptr<float>();
   const float* g = grad.data_ptr<float>();
-  float* out = gx.data_ptr<float>();
+  float* od = gd.data_ptr<float>();
+  float* opool = gp.data_ptr<float>();
   at::parallel_for(0, b, 16, [&](int64_t lo, int64_t hi) {
+    std::vector<const float*> rows(f);
+    std::vector<float*> outs(f);
     for (int64_t s = lo; s < hi; ++s) {
-      const float* xs = x + s * f * d;
-      const float* gs = g + s * p;
-      float* os = out + s * f * d;
-      int64_t q = 0;
-      for (int64_t i = 1; i < f; ++i) {
-        float* oi = os + i * d;
-        const float* xi = xs + i * d;
-        for (int64_t j = 0; j < i; ++j, ++q) {
-          const float w = gs[q];
-          float* oj = os + j * d;
-          const float* xj = xs + j * d;
+      sample_rows(rows.data(), xd, xp, s, f, d);
+      sample_rows(outs.data(), od, opool, s, f, d);
+      const float* gs = g + s * (d + p);
+      const float* gpairs = gs + d;
+      for (int64_t i = 0; i < f; ++i) {
+        float* oi = outs[i];
+        if (i == 0) {
+          std::memcpy(oi, gs, d * sizeof(float));
+        } else {
+          std::memset(oi, 0, d * sizeof(float));
+        }
+        for (int64_t j = 0; j < f; ++j) {
+          if (j == i) continue;
+          const int64_t hi_ = i > j ? i : j, lo_ = i > j ? j : i;
+          const float w = gpairs[hi_ * (hi_ - 1) / 2 + lo_];
+          const float* xj = rows[j];
 #pragma omp simd
-          for (int64_t k = 0; k < d; ++k) {
-            oi[k] += w * xj[k];
-            oj[k] += w * xi[k];
-          }
+          for (int64_t k = 0; k < d; ++k) oi[k] += w * xj[k];
         }
       }
     }
   });
-  return gx;
+  return {gd, gp};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pairs_forward", &pairs_forward, "DLRM dot interaction: lower-triangle pair dot products");
-  m.def("pairs_backward", &pairs_backward, "gradient of pairs_forward with respect to the vectors");
+  m.def("interact_forward", &interact_forward, "DLRM dot interaction: dense row, then lower-triangle pair dot products");
+  m.def("interact_backward", &interact_backward, "gradients of interact_forward for dense and pooled");
 }
