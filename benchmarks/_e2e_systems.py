@@ -190,14 +190,14 @@ class RecscaleSystem(System):
         # Extra config overrides for experiments, e.g. RECSCALE_E2E_SET="sharding.default=table_wise".
         sets += [x.strip() for x in os.environ.get("RECSCALE_E2E_SET", "").split(";") if x.strip()]
         self.cfg = load_config(None, sets)
-        if self.cfg.train.retain_host_memory:  # as `recscale train` does
-            retain_freed_memory()
         self.groups = init_process_groups(env_topology(), 300.0, device=torch.device("cpu"))
         names = tuple(f"s{i}" for i in range(spec.num_features))
         self.model = build_model(self.cfg, names, spec.num_dense, self.groups.device, self.groups, CommStats())
         params = self.model.dense_parameters()
         self.opt = build_dense_optimizer(self.cfg, params)
         self.sync = DenseGradSync(params, self.groups.dense, "fp32", 1.0)
+        if self.cfg.train.retain_host_memory:  # as `recscale train` does, once the model is built
+            retain_freed_memory()
         if mlp_precision == "bf16":
             self.name = "recscale-bf16"
 

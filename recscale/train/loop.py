@@ -177,8 +177,6 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train and evaluate as configured (one process, or every rank of a torchrun job)."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    if cfg.train.retain_host_memory:
-        retain_freed_memory()
     device = pick_device(cfg.train.device)
     groups = init_process_groups(env_topology(cfg.dist.ranks_per_host), cfg.dist.timeout_s, device=device)
     try:
@@ -201,6 +199,8 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None]) -> di
     dense_params = model.dense_parameters()
     dense_opt = build_dense_optimizer(cfg, dense_params)
     sync = DenseGradSync(dense_params, groups.dense, cfg.comm.dense, cfg.comm.loss_scale, stats)
+    if cfg.train.retain_host_memory:  # after the build: its one-off temporaries go back to the OS
+        retain_freed_memory()
     log(
         f"model: DLRM, {len(model.embeddings.tables)} tables, "
         f"{sum(t.num_rows for t in model.embeddings.tables):,} embedding rows x dim {cfg.model.embedding_dim}, "
