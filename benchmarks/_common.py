@@ -5,6 +5,7 @@ Kept free of recscale imports so any benchmark (or a plain-PyTorch baseline) can
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -30,6 +31,34 @@ def set_threads(threads: int | None) -> int:
             raise SystemExit(f"--threads must be > 0, got {threads}")
         torch.set_num_threads(threads)
     return torch.get_num_threads()
+
+
+# --------------------------------------------------------------------------- training runs
+
+
+def add_train_config_args(ap: argparse.ArgumentParser, default_config: Path) -> None:
+    """``--config`` (a training TOML), ``--threads`` and ``--json``: what the benchmarks that run
+    ``recscale train`` in-process take."""
+    ap.add_argument("--config", default=str(default_config))
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", metavar="PATH")
+
+
+def apply_train_config_args(args: argparse.Namespace) -> None:
+    set_threads(args.threads)
+    if not Path(args.config).is_file():
+        raise SystemExit(f"config '{args.config}' not found")
+
+
+def train_quietly(config: str, overrides: list[str]) -> dict[str, Any]:
+    """``recscale train`` on ``config`` with ``overrides``, no progress bar or log; its summary."""
+    from recscale.train.config import load_config
+    from recscale.train.loop import train
+
+    return train(load_config(config, ["train.progress=false"] + overrides), log=lambda _: None)
+
+
+# --------------------------------------------------------------------------- environment
 
 
 def environment() -> dict[str, Any]:

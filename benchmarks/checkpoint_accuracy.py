@@ -15,17 +15,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import environment, format_table, set_threads, write_json  # noqa: E402
-
-from recscale.train.config import load_config  # noqa: E402
-from recscale.train.loop import train  # noqa: E402
+from _common import (  # noqa: E402
+    add_train_config_args, apply_train_config_args, environment, format_table, train_quietly, write_json,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CODECS = ["none", "fp16", "adaptive8", "uniform8", "adaptive4", "uniform4", "adaptive3", "uniform3", "adaptive2", "uniform2"]
-
-
-def run(config: str, overrides: list[str]) -> dict:
-    return train(load_config(config, ["train.progress=false"] + overrides), log=lambda _: None)
 
 
 def codec_sets(codec: str) -> list[str]:
@@ -37,23 +32,19 @@ def codec_sets(codec: str) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default=str(ROOT / "configs" / "criteo_10k.toml"))
+    add_train_config_args(ap, ROOT / "configs" / "criteo_10k.toml")
     ap.add_argument("--codecs", default=",".join(CODECS))
     ap.add_argument("--state", default="fp32", help="optimizer state precision in the checkpoint")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
-    set_threads(args.threads)
-    if not Path(args.config).is_file():
-        raise SystemExit(f"config '{args.config}' not found")
-    base = run(args.config, [])
+    apply_train_config_args(args)
+    base = train_quietly(args.config, [])
     mid = base["steps"] // 2
     rows, results = [], []
     for codec in args.codecs.split(","):
         with tempfile.TemporaryDirectory() as d:
             common = [f"checkpoint.dir='{d}'", f"checkpoint.optimizer_state={args.state}"] + codec_sets(codec)
-            run(args.config, common + [f"train.max_steps={mid}", f"checkpoint.interval_steps={mid}"])
-            res = run(args.config, common + ["checkpoint.resume=latest", "checkpoint.at_end=false"])
+            train_quietly(args.config, common + [f"train.max_steps={mid}", f"checkpoint.interval_steps={mid}"])
+            res = train_quietly(args.config, common + ["checkpoint.resume=latest", "checkpoint.at_end=false"])
         rel = (res["eval_logloss"] - base["eval_logloss"]) / base["eval_logloss"]
         results.append({"codec": codec, "eval_logloss": res["eval_logloss"], "eval_auc": res["eval_auc"], "logloss_rel_diff": rel})
         rows.append([codec, f"{res['eval_logloss']:.6f}", f"{100 * rel:+.4f}%", f"{res['eval_auc']:.5f}",

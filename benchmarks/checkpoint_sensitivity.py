@@ -27,13 +27,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import environment, format_table, set_threads, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    add_train_config_args, apply_train_config_args, environment, format_table, train_quietly, write_json,
+)
 
 from recscale.checkpoint.quantize import make_codec  # noqa: E402
 from recscale.embedding.table_batched import init_rows  # noqa: E402
 from recscale.train import checkpointing  # noqa: E402
-from recscale.train.config import load_config  # noqa: E402
-from recscale.train.loop import train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 Perturb = Callable[[checkpointing.TrainCheckpointing], None]
@@ -124,20 +124,16 @@ def quantize_updated(bits: int, delta: bool) -> Perturb:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default=str(ROOT / "configs" / "criteo_10k.toml"))
+    add_train_config_args(ap, ROOT / "configs" / "criteo_10k.toml")
     ap.add_argument("--quick", action="store_true", help="a few experiments only (smoke run)")
     ap.add_argument("--seeds", type=int, default=2, help="noise draws per size")
     ap.add_argument("--codec-steps", default="40,60,70,78,90,100,120",
                     help="restore steps for the 8-bit codec comparison ('' to skip)")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
-    set_threads(args.threads)
-    if not Path(args.config).is_file():
-        raise SystemExit(f"config '{args.config}' not found")
+    apply_train_config_args(args)
 
     def summary(overrides: list[str]) -> dict:
-        return train(load_config(args.config, ["train.progress=false"] + overrides), log=lambda _: None)
+        return train_quietly(args.config, overrides)
 
     def run(overrides: list[str]) -> float:
         return summary(overrides)["eval_logloss"]

@@ -33,14 +33,13 @@ class DotInteraction(nn.Module):
         return self.dim + self.num_vectors * (self.num_vectors - 1) // 2
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        b = dense.shape[0]
         if pooled.dtype != dense.dtype:  # bf16 MLPs: interact in the MLPs' precision
             pooled = pooled.to(dense.dtype)
         native = self.native and dense.device.type == "cpu" and dense.dtype == torch.float32
         kernels = interaction_kernels() if native else None
         if kernels is not None:
             return _NativeInteraction.apply(dense.contiguous(), pooled.contiguous(), kernels)
-        vectors = torch.cat([dense, pooled], dim=1).view(b, self.num_vectors, self.dim)
+        vectors = torch.cat([dense, pooled], dim=1).view(dense.shape[0], self.num_vectors, self.dim)
         pairs = _TrianglePairs.apply(vectors, self._flat_index)
         return torch.cat([dense, pairs], dim=1)
 

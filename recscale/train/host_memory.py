@@ -23,19 +23,15 @@ _M_MMAP_THRESHOLD = -3
 # usually allocated once) are still mapped and unmapped directly.
 DEFAULT_LIMIT = 1 << 30
 
-_applied: int | None = None
-
 
 def retain_freed_memory(limit_bytes: int = DEFAULT_LIMIT) -> bool:
-    """Make glibc keep freed blocks under ``limit_bytes`` for reuse (process-wide, idempotent).
+    """Make glibc keep freed blocks under ``limit_bytes`` for reuse (process-wide; calling it
+    again sets the same thresholds again, or the new limit).
 
     Returns True when the setting is in effect, False where it does not apply (not Linux with
     glibc): then nothing changes."""
-    global _applied
     if not 0 < limit_bytes < 2**31:
         raise ValueError(f"limit_bytes must be in (0, 2**31), got {limit_bytes}")
-    if _applied is not None:
-        return True
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -47,5 +43,4 @@ def retain_freed_memory(limit_bytes: int = DEFAULT_LIMIT) -> bool:
     # The trim threshold first: past it free() would return the heap top to the OS anyway.
     if mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) != 1 or mallopt(_M_MMAP_THRESHOLD, limit_bytes) != 1:
         return False
-    _applied = limit_bytes
     return True

@@ -18,10 +18,6 @@ inline float dot(const scalar_t* a, const scalar_t* b, int64_t d) {
   return s;
 }
 
-}  // namespace
-
-namespace {
-
 // The F vectors of sample s: the dense (bottom-MLP) row, then the pooled embedding rows.
 template <typename P>
 inline void sample_rows(P* rows, P dense, P pooled, int64_t s, int64_t f, int64_t d) {
