@@ -173,7 +173,7 @@ class RecscaleSystem(System):
         from recscale.comm.dense_sync import DenseGradSync
         from recscale.comm.process_group import env_topology, init_process_groups
         from recscale.train.config import load_config
-        from recscale.train.host_memory import retain_freed_memory
+        from recscale.host_memory import retain_freed_memory
         from recscale.train.loop import build_dense_optimizer, build_model
 
         sets = [

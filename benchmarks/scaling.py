@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CRITEO_ROWS = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
                27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]  # fmt: skip
 POOLING = [1, 1, 3, 1, 2, 1, 1, 1, 1, 4, 1, 2, 1, 1, 1, 1, 1, 1, 1, 1, 5, 1, 1, 1, 1, 1]
-COLLECTIVES = ("input_lengths", "input_ids", "input_weights", "output_a2a", "grad_a2a", "dp_grad_values", "dense_allreduce")
+COLLECTIVES = ("input_lengths", "input_ids", "input_weights", "output_a2a", "grad_a2a", "dp_grads", "dense_allreduce")
 
 
 def free_port() -> int:

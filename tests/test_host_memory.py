@@ -14,7 +14,7 @@ from proc_utils import run
 _PROBE = r"""
 import json, resource, sys, torch
 if sys.argv[1] == "1":
-    from recscale.train.host_memory import retain_freed_memory
+    from recscale.host_memory import retain_freed_memory
     assert retain_freed_memory()
     assert retain_freed_memory()  # idempotent
 def faults():
@@ -43,7 +43,7 @@ def test_freed_buffers_are_reused_without_page_faults():
 
 
 def test_bad_limit_is_refused():
-    from recscale.train.host_memory import retain_freed_memory
+    from recscale.host_memory import retain_freed_memory
 
     with pytest.raises(ValueError, match="limit_bytes"):
         retain_freed_memory(0)

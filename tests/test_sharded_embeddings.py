@@ -7,7 +7,7 @@ import torch
 
 from dist_utils import run_ranks
 from recscale.comm.process_group import Topology, init_process_groups
-from recscale.embedding import Adagrad, RowWiseAdagrad, TableBatchedEmbeddingBags, TableConfig
+from recscale.embedding import SGD, Adagrad, Adam, RowWiseAdagrad, TableBatchedEmbeddingBags, TableConfig
 from recscale.sharding.collection import CommPrecision, ShardedEmbeddingCollection
 from recscale.sharding.default_plan import TableSharding, default_plan
 from recscale.sparse import JaggedBatch
@@ -52,7 +52,8 @@ def upstream_grads() -> list[torch.Tensor]:
 
 
 def make_optimizer(name: str):
-    return RowWiseAdagrad(lr=0.1) if name == "rowwise_adagrad" else Adagrad(lr=0.1)
+    return {"rowwise_adagrad": RowWiseAdagrad(lr=0.1), "adagrad": Adagrad(lr=0.1), "sgd": SGD(lr=0.1),
+            "adam": Adam(lr=0.01)}[name]
 
 
 def shares(world: int) -> list[int]:
@@ -123,6 +124,14 @@ def test_column_wise_equals_one_process(world, opt_name):
     # Row-wise state needs each row's mean square over all column shards; element-wise state
     # shards with the columns.
     check(world, world, "column_wise", opt_name=opt_name)
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adagrad", "adam"])
+def test_data_parallel_replicas_agree_bitwise_with_every_optimizer(opt_name):
+    # Each replica sums every replica's row gradients in the same order, so the copies never drift.
+    results = check(2, 2, "data_parallel", opt_name=opt_name)
+    for t in TABLES:
+        assert torch.equal(results[0]["tables"][t.name], results[1]["tables"][t.name]), t.name
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -111,6 +111,9 @@ def output_feature_order(tables: Sequence[TableConfig]) -> tuple[str, ...]:
     return tuple(f for group in group_tables(tables) for t in group for f in t.features)
 
 
+# Takes this replica's (unique rows, summed gradients) and returns every replica's, gathered
+# in one fixed order (a row may repeat); the operator sums the repeats in that order, so every
+# replica applies the same update.
 GradReducer = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 RowStatFn = Callable[["TableGroup", torch.Tensor, torch.Tensor], torch.Tensor]
 InitFn = Callable[[TableConfig], torch.Tensor]
@@ -135,7 +138,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         kernel: str = "auto",
     ) -> None:
         """``init_fn`` gives a table's initial rows (default: ``init_table_rows``);
-        ``grad_reducer`` combines (unique rows, summed gradients) across replicas before the
+        ``grad_reducer`` gathers (unique rows, summed gradients) from every replica before the
         optimizer runs (data-parallel tables); ``row_stat_fn`` gives each unique row's mean square
         gradient over its whole row when only some of its columns live here (column shards);
         ``kernel`` is ``auto`` (native where it builds and applies, else torch), ``native``
@@ -253,7 +256,8 @@ class TableBatchedEmbeddingBags(nn.Module):
     def _apply_gradients(self, g: TableGroup, unique: torch.Tensor, summed: torch.Tensor) -> None:
         """Update each unique row once with its summed gradient."""
         if self.grad_reducer is not None:
-            unique, summed = self.grad_reducer(unique, summed)
+            rows, grads = self.grad_reducer(unique, summed)
+            unique, summed = row_gradients(rows, torch.arange(rows.numel() + 1, device=rows.device), grads, None)
         g.step += 1
         row_mean_sq = None
         if self.row_stat_fn is not None and self.optimizer.uses_row_mean_sq:
@@ -269,22 +273,32 @@ class TableBatchedEmbeddingBags(nn.Module):
         first, a column shard needs the whole row's statistic, or the optimizer is not one the
         kernel mirrors."""
         values, offsets, batch_size, feat_idx, weights = args
-        is_mean = g.feature_mean_u8
+        is_mean, row_off = g.feature_mean_u8, g.feature_row_offset
         opt = self.optimizer
         step_args = native.optimizer_args(opt, g.step + 1)
-        in_python = self.grad_reducer is not None or (self.row_stat_fn is not None and opt.uses_row_mean_sq)
-        if step_args is None or in_python:
+        if step_args is None or (self.row_stat_fn is not None and opt.uses_row_mean_sq):
             unique, summed = mod.row_gradients(
-                grad, values, offsets, batch_size, feat_idx, g.feature_row_offset, is_mean, weights, g.num_rows, g.dim
+                grad, values, offsets, batch_size, feat_idx, row_off, is_mean, weights, g.num_rows, g.dim
             )
             self._apply_gradients(g, unique, summed)
             return
+        if self.grad_reducer is not None:
+            # Replicas agree first: sum here, gather every replica's rows, then let the fused
+            # kernel sum the gathered rows (each a bag of one id, in gather order) and update.
+            unique, summed = mod.row_gradients(
+                grad, values, offsets, batch_size, feat_idx, row_off, is_mean, weights, g.num_rows, g.dim
+            )
+            values, grad = self.grad_reducer(unique, summed)
+            grad, batch_size, weights = grad.contiguous(), values.numel(), None
+            offsets = torch.arange(batch_size + 1, device=values.device)
+            feat_idx = row_off = torch.zeros(1, dtype=torch.int64, device=values.device)
+            is_mean = torch.zeros(1, dtype=torch.uint8, device=values.device)
         g.step += 1
         kind, hp = step_args
         state = g.storage.state_tensors()
         states = [state[name] for name in opt.state_columns(g.dim)]
         mod.backward_update(
-            grad, values, offsets, batch_size, feat_idx, g.feature_row_offset, is_mean, weights,
+            grad, values, offsets, batch_size, feat_idx, row_off, is_mean, weights,
             g.storage.weight, states, kind, hp, g.touched,
         )  # fmt: skip
 

@@ -5,7 +5,8 @@ sharded collection's input distribution, pooled lookup, output distribution and 
 the fused optimizer update. Inputs are realistic: per table a fixed pooling factor, ids drawn
 from a Zipf law and hashed over the rows (as real hashed categorical features are), so hot rows
 spread over row ranges. One rank runs in this process; N ranks run as N local processes (gloo
-on CPU), each with ``cores / N`` threads, and a step lasts as long as its slowest rank.
+on CPU), each with ``cores / N`` threads, and a step lasts as long as its slowest rank. Freed
+host memory stays in the process, as in training (``recscale.host_memory``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.multiprocessing as mp
 from recscale.comm.process_group import Topology, init_process_groups
 from recscale.data.synthetic import zipf_ranks
 from recscale.embedding import RowWiseAdagrad, TableConfig
+from recscale.host_memory import retain_freed_memory
 from recscale.planner.cost_model import TableSpec
 from recscale.sharding.collection import ShardedEmbeddingCollection
 from recscale.sharding.plan import ShardingPlan
@@ -100,6 +102,7 @@ def _step_times(rank: int, world: int, plan: ShardingPlan, tables: list[TableSpe
                 steps: int, groups) -> list[float]:
     cfgs = [TableConfig(t.name, t.rows, t.dim) for t in tables]
     coll = ShardedEmbeddingCollection(cfgs, RowWiseAdagrad(lr=0.01), plan, groups)
+    retain_freed_memory()  # as `recscale train` does once the model is built: no page faults per step
     b = batches[0].batch_size
     sizes = [len(c) for c in torch.arange(b).tensor_split(world)]
     locals_ = [g.split(sizes)[rank] if world > 1 else g for g in batches]

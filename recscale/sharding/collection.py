@@ -84,11 +84,14 @@ class _Exchange:
 class PendingOutput:
     """A step's pooled outputs on their way home (``ShardedEmbeddingCollection.start_forward``)."""
 
-    def __init__(self, coll: "ShardedEmbeddingCollection", batch: JaggedBatch, token: torch.Tensor, state: _Exchange) -> None:
+    def __init__(self, coll: "ShardedEmbeddingCollection", batch: JaggedBatch, token: torch.Tensor | None,
+                 state: _Exchange | None) -> None:
         self._coll, self._batch, self._token, self._state = coll, batch, token, state
 
     def finish(self) -> torch.Tensor:
         coll = self._coll
+        if coll._dp_only:
+            return coll.dp(self._batch.select(coll.dp.feature_names))
         out = _OutputRecv.apply(self._token, coll, self._state)
         if coll.dp is not None:
             dp_out = coll.dp(self._batch.select(coll.dp.feature_names))
@@ -227,12 +230,16 @@ class ShardedEmbeddingCollection(nn.Module):
             not self._dp_tables and covered == set(self.feature_names)
             and all(slots is not None or not served for served, slots in zip(self._served, self._feature_slots))
         )
+        # Every table data-parallel, pooled in output order: each rank looks up its own batch,
+        # so there are no ids to exchange and the replicas' output is the output (no scatter).
+        self._dp_only = False
         if self.dp is not None:
             self._dp_cols = torch.tensor(
                 [self._feature_col[f] + c for f, d in zip(self.dp.feature_names, self.dp.feature_dims) for c in range(d)],
                 dtype=torch.int64,
                 device=device,
             )
+            self._dp_only = not any(self._local_dims) and list(self.dp.feature_names) == list(self.feature_names)
         self._row_bounds = {
             tp.table: torch.tensor([s.row_offset for s in tp.shards] + [by_name[tp.table].num_rows], device=device)
             for tp in plan.tables
@@ -259,6 +266,8 @@ class ShardedEmbeddingCollection(nn.Module):
         in the background while the caller computes the previous batch. Every rank must call
         this and ``forward`` in the same order, as for any collective."""
         sizes = all_gather_sizes(batch.batch_size, self.groups.embedding, self.groups.device, "batch_sizes")
+        if self._dp_only:
+            return PendingInput(batch, sizes, lambda: batch)
         return PendingInput(batch, sizes, self._distribute_input(batch, sizes))
 
     def forward(self, batch: JaggedBatch | PendingInput) -> torch.Tensor:
@@ -273,6 +282,8 @@ class ShardedEmbeddingCollection(nn.Module):
         batch, sizes = pending.batch, pending.sizes
         self.global_batch_size = sum(sizes)
         received = pending.wait()
+        if self._dp_only:
+            return PendingOutput(self, batch, None, None)
         self._received = received  # column shards with row-wise state need it in backward
         if self.local is not None:
             pooled = self.local(received)
@@ -472,13 +483,18 @@ class ShardedEmbeddingCollection(nn.Module):
 
     # ------------------------------------------------------------------ data-parallel gradients
     def _reduce_dp_grads(self, unique: torch.Tensor, summed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sum the row gradients of every replica, in rank order (the same on every rank)."""
+        """Every replica's unique rows and summed gradients, in rank order (the same on every
+        rank; the operator sums repeated rows in that order). One gather carries both: the
+        int64 row ids ride as two extra float32 columns, bit for bit."""
         pg = self.groups.embedding_grads
-        rows = all_gather_rows(unique, pg, self.stats, "dp_grad_rows")
-        grads = all_gather_rows(summed, pg, self.stats, "dp_grad_values")
-        all_rows, all_grads = torch.cat(rows), torch.cat(grads)
-        offsets = torch.arange(all_rows.numel() + 1, device=all_rows.device)
-        return row_gradients(all_rows, offsets, all_grads, None)
+        if pg is None:
+            return unique, summed
+        dim = summed.shape[1]
+        ids = unique.contiguous().view(torch.float32).view(-1, 2)
+        parts = all_gather_rows(torch.cat([summed.float(), ids], dim=1), pg, self.stats, "dp_grads")
+        packed = torch.cat(parts)
+        rows = packed[:, dim:].contiguous().view(torch.int64).view(-1)
+        return rows, packed[:, :dim].to(summed.dtype)
 
     # ------------------------------------------------------------------ access (collective)
     def full_table(self, name: str) -> torch.Tensor:

@@ -113,7 +113,7 @@ class TrainConfig:
     # Prepare batch i+1 (load, move, validate, send its ids to their owners) while batch i computes.
     pipeline: bool = True
     # Keep freed host memory in the process for the next step instead of returning it to the
-    # OS (glibc malloc thresholds, recscale/train/host_memory.py): fewer page faults per step.
+    # OS (glibc malloc thresholds, recscale/host_memory.py): fewer page faults per step.
     retain_host_memory: bool = True
 
 

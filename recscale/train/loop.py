@@ -28,7 +28,7 @@ from recscale.sharding.plan import PlanError, ShardingPlan
 from recscale.train.checkpointing import Progress, TrainCheckpointing
 from recscale.train.config import Config, ConfigError
 from recscale.train.datasets import DataSplits, build_data
-from recscale.train.host_memory import retain_freed_memory
+from recscale.host_memory import retain_freed_memory
 from recscale.train.metrics import EvalMetrics, evaluate_predictions
 from recscale.train.pipeline import TrainPipeline, train_step
 
