@@ -138,6 +138,30 @@ def test_summed_row_gradients_are_bitwise_equal():
         assert torch.equal(s, ts), (s - ts).abs().max()
 
 
+@pytest.mark.parametrize(("opt_name", "with_msq"), [(o, False) for o in sorted(OPTIMIZERS)] + [("rowwise_adagrad", True)])
+def test_apply_rows_equals_the_optimizer_definition(opt_name, with_msq):
+    """The native update of already-summed rows (data-parallel replicas, column shards) matches
+    ``SparseOptimizer.apply``, including a given whole-row mean square for row-wise Adagrad."""
+    gen = torch.Generator().manual_seed(5)
+    pair = _pair(TABLES[:1], opt_name)
+    mod = native.load()
+    rows = torch.tensor([0, 3, 7, 19, 38], dtype=torch.int64)
+    for step in (1, 2, 3):
+        summed = torch.randn(rows.numel(), 128, generator=gen)
+        msq = torch.rand(rows.numel(), generator=gen) if with_msq else None
+        nat, ref = pair["native"].groups[0], pair["torch"].groups[0]
+        kind, hp = native.optimizer_args(pair["native"].optimizer, step)
+        state = nat.storage.state_tensors()
+        states = [state[k] for k in pair["native"].optimizer.state_columns(nat.dim)]
+        mod.apply_rows(rows, summed, msq, nat.storage.weight, states, kind, hp, None)
+        pair["torch"].optimizer.apply(ref.storage, rows, summed, step, msq)
+        _assert_same(nat.storage.weight, ref.storage.weight, opt_name in EXACT, f"step {step} weights")
+        for k, v in ref.storage.state_tensors().items():
+            _assert_same(state[k], v, opt_name in EXACT, f"step {step} state {k}")
+    with pytest.raises(ValueError, match="out of the table's range"):
+        mod.apply_rows(torch.tensor([10**6]), torch.zeros(1, 128), None, nat.storage.weight, states, kind, hp, None)
+
+
 def test_empty_bags_and_empty_batch():
     pair = _pair(TABLES, "rowwise_adagrad")
     batch = JaggedBatch.from_lists({f: [[], [1, 1, 2], []] for f in FEATURES})

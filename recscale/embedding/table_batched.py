@@ -253,8 +253,10 @@ class TableBatchedEmbeddingBags(nn.Module):
         return pooled.view(b, k * g.dim)
 
     # ------------------------------------------------------------------ fused backward
-    def _apply_gradients(self, g: TableGroup, unique: torch.Tensor, summed: torch.Tensor) -> None:
-        """Update each unique row once with its summed gradient."""
+    def _apply_gradients(self, g: TableGroup, unique: torch.Tensor, summed: torch.Tensor, mod=None,
+                         step_args: tuple[int, list[float]] | None = None) -> None:
+        """Update each unique row once with its summed gradient (with ``mod`` and ``step_args``:
+        by the native kernel's update, which mirrors the optimizer's definition)."""
         if self.grad_reducer is not None:
             rows, grads = self.grad_reducer(unique, summed)
             unique, summed = row_gradients(rows, torch.arange(rows.numel() + 1, device=rows.device), grads, None)
@@ -262,6 +264,13 @@ class TableBatchedEmbeddingBags(nn.Module):
         row_mean_sq = None
         if self.row_stat_fn is not None and self.optimizer.uses_row_mean_sq:
             row_mean_sq = self.row_stat_fn(g, unique, summed)
+        if mod is not None and step_args is not None:
+            state = g.storage.state_tensors()
+            states = [state[name] for name in self.optimizer.state_columns(g.dim)]
+            msq = None if row_mean_sq is None else row_mean_sq.float().contiguous()
+            mod.apply_rows(unique.contiguous(), summed.float().contiguous(), msq, g.storage.weight, states, *step_args,
+                           g.touched)
+            return
         self.optimizer.apply(g.storage, unique, summed, g.step, row_mean_sq)
         if g.touched is not None:
             g.touched.index_fill_(0, unique, 1)
@@ -269,9 +278,9 @@ class TableBatchedEmbeddingBags(nn.Module):
     def _native_backward(self, mod, g: TableGroup, grad: torch.Tensor, args: tuple) -> None:
         """The native twin of ``row_gradients`` + ``_apply_gradients``: one pass that sums each
         unique row's gradient (same order as the torch kernel) and updates it, marking it in
-        ``g.touched``. Gradients go through ``_apply_gradients`` instead when replicas must agree
-        first, a column shard needs the whole row's statistic, or the optimizer is not one the
-        kernel mirrors."""
+        ``g.touched``. Replicas of data-parallel tables gather their row gradients in between; a
+        column shard that needs its whole row's statistic sums first, then updates natively
+        with it; an optimizer the kernel does not mirror updates in Python."""
         values, offsets, batch_size, feat_idx, weights = args
         is_mean, row_off = g.feature_mean_u8, g.feature_row_offset
         opt = self.optimizer
@@ -280,7 +289,7 @@ class TableBatchedEmbeddingBags(nn.Module):
             unique, summed = mod.row_gradients(
                 grad, values, offsets, batch_size, feat_idx, row_off, is_mean, weights, g.num_rows, g.dim
             )
-            self._apply_gradients(g, unique, summed)
+            self._apply_gradients(g, unique, summed, mod, step_args)
             return
         if self.grad_reducer is not None:
             # Replicas agree first: sum here, gather every replica's rows, then let the fused

@@ -330,9 +330,10 @@ struct OptArgs {
   uint8_t* touched;        // [rows] or nullptr
 };
 
-// One unique row's update from its summed gradient ``g``.
+// One unique row's update from its summed gradient ``g``; ``msq`` (row-wise Adagrad only), when
+// given, is the row's mean square gradient over its whole row (a column shard holds part of it).
 template <int DC>
-inline void update_row(const OptArgs& o, int64_t D, int64_t row, const float* g) {
+inline void update_row(const OptArgs& o, int64_t D, int64_t row, const float* g, const float* msq = nullptr) {
   float* w = o.w + row * D;
   switch (o.kind) {
     case kSGD: {  // mirrors SGD: w += (-lr) * g  (index_add_ with alpha = -lr)
@@ -347,7 +348,7 @@ inline void update_row(const OptArgs& o, int64_t D, int64_t row, const float* g)
 #pragma omp simd reduction(+ : sq)
       for (int64_t j = 0; j < D; ++j) sq += g[j] * g[j];
       float* G = o.s0 + row;
-      *G += sq / static_cast<float>(D);
+      *G += msq ? *msq : sq / static_cast<float>(D);
       const float denom = std::sqrt(*G) + eps;
 #pragma omp simd
       for (int64_t j = 0; j < D; ++j) w[j] = w[j] + (value * g[j]) / denom;  // addcdiv_
@@ -549,6 +550,50 @@ int64_t backward_update(const at::Tensor& grad, const at::Tensor& values, const 
   return g.U;
 }
 
+// The optimizer alone, on rows whose gradients are already summed (``rows`` [U] distinct,
+// ``summed`` [U, dim]), e.g. after replicas or column shards have combined theirs. ``row_msq``
+// [U] (row-wise Adagrad) overrides each row's mean square gradient.
+void apply_rows(const at::Tensor& rows, const at::Tensor& summed, const c10::optional<at::Tensor>& row_msq,
+                const at::Tensor& weight, const std::vector<at::Tensor>& states, int64_t kind,
+                const std::vector<double>& hp, const c10::optional<at::Tensor>& touched) {
+  check(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+        "weight must be a contiguous float32 [rows, dim] tensor");
+  const int64_t R = weight.size(0), D = weight.size(1), U = rows.numel();
+  check(rows.scalar_type() == at::kLong && rows.is_contiguous(), "rows must be contiguous int64");
+  check(summed.scalar_type() == at::kFloat && summed.is_contiguous() && summed.numel() == U * D,
+        "summed must be a contiguous float32 [rows, dim] tensor");
+  static const int needed[] = {0, 1, 1, 2};
+  check(kind >= 0 && kind <= 3 && static_cast<int>(states.size()) == needed[kind], "optimizer kind/state mismatch");
+  static const size_t hps[] = {1, 2, 2, 7};
+  check(hp.size() == hps[kind], "wrong number of optimizer hyperparameters");
+  for (const auto& st : states)
+    check(st.scalar_type() == at::kFloat && st.is_contiguous() && st.size(0) == R, "state tensors: float32 [rows, ...]");
+  const float* msq = nullptr;
+  if (row_msq.has_value() && row_msq->defined()) {
+    check(kind == kRowWiseAdagrad && row_msq->scalar_type() == at::kFloat && row_msq->is_contiguous() &&
+              row_msq->numel() == U,
+          "row_msq: contiguous float32, one per row, row-wise Adagrad only");
+    msq = row_msq->data_ptr<float>();
+  }
+  uint8_t* tp = nullptr;
+  if (touched.has_value() && touched->defined()) {
+    check(touched->scalar_type() == at::kByte && touched->is_contiguous() && touched->numel() == R,
+          "touched must be a contiguous uint8 [rows] tensor");
+    tp = touched->data_ptr<uint8_t>();
+  }
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t u = 0; u < U; ++u) check(rp[u] >= 0 && rp[u] < R, "a row is out of the table's range");
+  OptArgs o{kind, hp, weight.data_ptr<float>(), states.size() > 0 ? states[0].data_ptr<float>() : nullptr,
+            states.size() > 1 ? states[1].data_ptr<float>() : nullptr, tp};
+  const float* sp = summed.data_ptr<float>();
+  dispatch_dim(D, [&](auto dc) {
+    constexpr int DC = decltype(dc)::value;
+    at::parallel_for(0, U, 256, [&](int64_t u0, int64_t u1) {
+      for (int64_t u = u0; u < u1; ++u) update_row<DC>(o, D, rp[u], sp + u * D, msq ? msq + u : nullptr);
+    });
+  });
+}
+
 // Exact backward without the optimizer: (unique rows ascending [U] int64, summed gradients [U, D]).
 std::vector<at::Tensor> row_gradients(const at::Tensor& grad, const at::Tensor& values, const at::Tensor& offsets,
                                       int64_t B, const at::Tensor& feat_idx, const at::Tensor& row_off,
@@ -573,4 +618,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pool", &pool, py::call_guard<py::gil_scoped_release>());
   m.def("backward_update", &backward_update, py::call_guard<py::gil_scoped_release>());
   m.def("row_gradients", &row_gradients, py::call_guard<py::gil_scoped_release>());
+  m.def("apply_rows", &apply_rows, py::call_guard<py::gil_scoped_release>());
 }
