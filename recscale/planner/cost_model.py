@@ -175,12 +175,15 @@ def shard_cost(t: TableSpec, sharding_type: str, rows: int, cols: int, hw: Hardw
 
 
 def collectives_per_step(kinds: dict[str, str], dims: dict[str, int], weighted: bool = False) -> int:
-    """Collectives one step issues: batch sizes, lengths, ids, (weights), outputs, gradients;
-    each operator group of data-parallel tables (one per dim) adds two gathers of two
-    collectives each (sizes, then rows or gradients); column shards of a row-wise optimizer
-    state add two such gathers per step."""
-    n = 5 + int(weighted)
-    n += 4 * len({dims[t] for t, k in kinds.items() if k == "data_parallel"})
+    """Collectives one step issues: batch sizes, lengths, ids, (weights), outputs, gradients
+    (only batch sizes when every table is data-parallel: each rank looks up its own samples);
+    each operator group of data-parallel tables (one per dim) adds a gather of its row
+    gradients (sizes, then rows and values in one); column shards of a row-wise optimizer
+    state add two gathers of two collectives each per step."""
+    dp_groups = len({dims[t] for t, k in kinds.items() if k == "data_parallel"})
+    all_dp = bool(kinds) and all(k == "data_parallel" for k in kinds.values())
+    n = 1 if all_dp else 5 + int(weighted)
+    n += 2 * dp_groups
     if "column_wise" in kinds.values():
         n += 4
     return n
