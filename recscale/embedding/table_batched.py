@@ -285,18 +285,16 @@ class TableBatchedEmbeddingBags(nn.Module):
         is_mean, row_off = g.feature_mean_u8, g.feature_row_offset
         opt = self.optimizer
         step_args = native.optimizer_args(opt, g.step + 1)
-        if step_args is None or (self.row_stat_fn is not None and opt.uses_row_mean_sq):
+        needs_row_stat = self.row_stat_fn is not None and opt.uses_row_mean_sq
+        if step_args is None or needs_row_stat or self.grad_reducer is not None:
             unique, summed = mod.row_gradients(
                 grad, values, offsets, batch_size, feat_idx, row_off, is_mean, weights, g.num_rows, g.dim
             )
-            self._apply_gradients(g, unique, summed, mod, step_args)
-            return
-        if self.grad_reducer is not None:
-            # Replicas agree first: sum here, gather every replica's rows, then let the fused
+            if step_args is None or needs_row_stat:
+                self._apply_gradients(g, unique, summed, mod, step_args)
+                return
+            # Replicas agree first: gather every replica's summed rows, then let the fused
             # kernel sum the gathered rows (each a bag of one id, in gather order) and update.
-            unique, summed = mod.row_gradients(
-                grad, values, offsets, batch_size, feat_idx, row_off, is_mean, weights, g.num_rows, g.dim
-            )
             values, grad = self.grad_reducer(unique, summed)
             grad, batch_size, weights = grad.contiguous(), values.numel(), None
             offsets = torch.arange(batch_size + 1, device=values.device)

@@ -21,6 +21,7 @@ from recscale.comm.dense_sync import DenseGradSync
 from recscale.comm.process_group import ProcessGroups, destroy_process_groups, env_topology, init_process_groups
 from recscale.data import Batch
 from recscale.embedding import TableBatchedEmbeddingBags, TableConfig, make_optimizer
+from recscale.host_memory import retain_freed_memory
 from recscale.model import DLRM
 from recscale.sharding.collection import CommPrecision, ShardedEmbeddingCollection
 from recscale.sharding.default_plan import TableSharding, default_plan
@@ -28,7 +29,6 @@ from recscale.sharding.plan import PlanError, ShardingPlan
 from recscale.train.checkpointing import Progress, TrainCheckpointing
 from recscale.train.config import Config, ConfigError
 from recscale.train.datasets import DataSplits, build_data
-from recscale.host_memory import retain_freed_memory
 from recscale.train.metrics import EvalMetrics, evaluate_predictions
 from recscale.train.pipeline import TrainPipeline, train_step
 

@@ -510,21 +510,12 @@ void check_grad(const at::Tensor& grad, int64_t B, int64_t K, int64_t D) {
   check(grad.scalar_type() == at::kFloat && grad.is_contiguous() && grad.numel() == B * K * D,
         "grad must be a contiguous float32 [B, K * dim] tensor");
 }
-}  // namespace
-
-// Fused exact backward + optimizer: updates ``weight`` and ``states`` in place; sets
-// ``touched[row] = 1`` for every updated row when ``touched`` is given. Returns the number of
-// unique rows updated.
-int64_t backward_update(const at::Tensor& grad, const at::Tensor& values, const at::Tensor& offsets, int64_t B,
-                        const at::Tensor& feat_idx, const at::Tensor& row_off, const at::Tensor& is_mean,
-                        const c10::optional<at::Tensor>& weights, const at::Tensor& weight,
-                        const std::vector<at::Tensor>& states, int64_t kind, const std::vector<double>& hp,
-                        const c10::optional<at::Tensor>& touched) {
+// The optimizer's tensors, checked against ``weight`` ([rows, dim] float32) and ``kind``.
+OptArgs make_opt_args(const at::Tensor& weight, const std::vector<at::Tensor>& states, int64_t kind,
+                      const std::vector<double>& hp, const c10::optional<at::Tensor>& touched) {
   check(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
         "weight must be a contiguous float32 [rows, dim] tensor");
   const int64_t rows = weight.size(0), D = weight.size(1);
-  check(rows < (int64_t{1} << 32), "the group has 2^32 rows or more; use the torch kernel");
-  check(values.numel() < (int64_t{1} << 31), "more than 2^31 ids in one batch; use the torch kernel");
   static const int needed[] = {0, 1, 1, 2};
   check(kind >= 0 && kind <= 3 && static_cast<int>(states.size()) == needed[kind], "optimizer kind/state mismatch");
   static const size_t hps[] = {1, 2, 2, 7};
@@ -540,11 +531,26 @@ int64_t backward_update(const at::Tensor& grad, const at::Tensor& values, const 
           "touched must be a contiguous uint8 [rows] tensor");
     tp = touched->data_ptr<uint8_t>();
   }
+  return OptArgs{kind, hp, weight.data_ptr<float>(), states.size() > 0 ? states[0].data_ptr<float>() : nullptr,
+                 states.size() > 1 ? states[1].data_ptr<float>() : nullptr, tp};
+}
+}  // namespace
+
+// Fused exact backward + optimizer: updates ``weight`` and ``states`` in place; sets
+// ``touched[row] = 1`` for every updated row when ``touched`` is given. Returns the number of
+// unique rows updated.
+int64_t backward_update(const at::Tensor& grad, const at::Tensor& values, const at::Tensor& offsets, int64_t B,
+                        const at::Tensor& feat_idx, const at::Tensor& row_off, const at::Tensor& is_mean,
+                        const c10::optional<at::Tensor>& weights, const at::Tensor& weight,
+                        const std::vector<at::Tensor>& states, int64_t kind, const std::vector<double>& hp,
+                        const c10::optional<at::Tensor>& touched) {
+  const OptArgs o = make_opt_args(weight, states, kind, hp, touched);
+  const int64_t rows = weight.size(0), D = weight.size(1);
+  check(rows < (int64_t{1} << 32), "the group has 2^32 rows or more; use the torch kernel");
+  check(values.numel() < (int64_t{1} << 31), "more than 2^31 ids in one batch; use the torch kernel");
   InputTensors it = make_input(values, offsets, B, feat_idx, row_off, is_mean, weights);
   check_grad(grad, B, feat_idx.numel(), D);
   Grouped g = group_any(it, rows);
-  OptArgs o{kind, hp, weight.data_ptr<float>(), states.size() > 0 ? states[0].data_ptr<float>() : nullptr,
-            states.size() > 1 ? states[1].data_ptr<float>() : nullptr, tp};
   const float* gp = grad.data_ptr<float>();
   dispatch_dim(D, [&](auto dc) { fused_update_impl<decltype(dc)::value>(g, gp, D, o); });
   return g.U;
@@ -556,18 +562,11 @@ int64_t backward_update(const at::Tensor& grad, const at::Tensor& values, const 
 void apply_rows(const at::Tensor& rows, const at::Tensor& summed, const c10::optional<at::Tensor>& row_msq,
                 const at::Tensor& weight, const std::vector<at::Tensor>& states, int64_t kind,
                 const std::vector<double>& hp, const c10::optional<at::Tensor>& touched) {
-  check(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
-        "weight must be a contiguous float32 [rows, dim] tensor");
+  const OptArgs o = make_opt_args(weight, states, kind, hp, touched);
   const int64_t R = weight.size(0), D = weight.size(1), U = rows.numel();
   check(rows.scalar_type() == at::kLong && rows.is_contiguous(), "rows must be contiguous int64");
   check(summed.scalar_type() == at::kFloat && summed.is_contiguous() && summed.numel() == U * D,
         "summed must be a contiguous float32 [rows, dim] tensor");
-  static const int needed[] = {0, 1, 1, 2};
-  check(kind >= 0 && kind <= 3 && static_cast<int>(states.size()) == needed[kind], "optimizer kind/state mismatch");
-  static const size_t hps[] = {1, 2, 2, 7};
-  check(hp.size() == hps[kind], "wrong number of optimizer hyperparameters");
-  for (const auto& st : states)
-    check(st.scalar_type() == at::kFloat && st.is_contiguous() && st.size(0) == R, "state tensors: float32 [rows, ...]");
   const float* msq = nullptr;
   if (row_msq.has_value() && row_msq->defined()) {
     check(kind == kRowWiseAdagrad && row_msq->scalar_type() == at::kFloat && row_msq->is_contiguous() &&
@@ -575,16 +574,8 @@ void apply_rows(const at::Tensor& rows, const at::Tensor& summed, const c10::opt
           "row_msq: contiguous float32, one per row, row-wise Adagrad only");
     msq = row_msq->data_ptr<float>();
   }
-  uint8_t* tp = nullptr;
-  if (touched.has_value() && touched->defined()) {
-    check(touched->scalar_type() == at::kByte && touched->is_contiguous() && touched->numel() == R,
-          "touched must be a contiguous uint8 [rows] tensor");
-    tp = touched->data_ptr<uint8_t>();
-  }
   const int64_t* rp = rows.data_ptr<int64_t>();
   for (int64_t u = 0; u < U; ++u) check(rp[u] >= 0 && rp[u] < R, "a row is out of the table's range");
-  OptArgs o{kind, hp, weight.data_ptr<float>(), states.size() > 0 ? states[0].data_ptr<float>() : nullptr,
-            states.size() > 1 ? states[1].data_ptr<float>() : nullptr, tp};
   const float* sp = summed.data_ptr<float>();
   dispatch_dim(D, [&](auto dc) {
     constexpr int DC = decltype(dc)::value;
