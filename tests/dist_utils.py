@@ -35,8 +35,9 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 120.0) -> list:
-    """Run ``fn(rank, world, *args)`` in ``world`` processes; return each rank's result."""
+def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 120.0, allow_missing: bool = False) -> list:
+    """Run ``fn(rank, world, *args)`` in ``world`` processes; return each rank's result
+    (``None`` for a rank that exited without one, when ``allow_missing``)."""
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _worker, args=(world, free_port(), fn, args, out_dir), nprocs=world, join=False, start_method="spawn"
@@ -57,4 +58,5 @@ def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 120.0) -> list
                 if p.is_alive():
                     p.kill()
                     p.join()
-        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+        paths = [Path(out_dir) / f"rank{r}.pt" for r in range(world)]
+        return [torch.load(p, weights_only=False) if p.exists() or not allow_missing else None for p in paths]

@@ -7,6 +7,7 @@ import torch
 
 from dist_utils import run_ranks
 from recscale.comm.process_group import Topology, init_process_groups
+from recscale.comm.shared_memory import shared_memory_group
 from recscale.embedding import SGD, Adagrad, Adam, RowWiseAdagrad, TableBatchedEmbeddingBags, TableConfig
 from recscale.sharding.collection import CommPrecision, ShardedEmbeddingCollection
 from recscale.sharding.default_plan import TableSharding, default_plan
@@ -72,9 +73,10 @@ def reference(opt_name: str, weighted: bool):
     return outs, tables, states
 
 
-def sharded_worker(rank, world, ranks_per_host, default, overrides, opt_name, weighted, precision):
+def sharded_worker(rank, world, ranks_per_host, default, overrides, opt_name, weighted, precision, shared_memory=True):
     topo = Topology(world, rank, ranks_per_host)
-    groups = init_process_groups(topo, timeout_s=60)
+    groups = init_process_groups(topo, timeout_s=60, shared_memory=shared_memory)
+    assert (shared_memory_group(groups.embedding) is not None) == shared_memory
     plan = default_plan(TABLES, topo, default, {k: TableSharding(*v) for k, v in overrides.items()})
     coll = ShardedEmbeddingCollection(TABLES, make_optimizer(opt_name), plan, groups, SEED, CommPrecision(*precision))
     sizes = shares(world)
@@ -91,9 +93,10 @@ def sharded_worker(rank, world, ranks_per_host, default, overrides, opt_name, we
 
 
 def check(world, ranks_per_host, default, overrides=None, opt_name="rowwise_adagrad", weighted=True,
-          precision=("fp32", "fp32"), rtol=1e-5, atol=1e-6):
+          precision=("fp32", "fp32"), rtol=1e-5, atol=1e-6, shared_memory=True):
     ref_outs, ref_tables, ref_states = reference(opt_name, weighted)
-    results = run_ranks(sharded_worker, world, ranks_per_host, default, overrides or {}, opt_name, weighted, precision)
+    results = run_ranks(sharded_worker, world, ranks_per_host, default, overrides or {}, opt_name, weighted, precision,
+                        shared_memory)
     sizes = shares(world)
     for rank, res in enumerate(results):
         start = sum(sizes[:rank])
@@ -137,6 +140,11 @@ def test_data_parallel_replicas_agree_bitwise_with_every_optimizer(opt_name):
 @pytest.mark.parametrize("world", [2, 4])
 def test_mix_of_all_five_types_equals_one_process(world):
     check(world, 2, "table_wise", MIX)
+
+
+def test_mix_of_all_five_types_through_gloo_equals_one_process():
+    # The process group's own all-to-alls (GPUs, other hosts), with the sizes exchanged first.
+    check(4, 2, "table_wise", MIX, shared_memory=False)
 
 
 def test_table_row_wise_on_two_hosts_of_two_ranks_stays_on_one_host():

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from recscale.comm.process_group import DistributedError
+from recscale.comm.errors import DistributedError
+from recscale.comm.shared_memory import PendingShared, shared_memory_group
 
 
 @dataclass
@@ -61,7 +62,7 @@ def _fail(name: str, err: Exception) -> DistributedError:
 def all_to_all(
     x: torch.Tensor,
     send_splits: Sequence[int],
-    recv_splits: Sequence[int],
+    recv_splits: Sequence[int] | None,
     group: dist.ProcessGroup | None,
     stats: CommStats | None = None,
     name: str = "all_to_all",
@@ -74,45 +75,71 @@ class PendingCollective:
     """The received tensor of a collective started with ``async_op``; ``wait()`` returns it
     once it has arrived (and counts the blocking time, as the synchronous calls do)."""
 
-    def __init__(self, out: torch.Tensor, work, name: str, stats: CommStats | None) -> None:
-        self._out, self._work, self._name, self._stats = out, work, name, stats
+    def __init__(self, out: torch.Tensor | None, work, name: str, stats: CommStats | None,
+                 counts: list[int] | None = None) -> None:
+        self._out, self._work, self._name, self._stats, self._counts = out, work, name, stats, counts
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             try:
                 with self._stats.timed(self._name) if self._stats is not None else nullcontext():
-                    self._work.wait()
+                    got = self._work.wait()
+            except DistributedError:
+                raise
             except RuntimeError as e:
                 raise _fail(self._name, e) from e
+            if isinstance(self._work, PendingShared):
+                self._out = got
+                if self._counts is None:
+                    self._counts = self._work.rows_from()
             self._work = None
+        assert self._out is not None
         return self._out
+
+    def rows_from(self) -> list[int]:
+        """Rows received from each rank (waits first)."""
+        self.wait()
+        assert self._counts is not None, "rows_from() is for all-to-alls started without recv_splits"
+        return self._counts
 
 
 def all_to_all_async(
     x: torch.Tensor,
     send_splits: Sequence[int],
-    recv_splits: Sequence[int],
+    recv_splits: Sequence[int] | None,
     group: dist.ProcessGroup | None,
     stats: CommStats | None = None,
     name: str = "all_to_all",
 ) -> PendingCollective:
     """``all_to_all`` that returns at once; the exchange runs while the caller computes.
 
-    Every rank must start its collectives in the same order (as for the blocking calls)."""
-    out = x.new_empty((int(sum(recv_splits)),) + tuple(x.shape[1:]))
+    ``recv_splits`` may be ``None`` when this rank does not know what others send it:
+    through shared memory the sizes travel with the data and nothing blocks; through the
+    process group's backend a small blocking exchange of the sizes comes first. Then
+    ``rows_from()`` of the result tells the rows received from each rank. Every rank must
+    start its collectives in the same order (as for the blocking calls), and leave ``x``
+    unchanged until ``wait()``."""
     if group is None:
-        out.copy_(x)
-        return PendingCollective(out, None, name, stats)
+        return PendingCollective(x.clone(), None, name, stats, [x.shape[0]])
     if stats is not None:
         me = dist.get_rank(group)
         stats.add(name, (int(sum(send_splits)) - int(send_splits[me])) * x.element_size() * _row_numel(x))
+    shm = shared_memory_group(group) if x.device.type == "cpu" else None
+    if shm is not None:
+        return PendingCollective(None, shm.all_to_all(x, send_splits, recv_splits, name), name, stats)
+    counts = None
+    if recv_splits is None:
+        sizes = torch.tensor([int(n) for n in send_splits], dtype=torch.int64, device=x.device)
+        ones = [1] * len(send_splits)
+        counts = recv_splits = all_to_all(sizes, ones, ones, group, None, name + ".sizes").tolist()
+    out = x.new_empty((int(sum(recv_splits)),) + tuple(x.shape[1:]))
     try:
         work = dist.all_to_all_single(
             out, x.contiguous(), list(map(int, recv_splits)), list(map(int, send_splits)), group=group, async_op=True
         )
     except RuntimeError as e:
         raise _fail(name, e) from e
-    return PendingCollective(out, work, name, stats)
+    return PendingCollective(out, work, name, stats, counts)
 
 
 def _row_numel(x: torch.Tensor) -> int:
@@ -127,6 +154,9 @@ def all_gather_sizes(n: int, group: dist.ProcessGroup | None, device: torch.devi
         return [n]
     world = dist.get_world_size(group)
     t = torch.tensor([n], dtype=torch.int64, device=device)
+    shm = shared_memory_group(group) if device.type == "cpu" else None
+    if shm is not None:
+        return [int(v) for v in torch.cat(shm.all_gather(t.view(1, 1), name))]
     out = [torch.empty_like(t) for _ in range(world)]
     try:
         dist.all_gather(out, t, group=group)
@@ -144,6 +174,12 @@ def all_gather_rows(
     """Gather tensors whose dim 0 differs across ranks (padded to the largest, then trimmed)."""
     if group is None:
         return [x]
+    shm = shared_memory_group(group) if x.device.type == "cpu" else None
+    if shm is not None:
+        if stats is not None:
+            stats.add(name, x.element_size() * x.numel() * (dist.get_world_size(group) - 1))
+        with stats.timed(name) if stats is not None else nullcontext():
+            return shm.all_gather(x, name)
     sizes = all_gather_sizes(x.shape[0], group, x.device, name + ".sizes")
     biggest = max(sizes)
     padded = x.new_zeros((biggest,) + tuple(x.shape[1:]))

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from recscale.comm.errors import DistributedError
+from recscale.comm.shared_memory import close_shared_memory, enable_shared_memory
 
-class DistributedError(RuntimeError):
-    """A collective failed: a peer died, hung past the timeout, or disagrees with this rank."""
+__all__ = ["DistributedError", "ProcessGroups", "Topology", "destroy_process_groups", "env_topology", "init_process_groups"]
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,13 @@ def init_process_groups(
     timeout_s: float = 300.0,
     init_method: str | None = None,
     device: torch.device | None = None,
+    shared_memory: bool = True,
 ) -> ProcessGroups:
-    """Start (or join) the default group and build the sub-groups."""
+    """Start (or join) the default group and build the sub-groups.
+
+    On CPU, when every rank is on one host, the embedding exchanges go through shared memory
+    (``recscale.comm.shared_memory``) unless ``shared_memory`` is off or the environment sets
+    ``RECSCALE_SHARED_MEMORY=0``."""
     if device is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
@@ -118,9 +124,13 @@ def init_process_groups(
         g = dist.new_group(members, timeout=timeout, backend=backend)
         if local == topology.rank % topology.ranks_per_host:
             cross = g
+    if device.type == "cpu" and shared_memory and os.environ.get("RECSCALE_SHARED_MEMORY", "1") != "0":
+        for g in (embedding, embedding_grads):
+            enable_shared_memory(g, timeout_s)
     return ProcessGroups(topology, embedding, embedding_grads, dense, intra, cross, device, timeout_s)
 
 
 def destroy_process_groups() -> None:
+    close_shared_memory()
     if dist.is_initialized():
         dist.destroy_process_group()

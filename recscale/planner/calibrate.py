@@ -33,7 +33,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from recscale.comm.collectives import all_to_all
 from recscale.comm.process_group import Topology
+from recscale.comm.shared_memory import enable_shared_memory
 from recscale.embedding import TableConfig
 from recscale.planner.cost_model import TableSpec, Workload
 from recscale.planner.hardware import Hardware
@@ -169,16 +171,20 @@ def _a2a_worker(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
+    # The transport training uses: shared memory between ranks of one host unless turned off.
+    group = dist.new_group(list(range(world)))
+    if os.environ.get("RECSCALE_SHARED_MEMORY", "1") != "0":
+        enable_shared_memory(group, 60.0)
     results = {}
     for nbytes in (256, 4 << 20):
         x = torch.zeros(nbytes * world // 4)
-        y = torch.empty_like(x)
-        dist.all_to_all_single(y, x)
+        splits = [x.numel() // world] * world
+        all_to_all(x, splits, splits, group)
         times = []
         for _ in range(15):
             dist.barrier()
             t0 = time.perf_counter()
-            dist.all_to_all_single(y, x)
+            all_to_all(x, splits, splits, group)
             times.append(time.perf_counter() - t0)
         results[nbytes] = statistics.median(times)
     if rank == 0:

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from recscale.comm.codecs import get_codec
-from recscale.comm.collectives import CommStats, all_gather_rows, all_gather_sizes, all_to_all, all_to_all_async
+from recscale.comm.collectives import CommStats, all_gather_rows, all_to_all_async
+from recscale.comm.errors import DistributedError
 from recscale.comm.process_group import ProcessGroups
 from recscale.embedding import SparseOptimizer, TableBatchedEmbeddingBags, TableConfig
 from recscale.embedding.table_batched import init_rows, output_feature_order, row_gradients
@@ -61,15 +62,21 @@ class PendingInput:
     """A local batch whose ids are on their way to their owners (``start_input_dist``)."""
 
     batch: JaggedBatch
-    sizes: list[int]
-    _finish: Callable[[], JaggedBatch] = field(repr=False)
-    _received: JaggedBatch | None = field(default=None, repr=False)
+    _finish: Callable[[], tuple[JaggedBatch, list[int]]] = field(repr=False)
+    _received: tuple[JaggedBatch, list[int]] | None = field(default=None, repr=False)
 
     def wait(self) -> JaggedBatch:
         """The ids this rank's shards serve, ordered for its operator (waits once)."""
         if self._received is None:
             self._received = self._finish()
-        return self._received
+        return self._received[0]
+
+    @property
+    def sizes(self) -> list[int]:
+        """Every rank's batch size (they travel with the ids)."""
+        self.wait()
+        assert self._received is not None
+        return self._received[1]
 
 
 @dataclass
@@ -262,13 +269,16 @@ class ShardedEmbeddingCollection(nn.Module):
     def start_input_dist(self, batch: JaggedBatch) -> PendingInput:
         """Send this batch's ids to their owners now; ``forward(pending)`` uses them later.
 
-        The batch sizes and lengths are exchanged at once (small); the ids and weights travel
-        in the background while the caller computes the previous batch. Every rank must call
-        this and ``forward`` in the same order, as for any collective."""
-        sizes = all_gather_sizes(batch.batch_size, self.groups.embedding, self.groups.device, "batch_sizes")
-        if self._dp_only:
-            return PendingInput(batch, sizes, lambda: batch)
-        return PendingInput(batch, sizes, self._distribute_input(batch, sizes))
+        The batch sizes, lengths, ids and weights travel while the caller computes the previous
+        batch; through shared memory nothing here waits for another rank (through a process
+        group's backend, small exchanges of message sizes do). Every rank must call this and
+        ``forward`` in the same order, as for any collective."""
+        if self._dp_only:  # only the batch sizes (for the global batch of the loss)
+            ones = [1] * self.world
+            b = torch.full((self.world,), batch.batch_size, dtype=torch.int64, device=self.groups.device)
+            pending = all_to_all_async(b, ones, ones, self.groups.embedding, None, "batch_sizes")
+            return PendingInput(batch, lambda: (batch, [int(v) for v in pending.wait().tolist()]))
+        return PendingInput(batch, self._distribute_input(batch))
 
     def forward(self, batch: JaggedBatch | PendingInput) -> torch.Tensor:
         return self.start_forward(batch).finish()
@@ -279,9 +289,9 @@ class ShardedEmbeddingCollection(nn.Module):
         overlaps the output all-to-all, and in backward the bottom MLP's gradients overlap the
         gradient all-to-all (autograd runs the later-created receiving node first)."""
         pending = batch if isinstance(batch, PendingInput) else self.start_input_dist(batch)
+        received = pending.wait()
         batch, sizes = pending.batch, pending.sizes
         self.global_batch_size = sum(sizes)
-        received = pending.wait()
         if self._dp_only:
             return PendingOutput(self, batch, None, None)
         self._received = received  # column shards with row-wise state need it in backward
@@ -310,9 +320,10 @@ class ShardedEmbeddingCollection(nn.Module):
             out[f] = (vals, lens, w)
         return out
 
-    def _distribute_input(self, batch: JaggedBatch, sizes: list[int]) -> Callable[[], JaggedBatch]:
-        """Exchange lengths now, start the ids (and weights) exchange; the returned function
-        waits for them and orders the received bags for the operator."""
+    def _distribute_input(self, batch: JaggedBatch) -> Callable[[], tuple[JaggedBatch, list[int]]]:
+        """Start the exchanges of lengths (each rank's part led by its batch size), ids and
+        weights; the returned function waits for them and orders the received bags for the
+        operator. No rank needs to know in advance how much the others send it."""
         me, b = self.rank, batch.batch_size
         need_weights = batch.weights is not None or bool(self._mean_features)
         per_feature = self._feature_ids(batch)
@@ -331,30 +342,41 @@ class ShardedEmbeddingCollection(nn.Module):
                 if need_weights:
                     wts_out.append(w if w is not None else torch.ones(vals.numel(), device=vals.device))
                 n_vals += vals.numel()
-            len_splits.append(len(served) * b)
+            len_splits.append(1 + len(served) * b)
             val_splits.append(n_vals)
         dev = self.groups.device
-        lens_send = torch.cat(lens_out) if lens_out else torch.zeros(0, dtype=torch.int64, device=dev)
-        mine = self._served[me]
-        len_recv_splits = [len(mine) * sizes[s] for s in range(self.world)]
+        head = torch.tensor([b], dtype=torch.int64, device=dev)
+        lens_parts: list[torch.Tensor] = []
+        cursor = 0
+        for served in self._served:  # each destination's lengths, led by this rank's batch size
+            lens_parts.append(head)
+            lens_parts.extend(lens_out[cursor : cursor + len(served)])
+            cursor += len(served)
+        lens_send = torch.cat(lens_parts).to(torch.int64)
         pg = self.groups.embedding
-        lens_recv = all_to_all(lens_send, len_splits, len_recv_splits, pg, self.stats, "input_lengths")
-        per_src = torch.split(lens_recv, len_recv_splits)
-        val_recv_splits = [int(x.sum()) for x in per_src]
+        lens_pending = all_to_all_async(lens_send, len_splits, None, pg, self.stats, "input_lengths")
         vals_send = torch.cat(vals_out) if vals_out else torch.zeros(0, dtype=torch.int64, device=dev)
         # Ids travel as int32 when every table is small enough: half the bytes.
-        ids_pending = all_to_all_async(
-            vals_send.to(self._id_wire_dtype), val_splits, val_recv_splits, pg, self.stats, "input_ids"
-        )
+        ids_pending = all_to_all_async(vals_send.to(self._id_wire_dtype), val_splits, None, pg, self.stats, "input_ids")
         wts_pending = None
         if need_weights:
             wts_send = torch.cat(wts_out) if wts_out else torch.zeros(0, device=dev)
-            wts_pending = all_to_all_async(wts_send, val_splits, val_recv_splits, pg, self.stats, "input_weights")
+            wts_pending = all_to_all_async(wts_send, val_splits, None, pg, self.stats, "input_weights")
+        k = len(self._served[me])
 
-        def finish() -> JaggedBatch:
+        def finish() -> tuple[JaggedBatch, list[int]]:
+            got = lens_pending.wait()
+            sizes, lens_recv = [], []
+            pos = 0
+            for n in lens_pending.rows_from():
+                if n < 1 or (n - 1) % max(k, 1) or (k == 0 and n != 1):
+                    raise DistributedError(f"rank {me}: a rank sent {n} lengths, which no batch size explains; the ranks' plans differ")
+                sizes.append(int(got[pos]))
+                lens_recv.append(got[pos + 1 : pos + n])
+                pos += n
             vals_recv = ids_pending.wait().to(torch.int64)
             wts_recv = None if wts_pending is None else wts_pending.wait()
-            return self._order_received(vals_recv, lens_recv, wts_recv, sizes)
+            return self._order_received(vals_recv, torch.cat(lens_recv), wts_recv, sizes), sizes
 
         return finish
 

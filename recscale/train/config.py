@@ -161,6 +161,8 @@ class DistConfig:
     ranks_per_host: int = 0
     # Every collective fails after this many seconds without progress.
     timeout_s: float = 300.0
+    # Embedding exchanges between the ranks of one host go through shared memory (CPU, x86).
+    shared_memory: bool = True
 
 
 @dataclass

@@ -178,7 +178,9 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     device = pick_device(cfg.train.device)
-    groups = init_process_groups(env_topology(cfg.dist.ranks_per_host), cfg.dist.timeout_s, device=device)
+    groups = init_process_groups(
+        env_topology(cfg.dist.ranks_per_host), cfg.dist.timeout_s, device=device, shared_memory=cfg.dist.shared_memory
+    )
     try:
         return _train(cfg, groups, log if groups.rank == 0 else (lambda _: None))
     finally:
