@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import proc_utils
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,3 +74,20 @@ def test_planner_benchmark_quick_runs(tmp_path):
     assert "recscale ms" in proc.stdout and "karmarkar_karp ms" in proc.stdout
     data = json.loads(out.read_text())
     assert all(r["recscale_model_ms"]["recscale"] > 0 for r in data["results"])
+
+
+def test_collectives_benchmark_quick_runs(tmp_path):
+    from recscale.comm.shared_memory import shared_memory_supported
+
+    if not shared_memory_supported():
+        pytest.skip("no x86 shared memory with room on this machine")
+    out = tmp_path / "collectives.json"
+    proc = proc_utils.run(
+        [sys.executable, "benchmarks/collectives.py", "--quick", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "a2a shm" in proc.stdout and "gather gloo" in proc.stdout
+    data = json.loads(out.read_text())
+    assert {r["transport"] for r in data["results"]} == {"shared memory", "gloo"}
+    assert all(r["all_to_all"] > 0 and r["all_gather"] > 0 for r in data["results"])
