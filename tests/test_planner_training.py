@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from recscale.planner.calibrate import _nnls, fit, Probe, FIT_TERMS
 from recscale.planner.cost_model import TableSpec, Workload
@@ -149,3 +150,26 @@ def test_planner_benchmark_smoke(tmp_path):
     assert planner.main(["--quick", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["results"] and all(r["gain_pct_recscale_model"] >= -1e-6 for r in data["results"])
+
+
+@pytest.mark.parametrize("rows,pooling", [(500_000, 100), (500_000, 3), (7_424, 2), (63, 1), (1_000_000, 1)])
+def test_synthetic_id_skew_matches_the_generated_batches(rows, pooling):
+    # The planner's unique fraction for synthetic data equals what the generator produces.
+    from recscale.data.synthetic import SyntheticClickData, SyntheticConfig, unique_fraction
+
+    batch = 4096
+    est = unique_fraction(rows, pooling, 1.05, batch, seed=3)
+    data = SyntheticClickData(SyntheticConfig(num_samples=batch, table_rows=(rows,), pooling_factors=(pooling,), seed=3))
+    ids = data.make_samples(0, batch).sparse.values
+    measured = torch.unique(ids).numel() / ids.numel()
+    assert est is not None and abs(est - measured) <= 0.05 * measured + 2.0 / ids.numel(), (est, measured)
+
+
+def test_trainer_specs_carry_the_synthetic_skew():
+    from recscale.train.config import load_config
+    from recscale.train.planning import table_specs
+
+    cfg = load_config(None, ["data.source=synthetic", "model.table_rows=[500000, 10]", "data.pooling_factors=[20, 1]",
+                             "train.batch_size=2048"])
+    big, tiny = table_specs(cfg)
+    assert 0.1 < big.unique_fraction < 0.6 and tiny.unique_fraction < 0.01

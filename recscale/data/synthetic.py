@@ -72,6 +72,21 @@ def zipf_ranks(rng: np.random.Generator, n: int, num_rows: int, alpha: float) ->
     return np.minimum(np.floor(r).astype(np.int64) - 1, num_rows - 1).clip(0)
 
 
+def unique_fraction(num_rows: int, pooling: int, zipf_alpha: float, global_batch: int, seed: int = 0,
+                    max_ids: int = 2_000_000) -> float | None:
+    """Unique ids / ids of one table in one global batch of this generator, measured on a drawn
+    batch (the planner's id-skew statistic when the data is synthetic); ``None`` when the batch
+    would exceed ``max_ids`` ids."""
+    rng = np.random.default_rng([seed, num_rows, pooling])
+    n = global_batch if pooling == 1 else int(rng.integers(0, 2 * pooling + 1, size=global_batch).sum())
+    if n == 0 or n > max_ids:
+        return None if n else 1.0
+    ranks = zipf_ranks(rng, n, num_rows, zipf_alpha)
+    # The generator's scatter (a hash modulo the rows) merges a few ranks; count rows, not ranks.
+    rows = _splitmix64(ranks.astype(np.uint64) + np.uint64(0x9E3779B9)) % np.uint64(num_rows)
+    return float(np.unique(rows).size / n)
+
+
 class SyntheticClickData:
     """Deterministic synthetic click log of ``num_samples`` samples starting at ``offset``."""
 

@@ -292,6 +292,8 @@ def calibrate(world_size: int = 2, memory_fraction: float = 0.6, progress=None, 
             progress(f"isolated all-to-all: {comm['latency_s'] * 1e6:.0f} us, {comm['intra_host_bw'] / 1e9:.2f} GB/s; "
                      f"in the collection: {fitted['latency_s'] * 1e6:.0f} us, {fitted['intra_host_bw'] / 1e9:.2f} GB/s, "
                      f"contention {fitted['contention']:.2f} (compute x{1 + fitted['contention']:.2f} while every rank is busy)")
-        hw = replace(hw, latency_s=fitted["latency_s"], intra_host_bw=fitted["intra_host_bw"],
+        # A collective inside a step costs at least what it costs alone; the fit, whose other
+        # terms can absorb a small latency, may not go below the isolated measurement.
+        hw = replace(hw, latency_s=max(fitted["latency_s"], comm["latency_s"]), intra_host_bw=fitted["intra_host_bw"],
                      cross_host_bw=fitted["intra_host_bw"], contention=fitted["contention"])
     return hw

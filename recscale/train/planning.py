@@ -3,6 +3,7 @@ for a training job."""
 
 from __future__ import annotations
 
+from recscale.data.synthetic import unique_fraction
 from recscale.embedding import TableConfig
 from recscale.planner.cost_model import TableSpec, Workload
 from recscale.planner.hardware import Hardware, resolve_hardware, this_machine
@@ -27,9 +28,15 @@ def table_specs(cfg: Config) -> list[TableSpec]:
     opt = cfg.embedding_optimizer.name
     per_row = 4.0 if opt == "rowwise_adagrad" else 0.0
     per_element = {"adagrad": 4.0, "adam": 8.0}.get(opt, 0.0)
+    # Id skew: measured on a drawn global batch when the data is synthetic (its generator is
+    # known), otherwise the planner's default of half the ids being distinct.
+    skew = [None] * len(names)
+    if d.source == "synthetic":
+        skew = [unique_fraction(r, int(p), d.zipf_alpha, cfg.train.batch_size, cfg.train.seed) for r, p in zip(rows, pooling)]
     return [
-        TableSpec(f"t_{n}", r, m.embedding_dim, float(p), 0.5, _ELEMENT_BYTES[m.embedding_dtype], per_row, per_element)
-        for n, r, p in zip(names, rows, pooling)
+        TableSpec(f"t_{n}", r, m.embedding_dim, float(p), 0.5 if u is None else u, _ELEMENT_BYTES[m.embedding_dtype],
+                  per_row, per_element)
+        for n, r, p, u in zip(names, rows, pooling, skew)
     ]
 
 
