@@ -125,3 +125,22 @@ def _mismatched_splits(rank: int, world: int) -> str:
 def test_disagreeing_splits_are_refused() -> None:
     msgs = run_ranks(_mismatched_splits, 2, timeout_s=90)
     assert "disagree on the split sizes" in msgs[1], msgs
+
+
+def _one_rank_cannot(rank: int, world: int) -> tuple[bool, bool]:
+    import recscale.comm.shared_memory as sm
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
+    g = dist.new_group(list(range(world)))
+    if rank == 1:  # as on another host, or with /dev/shm full: this rank cannot take part
+        sm.shared_memory_supported = lambda directory="/dev/shm": False
+    enabled = enable_shared_memory(g, timeout_s=30.0)
+    x = torch.arange(4 * world, dtype=torch.float32) + 100 * rank
+    got = all_to_all(x, [4] * world, [4] * world, g)
+    want = torch.cat([torch.arange(4 * rank, 4 * rank + 4, dtype=torch.float32) + 100 * s for s in range(world)])
+    return enabled, bool(torch.equal(got, want))
+
+
+def test_every_rank_falls_back_to_gloo_when_one_cannot_share_memory() -> None:
+    for enabled, exchanged in run_ranks(_one_rank_cannot, 3, timeout_s=90):
+        assert not enabled and exchanged
