@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from recscale.comm.errors import DistributedError
-from recscale.comm.shared_memory import PendingShared, shared_memory_group
+from recscale.comm.shared_memory import PendingShared, row_bytes, shared_memory_group
 
 
 @dataclass
@@ -123,7 +123,7 @@ def all_to_all_async(
         return PendingCollective(x.clone(), None, name, stats, [x.shape[0]])
     if stats is not None:
         me = dist.get_rank(group)
-        stats.add(name, (int(sum(send_splits)) - int(send_splits[me])) * x.element_size() * _row_numel(x))
+        stats.add(name, (int(sum(send_splits)) - int(send_splits[me])) * row_bytes(x))
     shm = shared_memory_group(group) if x.device.type == "cpu" else None
     if shm is not None:
         return PendingCollective(None, shm.all_to_all(x, send_splits, recv_splits, name), name, stats)
@@ -140,13 +140,6 @@ def all_to_all_async(
     except RuntimeError as e:
         raise _fail(name, e) from e
     return PendingCollective(out, work, name, stats, counts)
-
-
-def _row_numel(x: torch.Tensor) -> int:
-    n = 1
-    for s in x.shape[1:]:
-        n *= int(s)
-    return n
 
 
 def all_gather_sizes(n: int, group: dist.ProcessGroup | None, device: torch.device, name: str = "sizes") -> list[int]:
@@ -186,7 +179,7 @@ def all_gather_rows(
     padded[: x.shape[0]] = x
     out = [torch.empty_like(padded) for _ in sizes]
     if stats is not None:
-        stats.add(name, x.element_size() * _row_numel(x) * biggest * (len(sizes) - 1))
+        stats.add(name, row_bytes(x) * biggest * (len(sizes) - 1))
     try:
         with stats.timed(name) if stats is not None else nullcontext():
             dist.all_gather(out, padded, group=group)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from recscale.comm.errors import DistributedError
-from recscale.comm.shared_memory import close_shared_memory, enable_shared_memory
+from recscale.comm.shared_memory import close_shared_memory, enable_shared_memory, shared_memory_wanted
 
 __all__ = ["DistributedError", "ProcessGroups", "Topology", "destroy_process_groups", "env_topology", "init_process_groups"]
 
@@ -124,7 +124,7 @@ def init_process_groups(
         g = dist.new_group(members, timeout=timeout, backend=backend)
         if local == topology.rank % topology.ranks_per_host:
             cross = g
-    if device.type == "cpu" and shared_memory and os.environ.get("RECSCALE_SHARED_MEMORY", "1") != "0":
+    if device.type == "cpu" and shared_memory and shared_memory_wanted():
         for g in (embedding, embedding_grads):
             enable_shared_memory(g, timeout_s)
     return ProcessGroups(topology, embedding, embedding_grads, dense, intra, cross, device, timeout_s)

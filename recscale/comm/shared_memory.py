@@ -20,6 +20,7 @@ wait fails after the group's timeout, as a gloo collective would.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import platform
@@ -102,7 +103,7 @@ class PendingShared:
     def __init__(self, ex: SharedMemoryGroup, k: int, op: int, name: str, x: torch.Tensor,
                  out: torch.Tensor | None, recv_bytes: Sequence[int] | None, mine: torch.Tensor) -> None:
         self.ex, self.k, self.op, self.name = ex, k, op, name
-        self.row_bytes = x.element_size() * _row_numel(x)
+        self.row_bytes = row_bytes(x)
         self.dtype, self.row_shape = x.dtype, tuple(x.shape[1:])
         self.out, self.recv_bytes, self.mine = out, recv_bytes, mine
         self.parts: list[torch.Tensor] = []
@@ -199,48 +200,44 @@ class SharedMemoryGroup:
     def all_to_all(self, x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int] | None, name: str) -> PendingShared:
         """Start an all-to-all of dim-0 slices; ``wait()`` returns the received rows. Without
         ``recv_splits`` the receiver takes what each rank published (the sizes travel along)."""
-        row_bytes = x.element_size() * _row_numel(x)
+        size = row_bytes(x)
         cum = [0]
         for n in send_splits:
-            cum.append(cum[-1] + int(n) * row_bytes)
+            cum.append(cum[-1] + int(n) * size)
         bounds = [(cum[d], cum[d + 1]) for d in range(self.world)]
         src = _bytes(x)
         if src.numel() != cum[-1]:
-            raise DistributedError(f"collective '{name}': send splits sum to {cum[-1] // max(row_bytes, 1)} rows but the input has {x.shape[0]}")
+            raise DistributedError(f"collective '{name}': send splits sum to {cum[-1] // max(size, 1)} rows but the input has {x.shape[0]}")
         out = recv_bytes = None
         if recv_splits is not None:
             out = x.new_empty((int(sum(recv_splits)),) + tuple(x.shape[1:]))
-            recv_bytes = [int(n) * row_bytes for n in recv_splits]
+            recv_bytes = [int(n) * size for n in recv_splits]
         return self._start(ALL_TO_ALL, name, x, src, bounds, out, recv_bytes, src[bounds[self.rank][0] : bounds[self.rank][1]])
 
     def all_gather(self, x: torch.Tensor, name: str) -> list[torch.Tensor]:
         """Every rank's ``x`` (dim 0 may differ), in rank order; this rank's entry is ``x`` itself."""
-        row_bytes = x.element_size() * _row_numel(x)
         src = _bytes(x)
-        bounds = [(0, src.numel())] * self.world
-        pending = self._start(ALL_GATHER, name, x, src, bounds, None, None, src)
+        pending = self._start(ALL_GATHER, name, x, src, [(0, src.numel())] * self.world, None, None, src)
         pending.wait()
-        shape = tuple(x.shape[1:])
+        size, shape = pending.row_bytes, pending.row_shape
         out = []
         for r, part in enumerate(pending.parts):
             if r == self.rank:
                 out.append(x)
             else:
-                rows = part.numel() // row_bytes if row_bytes else 0
-                out.append(part.view(x.dtype).view((rows,) + shape) if row_bytes else x.new_empty((0,) + shape))
+                out.append(part.view(x.dtype).view((part.numel() // size,) + shape) if size else x.new_empty((0,) + shape))
         return out
 
     def _start(self, op: int, name: str, x: torch.Tensor, src: torch.Tensor, bounds: list[tuple[int, int]],
                out: torch.Tensor | None, recv_bytes: list[int] | None, mine: torch.Tensor) -> PendingShared:
         pending = PendingShared(self, self._next, op, name, x, out, recv_bytes, mine)
-        k, row_bytes = self._next, pending.row_bytes
+        k = self._next
         self._next += 1
-        s = k % SLOTS
+        s, b = k % SLOTS, self._slot(k % SLOTS)
         # Our own unfinished receives of this slot's previous round come first (peers wait for them).
         for j in sorted(j for j in self._pending if j <= k - SLOTS):
             self._receive(self._pending[j])
         if k >= SLOTS:
-            b = self._slot(s)
             peers = [r for r in range(self.world) if r != self.rank]
             self._spin(lambda: all(self._ctl[r][b + 3] >= k - SLOTS for r in peers), name, "to read the previous round")
         own = self._data[self.rank][s]
@@ -251,8 +248,8 @@ class SharedMemoryGroup:
             own.tensor[hi : src.numel()].copy_(src[hi:])
         elif src.numel():
             own.tensor[: src.numel()].copy_(src)
-        ctl, b = self._ctl[self.rank], self._slot(s)
-        ctl[b + 1], ctl[b + 2] = op, row_bytes
+        ctl = self._ctl[self.rank]
+        ctl[b + 1], ctl[b + 2] = op, pending.row_bytes
         for d, (lo, hi) in enumerate(bounds):
             ctl[b + _SLOT_FIXED + 2 * d], ctl[b + _SLOT_FIXED + 2 * d + 1] = lo, hi
         ctl[b] = k  # publish last: readers see the data and offsets before the round number
@@ -343,11 +340,14 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
     return x.view(-1).view(torch.uint8) if x.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-def _row_numel(x: torch.Tensor) -> int:
-    n = 1
-    for s in x.shape[1:]:
-        n *= int(s)
-    return n
+def row_bytes(x: torch.Tensor) -> int:
+    """Bytes of one dim-0 row of ``x``."""
+    return x.element_size() * math.prod(x.shape[1:])
+
+
+def shared_memory_wanted() -> bool:
+    """False when the environment turns the transport off (``RECSCALE_SHARED_MEMORY=0``)."""
+    return os.environ.get("RECSCALE_SHARED_MEMORY", "1") != "0"
 
 
 def _alive(pid: int) -> bool:

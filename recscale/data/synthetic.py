@@ -72,19 +72,28 @@ def zipf_ranks(rng: np.random.Generator, n: int, num_rows: int, alpha: float) ->
     return np.minimum(np.floor(r).astype(np.int64) - 1, num_rows - 1).clip(0)
 
 
+def bag_lengths(rng: np.random.Generator, count: int, pooling: int) -> np.ndarray:
+    """Ids per sample: one for single-id features, else uniform in [0, 2 x pooling]."""
+    return np.ones(count, dtype=np.int64) if pooling == 1 else rng.integers(0, 2 * pooling + 1, size=count)
+
+
+def scatter_ranks(ranks: np.ndarray, num_rows: int, salt: np.uint64) -> np.ndarray:
+    """Spread hot ranks over the table so hot rows are not simply 0, 1, 2, ... (a hash modulo
+    the rows, which merges a few ranks)."""
+    return (_splitmix64(ranks.astype(np.uint64) + salt) % np.uint64(num_rows)).astype(np.int64)
+
+
 def unique_fraction(num_rows: int, pooling: int, zipf_alpha: float, global_batch: int, seed: int = 0,
                     max_ids: int = 2_000_000) -> float | None:
     """Unique ids / ids of one table in one global batch of this generator, measured on a drawn
     batch (the planner's id-skew statistic when the data is synthetic); ``None`` when the batch
     would exceed ``max_ids`` ids."""
     rng = np.random.default_rng([seed, num_rows, pooling])
-    n = global_batch if pooling == 1 else int(rng.integers(0, 2 * pooling + 1, size=global_batch).sum())
+    n = int(bag_lengths(rng, global_batch, pooling).sum())
     if n == 0 or n > max_ids:
         return None if n else 1.0
-    ranks = zipf_ranks(rng, n, num_rows, zipf_alpha)
-    # The generator's scatter (a hash modulo the rows) merges a few ranks; count rows, not ranks.
-    rows = _splitmix64(ranks.astype(np.uint64) + np.uint64(0x9E3779B9)) % np.uint64(num_rows)
-    return float(np.unique(rows).size / n)
+    rows = scatter_ranks(zipf_ranks(rng, n, num_rows, zipf_alpha), num_rows, np.uint64(0x9E3779B9))
+    return float(np.unique(rows).size / n)  # rows, not ranks: the scatter merges a few
 
 
 class SyntheticClickData:
@@ -111,11 +120,6 @@ class SyntheticClickData:
         u1, u2 = _unit(h), _unit(_splitmix64(h))
         return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * math.pi * u2)
 
-    def _scatter(self, table: int, ranks: np.ndarray) -> np.ndarray:
-        """Spread hot ranks over the table so hot rows are not simply 0, 1, 2, ..."""
-        rows = self.cfg.table_rows[table]
-        return (_splitmix64(ranks.astype(np.uint64) + self._salt[table]) % np.uint64(rows)).astype(np.int64)
-
     def _latent(self, start: int, count: int) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray], np.ndarray]:
         """Samples [start, start + count) of the stream (seeded by ``start``)."""
         cfg = self.cfg
@@ -124,8 +128,8 @@ class SyntheticClickData:
         logit = dense.astype(np.float64) @ self._dense_w
         values, lengths = [], []
         for t, (rows, pf) in enumerate(zip(cfg.table_rows, cfg.pooling_factors)):
-            lens = np.ones(count, dtype=np.int64) if pf == 1 else rng.integers(0, 2 * pf + 1, size=count)
-            ids = self._scatter(t, zipf_ranks(rng, int(lens.sum()), rows, cfg.zipf_alpha))
+            lens = bag_lengths(rng, count, pf)
+            ids = scatter_ranks(zipf_ranks(rng, int(lens.sum()), rows, cfg.zipf_alpha), rows, self._salt[t])
             eff = self._effects(t, ids)
             bag = np.repeat(np.arange(count), lens)
             per_sample = np.bincount(bag, weights=eff, minlength=count) / math.sqrt(pf)

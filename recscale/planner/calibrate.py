@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 
 from recscale.comm.collectives import all_to_all
 from recscale.comm.process_group import Topology
-from recscale.comm.shared_memory import enable_shared_memory
+from recscale.comm.shared_memory import enable_shared_memory, shared_memory_wanted
 from recscale.embedding import TableConfig
 from recscale.planner.cost_model import TableSpec, Workload
 from recscale.planner.hardware import Hardware
@@ -173,7 +173,7 @@ def _a2a_worker(rank: int, world: int, port: int, out: str) -> None:
                             timeout=datetime.timedelta(seconds=60))
     # The transport training uses: shared memory between ranks of one host unless turned off.
     group = dist.new_group(list(range(world)))
-    if os.environ.get("RECSCALE_SHARED_MEMORY", "1") != "0":
+    if shared_memory_wanted():
         enable_shared_memory(group, 60.0)
     results = {}
     for nbytes in (256, 4 << 20):
