@@ -162,3 +162,50 @@ def test_reduced_precision_stays_close_and_sends_fewer_bytes(fwd, bwd, tol):
     for name in ("output_a2a", "grad_a2a"):
         ratio = low[0]["bytes"][name] / full[0]["bytes"][name]
         assert ratio < 0.6 if fwd != "int8" else ratio < 0.6, (name, ratio)
+
+
+def hierarchy_worker(rank, world, ranks_per_host, hierarchical, precision):
+    topo = Topology(world, rank, ranks_per_host)
+    groups = init_process_groups(topo, timeout_s=60)
+    plan = default_plan(TABLES, topo, "table_row_wise", {})
+    coll = ShardedEmbeddingCollection(TABLES, make_optimizer("rowwise_adagrad"), plan, groups, SEED,
+                                      CommPrecision(*precision), hierarchical=hierarchical)
+    sizes = shares(world)
+    start = sum(sizes[:rank])
+    outs = []
+    for batch, grad in zip(global_batches(True), upstream_grads()):
+        out = coll(batch.split(sizes)[rank])
+        outs.append(out.detach().clone())
+        out.backward(grad[start : start + sizes[rank]])
+    return {"outs": outs, "tables": {t.name: coll.full_table(t.name) for t in TABLES},
+            "hier": coll._hier is not None, "cross": dict(coll.stats.cross_host_bytes),
+            "bytes": coll.stats.snapshot()}
+
+
+def test_table_row_wise_on_two_hosts_crosses_hosts_once_per_host_not_once_per_rank():
+    # ZionEX's TWRW: the host reduce-scatters its partial sums, so the outputs and their
+    # gradients cross hosts R-fold less than sent flat; results equal the flat path's.
+    hier = run_ranks(hierarchy_worker, 4, 2, True, ("fp32", "fp32"))
+    flat = run_ranks(hierarchy_worker, 4, 2, False, ("fp32", "fp32"))
+    for rank, (h, f) in enumerate(zip(hier, flat)):
+        assert h["hier"] and not f["hier"]
+        assert h["bytes"]["twrw_reduce_scatter"] > 0 and h["bytes"]["twrw_grad_all_gather"] > 0
+        assert h["cross"]["twrw_reduce_scatter"] == 0 and h["cross"]["twrw_grad_all_gather"] == 0
+        for name in ("output_a2a", "grad_a2a"):
+            assert f["cross"][name] > 0
+            assert h["cross"][name] * 2 == f["cross"][name], (rank, name, h["cross"][name], f["cross"][name])
+        for got, want in zip(h["outs"], f["outs"]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for t in TABLES:
+            torch.testing.assert_close(h["tables"][t.name], f["tables"][t.name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fwd,bwd,tol", [("bf16", "fp16", 2e-2), ("int8", "int8", 3e-2)])
+def test_table_row_wise_on_two_hosts_with_reduced_precision_stays_close(fwd, bwd, tol):
+    full = run_ranks(hierarchy_worker, 4, 2, True, ("fp32", "fp32"))
+    low = run_ranks(hierarchy_worker, 4, 2, True, (fwd, bwd))
+    for a, b in zip(low, full):
+        assert a["hier"]
+        for t in TABLES:
+            torch.testing.assert_close(a["tables"][t.name], b["tables"][t.name], rtol=0, atol=tol)
+        assert a["bytes"]["output_a2a"] < 0.6 * b["bytes"]["output_a2a"]

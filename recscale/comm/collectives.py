@@ -22,11 +22,16 @@ from recscale.comm.shared_memory import PendingShared, row_bytes, shared_memory_
 
 @dataclass
 class CommStats:
-    """Bytes sent to other ranks and number of calls, per collective name."""
+    """Bytes sent to other ranks and number of calls, per collective name.
+
+    With ``ranks_per_host`` set (group rank r on host r // ranks_per_host), all-to-alls also
+    count the bytes sent to other hosts: the ones that cross the slow links."""
 
     bytes_sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    cross_host_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    ranks_per_host: int = 0
 
     def add(self, name: str, nbytes: int) -> None:
         self.bytes_sent[name] += int(nbytes)
@@ -44,6 +49,7 @@ class CommStats:
 
     def reset(self) -> None:
         self.bytes_sent.clear()
+        self.cross_host_bytes.clear()
         self.calls.clear()
         self.seconds.clear()
 
@@ -124,6 +130,10 @@ def all_to_all_async(
     if stats is not None:
         me = dist.get_rank(group)
         stats.add(name, (int(sum(send_splits)) - int(send_splits[me])) * row_bytes(x))
+        if stats.ranks_per_host:
+            host = me // stats.ranks_per_host
+            away = sum(int(n) for d, n in enumerate(send_splits) if d // stats.ranks_per_host != host)
+            stats.cross_host_bytes[name] += away * row_bytes(x)
     shm = shared_memory_group(group) if x.device.type == "cpu" else None
     if shm is not None:
         return PendingCollective(None, shm.all_to_all(x, send_splits, recv_splits, name), name, stats)

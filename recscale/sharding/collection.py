@@ -12,6 +12,8 @@ One step, for every sharding type but data-parallel:
      concatenates column shards and sums row shards (reduce-scatter as all-to-all + local sum,
      so it also works on gloo, which has no reduce-scatter);
   backward runs the same collectives in reverse, and each rank updates only the rows it owns.
+On several hosts, table-row-wise outputs take two stages instead (``hierarchical.py``): a
+reduce-scatter inside the host, then the sums cross hosts once, not once per rank of the host.
 Data-parallel tables are looked up locally; their row gradients are all-gathered and summed
 before the same fused optimizer updates every replica identically.
 """
@@ -30,6 +32,7 @@ from recscale.comm.errors import DistributedError
 from recscale.comm.process_group import ProcessGroups
 from recscale.embedding import SparseOptimizer, TableBatchedEmbeddingBags, TableConfig
 from recscale.embedding.table_batched import init_rows, output_feature_order, row_gradients
+from recscale.sharding.hierarchical import HostBlock, TableRowWiseHierarchy
 from recscale.sharding.plan import ShardingPlan
 from recscale.sparse import JaggedBatch, SparseInputError, permute_bags
 
@@ -111,6 +114,9 @@ def _shard_table_name(table: str, index: int) -> str:
 
 
 class ShardedEmbeddingCollection(nn.Module):
+    """``hierarchical=False`` keeps table-row-wise outputs on the flat path on several hosts
+    too (same results up to summation order; for comparisons)."""
+
     def __init__(
         self,
         tables: list[TableConfig],
@@ -121,6 +127,7 @@ class ShardedEmbeddingCollection(nn.Module):
         precision: CommPrecision = CommPrecision(),
         stats: CommStats | None = None,
         kernel: str = "auto",
+        hierarchical: bool = True,
     ) -> None:
         super().__init__()
         plan.validate(tables)
@@ -134,6 +141,7 @@ class ShardedEmbeddingCollection(nn.Module):
         self.world = groups.world_size
         self.precision = precision
         self.stats = stats if stats is not None else CommStats()
+        self.stats.ranks_per_host = groups.topology.ranks_per_host
         self.fwd_codec = get_codec(precision.forward)
         self.bwd_codec = get_codec(precision.backward)
         self.global_batch_size = 0
@@ -208,14 +216,30 @@ class ShardedEmbeddingCollection(nn.Module):
             if self._dp_tables
             else None
         )
-        # Output columns each owner's shards fill, in that owner's output order.
+        self._hier = self._table_row_wise_hierarchy(plan, groups.topology, device) if hierarchical else None
+        hier_tables = {tp.table for tp in plan.tables if tp.sharding_type == "table_row_wise"} if self._hier else set()
+        # What each owner sends every source flat: all its shards but the hierarchical ones.
+        flat = [[sf for sf in served if sf.table not in hier_tables] for served in self._served]
+        self._flat_local_cols = torch.tensor(
+            [self._local_col[sf.key] + c for sf in flat[self.rank] for c in range(sf.num_cols)], dtype=torch.int64, device=device
+        )
+        flat_dims = [sum(sf.num_cols for sf in f) for f in flat]
+        # Output columns each owner's flat shards fill, in that owner's output order; with the
+        # hierarchy, the owner of local index j also sends sources of index j its host's block.
+        colmaps = [
+            [self._feature_col[sf.feature] + sf.col_offset + c for sf in f for c in range(sf.num_cols)] for f in flat
+        ]
+        me = self.rank
+        extra = self._hier.extra_cols if self._hier else (lambda sender, receiver: 0)
+        block_cols = [
+            [self._feature_col[f] + c for f, d in b.features for c in range(d)] for b in self._hier.blocks
+        ] if self._hier else []
+        host_of = groups.topology.host_of
+        self._in_widths = [flat_dims[d] + extra(d, me) for d in range(self.world)]  # columns rank d sends me
+        self._out_widths = [flat_dims[me] + extra(me, s) for s in range(self.world)]  # columns I send rank s
         self._colmaps = [
-            torch.tensor(
-                [self._feature_col[sf.feature] + sf.col_offset + c for sf in served for c in range(sf.num_cols)],
-                dtype=torch.int64,
-                device=device,
-            )
-            for served in self._served
+            torch.tensor(colmaps[d] + (block_cols[host_of(d)] if extra(d, me) else []), dtype=torch.int64, device=device)
+            for d in range(self.world)
         ]
         # Owners whose shards are whole features (full width, not row-split) of one common dim
         # place their block with one copy of dim-wide rows per feature instead of a per-column
@@ -225,7 +249,7 @@ class ShardedEmbeddingCollection(nn.Module):
         order = {f: i for i, f in enumerate(self.feature_names)}
         self._feature_slots = [
             torch.tensor([order[sf.feature] for sf in served], dtype=torch.int64, device=device)
-            if common is not None and served and all(
+            if common is not None and served and self._hier is None and all(
                 not sf.routes_by_row and sf.col_offset == 0 and sf.num_cols == common for sf in served)
             else None
             for served in self._served
@@ -258,6 +282,26 @@ class ShardedEmbeddingCollection(nn.Module):
         self._bag_order_cache: dict[tuple[int, ...], torch.Tensor] = {}
         # Makes the output require grad on every rank, so every rank joins the backward collectives.
         self._anchor = nn.Parameter(torch.zeros(0, device=device))
+
+    def _table_row_wise_hierarchy(self, plan: ShardingPlan, topology, device) -> TableRowWiseHierarchy | None:
+        """The two-stage output path of table-row-wise tables, when there are several hosts and
+        each such table has one shard on every rank of its host (else the flat path)."""
+        twrw = [tp for tp in plan.tables if tp.sharding_type == "table_row_wise"]
+        if not twrw or topology.num_hosts < 2 or topology.world_size != self.world:
+            return None
+        blocks: list[list[tuple[str, int]]] = [[] for _ in range(topology.num_hosts)]
+        for tp in twrw:
+            host = topology.host_of(tp.shards[0].rank)
+            if sorted(s.rank for s in tp.shards) != topology.ranks_of_host(host):
+                return None
+            t = self._by_name[tp.table]
+            blocks[host].extend((f, t.dim) for f in t.features)
+        key_of = {sf.feature: sf.key for sf in self._served[self.rank] if sf.routes_by_row}
+        mine = blocks[topology.host_of(self.rank)]
+        cols = [self._local_col[key_of[f]] + c for f, d in mine for c in range(d)]
+        return TableRowWiseHierarchy(
+            topology, [HostBlock(tuple(b)) for b in blocks], torch.tensor(cols, dtype=torch.int64, device=device)
+        )
 
     # ------------------------------------------------------------------ forward
     def validate(self, batch: JaggedBatch) -> None:
@@ -563,10 +607,23 @@ class _OutputSend(torch.autograd.Function):
         ctx.coll, ctx.sizes, ctx.state = coll, sizes, state
         me, world = coll.rank, coll.world
         codec = coll.fwd_codec
-        local_dim = coll._local_dims[me]
-        payload = codec.encode(pooled.detach().float().contiguous())  # [B_total, row_bytes]
-        send = [sizes[s] * codec.row_bytes(local_dim) for s in range(world)]
-        recv = [sizes[me] * codec.row_bytes(coll._local_dims[d]) for d in range(world)]
+        pooled = pooled.detach().float().contiguous()
+        send = [sizes[s] * codec.row_bytes(coll._out_widths[s]) for s in range(world)]
+        recv = [sizes[me] * codec.row_bytes(coll._in_widths[d]) for d in range(world)]
+        if coll._hier is None:
+            payload = codec.encode(pooled)  # [B_total, row_bytes]
+        else:  # flat shards' rows per source, and this rank's finished block sums for its sources
+            reduced = coll._hier.reduce_scatter(pooled, sizes, codec, coll.groups.embedding, coll.stats)
+            flat = pooled.index_select(1, coll._flat_local_cols)
+            chunks, start, pos = [], 0, 0
+            for s in range(world):
+                rows = flat[start : start + sizes[s]]
+                if coll._out_widths[s] > flat.shape[1]:
+                    rows = torch.cat([rows, reduced[pos : pos + sizes[s]]], dim=1)
+                    pos += sizes[s]
+                chunks.append(codec.encode(rows).reshape(-1))
+                start += sizes[s]
+            payload = torch.cat(chunks)
         state.output = (all_to_all_async(payload.reshape(-1), send, recv, coll.groups.embedding, coll.stats, "output_a2a"),
                         recv, sizes)
         return pooled.new_empty(0)
@@ -579,7 +636,22 @@ class _OutputSend(torch.autograd.Function):
         local_dim = coll._local_dims[coll.rank]
         got = state.grad.wait()
         state.grad = None
-        grad_pooled = codec.decode(got.view(sum(sizes), codec.row_bytes(local_dim)), local_dim)
+        if coll._hier is None:
+            grad_pooled = codec.decode(got.view(sum(sizes), codec.row_bytes(local_dim)), local_dim)
+        else:  # flat shards' gradients, and the block's, which the host's ranks share
+            flat_dim = coll._flat_local_cols.numel()
+            flat_parts, block_parts = [], []
+            splits = [sizes[s] * codec.row_bytes(coll._out_widths[s]) for s in range(coll.world)]
+            for s, piece in enumerate(torch.split(got, splits)):
+                g = codec.decode(piece.view(sizes[s], codec.row_bytes(coll._out_widths[s])), coll._out_widths[s])
+                flat_parts.append(g[:, :flat_dim])
+                if coll._out_widths[s] > flat_dim:
+                    block_parts.append(g[:, flat_dim:])
+            block = torch.cat(block_parts) if block_parts else got.new_zeros(0, 0, dtype=torch.float32)
+            block = coll._hier.all_gather(block, sizes, codec, coll.groups.embedding, coll.stats)
+            grad_pooled = block.new_zeros(sum(sizes), local_dim)
+            grad_pooled.index_copy_(1, coll._flat_local_cols, torch.cat(flat_parts))
+            grad_pooled.index_copy_(1, coll._hier.my_local_cols, block)
         if scale != 1.0:
             grad_pooled = grad_pooled / scale
         if coll._cw_row_stat:
@@ -603,7 +675,7 @@ class _OutputRecv(torch.autograd.Function):
         alloc = torch.empty if coll._output_all_copied else torch.zeros
         out = alloc(b, coll.total_dim, device=token.device)
         for d, part in enumerate(torch.split(got, recv)):
-            dim_d = coll._local_dims[d]
+            dim_d = coll._in_widths[d]
             if dim_d == 0:
                 continue
             block = codec.decode(part.view(b, codec.row_bytes(dim_d)), dim_d)
@@ -624,7 +696,7 @@ class _OutputRecv(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         parts, send = [], []
         for d in range(world):
-            dim_d = coll._local_dims[d]
+            dim_d = coll._in_widths[d]
             slots = coll._feature_slots[d]
             if not dim_d:
                 g = grad_out.new_zeros(sizes[me], 0)
@@ -635,7 +707,6 @@ class _OutputRecv(torch.autograd.Function):
                 g = grad_out.index_select(1, coll._colmaps[d])
             parts.append(codec.encode(g * scale if scale != 1.0 else g).reshape(-1))
             send.append(sizes[me] * codec.row_bytes(dim_d))
-        local_dim = coll._local_dims[me]
-        recv = [sizes[s] * codec.row_bytes(local_dim) for s in range(world)]
+        recv = [sizes[s] * codec.row_bytes(coll._out_widths[s]) for s in range(world)]
         state.grad = all_to_all_async(torch.cat(parts), send, recv, coll.groups.embedding, coll.stats, "grad_a2a")
         return grad_out.new_zeros(0), None, None
