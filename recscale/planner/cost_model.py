@@ -9,14 +9,17 @@ table with ``rows_t`` rows, dim ``d``, pooling factor P and unique fraction u:
   pooled bags produced      m = B (every source sample has a bag per shard), B / W data-parallel
   unique rows updated       U = min(rows, u n); data-parallel: the replica's own U from a Zipf
                             model of its B/W samples, and every row of the global batch updated
-  bytes moved               (n cols e + m cols 4)(1 + backward_factor) + 2 U (cols e + state)
+  bytes moved               (n max(cols e, min_row_read_bytes) + m cols 4)(1 + backward_factor)
+                            + 2 U (cols e + state)
   compute                   bytes / memory_bw + n id_s + U row_s + m bag_s + 2 kernel_overhead_s
                             (+ B P / W route_id_s for row-split shards: the source bucketizes;
                             + n column_stat_id_s for column shards of a row-wise optimizer;
                             data-parallel: + a second pass over the W U gathered row gradients)
   communication             ids in (n x id bytes), pooled out (m cols x wire_fwd), gradients in
                             (m cols x wire_bwd), split between intra-host and cross-host links
-                            by where the sources sit; data-parallel: gather of row gradients
+                            by where the sources sit; table-row-wise on several hosts: pooled
+                            outputs reduce-scattered inside the host first, so 1/R of them
+                            cross hosts; data-parallel: gather of row gradients
   memory                    rows cols (e + state per element) + rows x state per row
 Every rank alike (``source_cost``): its own samples' ids out, pooled outputs in and gradients
 out, ``feature_s`` per feature, ``latency_s`` per collective, ``step_overhead_s``.
@@ -156,7 +159,8 @@ def shard_cost(t: TableSpec, sharding_type: str, rows: int, cols: int, hw: Hardw
         # after the gradient gather it updates every row any replica touched (the global set)
         unique = unique_rows(t.rows, t.unique_fraction, b * t.pooling, n)
         updated = min(float(rows), b * t.pooling * t.unique_fraction)
-    nbytes = (n * cols * t.element_bytes + m * cols * 4) * (1 + hw.backward_factor) + 2 * updated * row_bytes
+    read = max(cols * t.element_bytes, hw.min_row_read_bytes)
+    nbytes = (n * read + m * cols * 4) * (1 + hw.backward_factor) + 2 * updated * row_bytes
     compute = nbytes / hw.memory_bw + n * hw.id_s + updated * hw.row_s + m * hw.bag_s + 2 * hw.kernel_overhead_s
     if routes:
         compute += b * t.pooling / w * hw.route_id_s
@@ -168,24 +172,35 @@ def shard_cost(t: TableSpec, sharding_type: str, rows: int, cols: int, hw: Hardw
         # over the W x U gathered rows) before updating the union (``updated`` above).
         comm = _others_link_time(unique * (w - 1) * (cols * 4 + 8), hw)
         compute += unique * w * (hw.id_s + cols * 4 * 2 / hw.memory_bw)
+    elif sharding_type == "table_row_wise" and hw.num_hosts > 1 and t.rows >= hw.ranks_per_host:
+        # Hierarchical (``sharding/hierarchical.py``): the partial sums of all B samples are
+        # reduce-scattered inside the host, then this rank's 1/R of the finished sums goes to
+        # its sources, (H-1)/H of them on other hosts; gradients come back the same way. (A
+        # table with fewer rows than the host has ranks cannot have a shard on each: flat.)
+        r, h = hw.ranks_per_host, hw.num_hosts
+        out = m * cols * (wl.fwd_wire_bytes + wl.bwd_wire_bytes)
+        comm = _link_time(n * wl.id_bytes, hw) + out * (r - 1) / r / hw.intra_host_bw + out / r * (h - 1) / h / hw.cross_host_bw
     else:
         traffic = n * wl.id_bytes + m * cols * (wl.fwd_wire_bytes + wl.bwd_wire_bytes)
         comm = _link_time(traffic, hw)
     return ShardCost(compute, comm, memory)
 
 
-def collectives_per_step(kinds: dict[str, str], dims: dict[str, int], weighted: bool = False) -> int:
+def collectives_per_step(kinds: dict[str, str], dims: dict[str, int], weighted: bool = False, hosts: int = 1) -> int:
     """Collectives one step issues: batch sizes, lengths, ids, (weights), outputs, gradients
     (only batch sizes when every table is data-parallel: each rank looks up its own samples);
     each operator group of data-parallel tables (one per dim) adds a gather of its row
     gradients (sizes, then rows and values in one); column shards of a row-wise optimizer
-    state add two gathers of two collectives each per step."""
+    state add two gathers of two collectives each per step; table-row-wise tables on several
+    hosts add the reduce-scatter and the all-gather inside the host."""
     dp_groups = len({dims[t] for t, k in kinds.items() if k == "data_parallel"})
     all_dp = bool(kinds) and all(k == "data_parallel" for k in kinds.values())
     n = 1 if all_dp else 5 + int(weighted)
     n += 2 * dp_groups
     if "column_wise" in kinds.values():
         n += 4
+    if hosts > 1 and "table_row_wise" in kinds.values():
+        n += 2
     return n
 
 
@@ -200,7 +215,7 @@ def source_cost(tables: list[TableSpec], hw: Hardware, wl: Workload, kinds: dict
         for t in tables
         if kinds.get(t.name) != "data_parallel"
     )
-    coll = collectives_per_step(kinds, {t.name: t.dim for t in tables}) if hw.world_size > 1 else 0
+    coll = collectives_per_step(kinds, {t.name: t.dim for t in tables}, hosts=hw.num_hosts) if hw.world_size > 1 else 0
     return (
         _link_time(nbytes, hw)
         + coll * hw.latency_s * math.log2(max(hw.world_size, 2))

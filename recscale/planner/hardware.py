@@ -43,6 +43,9 @@ class Hardware:
     # while both compute: a rank pays ``contention`` x the time it computes alongside each other
     # rank of its host (min of the two computes, averaged over the others). 0 on GPUs (own HBM).
     contention: float = 0.0
+    # Bytes a random row read moves at least: a GPU reads whole 128-byte lines, so a shard 4
+    # columns wide costs as much per id as one 32 columns wide (0: reads are exactly the row).
+    min_row_read_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.ranks_per_host < 1 or self.world_size % self.ranks_per_host:
@@ -53,7 +56,7 @@ class Hardware:
             if getattr(self, key) <= 0:
                 raise ValueError(f"hardware '{self.name}': {key} must be > 0")
         for key in ("latency_s", "kernel_overhead_s", "backward_factor", "id_s", "row_s", "bag_s", "route_id_s",
-                    "column_stat_id_s", "feature_s", "step_overhead_s", "contention"):
+                    "column_stat_id_s", "feature_s", "step_overhead_s", "contention", "min_row_read_bytes"):
             if getattr(self, key) < 0:
                 raise ValueError(f"hardware '{self.name}': {key} must be >= 0")
 
@@ -83,7 +86,11 @@ class Hardware:
 # ZionEX-like (../shared/mission.md section 6): 8 A100 per host, 320 GB HBM at 12.4 TB/s per
 # host (40 GB, 1.55 TB/s per GPU), NVLink-class intra-host fabric (TorchRec's 600 GB/s default),
 # one 200 Gb/s RDMA NIC per GPU (25 GB/s) across hosts. Random row gathers reach well under
-# peak HBM bandwidth; TorchRec's planner uses 897 GB/s, which we adopt.
+# peak HBM bandwidth; TorchRec's planner uses 897 GB/s, which we adopt. Index work per id (the
+# int64 id read forward and again backward, the radix sort of (id, position) pairs that makes
+# the fused update exact, the segment offsets) moves about 112 bytes per id at that bandwidth;
+# without it the planner splits a table with 40M rows and 100 ids per sample into 4-column
+# shards, each paying the whole table's index work.
 ZIONEX = Hardware(
     name="zionex",
     world_size=128,
@@ -94,6 +101,8 @@ ZIONEX = Hardware(
     cross_host_bw=25 * GB,
     latency_s=10e-6,
     kernel_overhead_s=10e-6,
+    id_s=112 / (897 * GB),
+    min_row_read_bytes=128,
 )
 
 # TorchRec planner defaults (HBM 32 GB at 897 GB/s, 600 GB/s intra-node, 12.5 GB/s cross-node).

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from recscale.planner.cost_model import ShardCost, TableSpec, Workload, shard_cost, source_cost
 from recscale.planner.hardware import Hardware
-from recscale.sharding.plan import PlanError, Shard, ShardingPlan, TablePlan
+from recscale.sharding.plan import SHARDING_TYPES, PlanError, Shard, ShardingPlan, TablePlan
 from recscale.sharding.types._split import even_split
 
 
@@ -223,23 +223,35 @@ def plan_tables(
     tables: list[TableSpec], hw: Hardware, wl: Workload, allowed: set[str] | None = None, time_budget_s: float = 20.0
 ) -> PlanResult:
     """The default planner: several starts (greedy over every option with and without the
-    average-load floor, greedy table-wise, and each baseline that fits), each improved by local search over every option; the best wins.
-    Starting from every baseline means the result is never worse than any of them."""
+    average-load floor, greedy table-wise, greedy without column shards, greedy table-row-wise
+    on several hosts, and each baseline that fits), each improved by local search; the best
+    wins. Starting from every baseline means the result is never worse than any of them."""
     t0 = time.perf_counter()
     _check_names(tables)
-    starts: list[dict[str, Placement]] = []
+    kinds = set(allowed) if allowed is not None else set(SHARDING_TYPES)
+    # (start subset, floor, subset its local search may use)
+    subsets: list[tuple[set[str], bool, set[str]]] = [(kinds, True, kinds), (kinds, False, kinds)]
+    if "table_wise" in kinds:
+        subsets.append(({"table_wise"}, False, kinds))
+        # What these save every rank pays alike, which the per-rank search does not see, so
+        # their search keeps to their subset: no column shards (no row-statistic gathers),
+        # and on several hosts table-row-wise wherever it beats table-wise (tables with fewer
+        # rows than a host has ranks: table-wise or data-parallel).
+        if "column_wise" in kinds:
+            subsets.append((kinds - {"column_wise"}, True, kinds - {"column_wise"}))
+        if hw.num_hosts > 1 and "table_row_wise" in kinds:
+            hier = {"table_row_wise", "table_wise", "data_parallel"} & kinds
+            subsets.append((hier, False, hier))
+    starts: list[tuple[dict[str, Placement], set[str]]] = []
     no_fit: PlanError | None = None
-    subsets: list[tuple[set[str] | None, bool]] = [(allowed, True), (allowed, False)]
-    if allowed is None or "table_wise" in allowed:
-        subsets.append(({"table_wise"}, False))
-    for subset, floor in subsets:
+    for subset, floor, search in subsets:
         try:
-            starts.append(_greedy(tables, hw, wl, subset, floor=floor))
+            starts.append((_greedy(tables, hw, wl, subset, floor=floor), search))
         except PlanError as e:
             no_fit = no_fit or e
     for method in BASELINES:
         try:
-            starts.append(_baseline_placements(method, tables, hw, wl))
+            starts.append((_baseline_placements(method, tables, hw, wl), kinds))
         except PlanError:
             continue
     if not starts:
@@ -247,17 +259,20 @@ def plan_tables(
         raise no_fit
     deadline = t0 + time_budget_s
     best: PlanResult | None = None
-    for i, placements in enumerate(starts):
+    for i, (placements, search) in enumerate(starts):
         loads = _Loads(hw.world_size, hw.memory_bytes)
         for p in placements.values():
             loads.apply(p)
         share = (deadline - time.perf_counter()) / (len(starts) - i)
-        _local_search(tables, placements, loads, hw, wl, allowed, time.perf_counter() + max(share, 0.0))
-        # Compare finished starts on the full step time: what all ranks pay alike depends on
-        # the plan too (collectives of data-parallel groups, bucketizing ids).
+        start = _result("recscale", dict(placements), tables, hw, wl, t0)
+        _local_search(tables, placements, loads, hw, wl, search, time.perf_counter() + max(share, 0.0))
+        # Compare on the full step time: what all ranks pay alike depends on the plan too
+        # (collectives of data-parallel groups and column shards, bucketizing ids), and the
+        # per-rank search does not see it, so a start it made worse is kept as it was.
         result = _result("recscale", placements, tables, hw, wl, t0)
-        if best is None or result.max_rank_s < best.max_rank_s:
-            best = result
+        for r in (start, result):
+            if best is None or r.max_rank_s < best.max_rank_s:
+                best = r
     assert best is not None
     best.seconds = time.perf_counter() - t0
     return best
