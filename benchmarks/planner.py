@@ -1,10 +1,11 @@
-"""Benchmark: recscale's planner against Meta's greedy baselines and Karmarkar-Karp.
+"""Benchmark: recscale's planner against Meta's greedy baselines, Karmarkar-Karp and TorchRec.
 
 Plans the real Criteo 1TB and MLPerf DLRM-DCNv2 table sets (../shared/data/tables) and three
 synthetic sets shaped like Meta's production models (hundreds of tables, dims 4-384, pooling
 factors 1-100, rows 1e2-1e8, skewed) for 8, 16, 64 and 128 ranks of the ZionEX-like preset, and
-scores every plan with the recscale cost model (predicted step time of the slowest rank).
-TorchRec's EmbeddingShardingPlanner is not compared yet (its estimator is not wired in here).
+scores every plan with the recscale cost model (predicted step time of the slowest rank) and,
+when torchrec is installed, also plans with TorchRec's EmbeddingShardingPlanner (same topology
+constants, its plan converted into ours) and scores every plan with its EmbeddingPerfEstimator.
 
     python benchmarks/planner.py              # every set and world size
     python benchmarks/planner.py --quick      # two sets, 8 and 16 ranks
