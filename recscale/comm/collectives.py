@@ -130,7 +130,7 @@ def all_to_all_async(
     if stats is not None:
         me = dist.get_rank(group)
         stats.add(name, (int(sum(send_splits)) - int(send_splits[me])) * row_bytes(x))
-        if stats.ranks_per_host:
+        if 0 < stats.ranks_per_host < len(send_splits):  # several hosts
             host = me // stats.ranks_per_host
             away = sum(int(n) for d, n in enumerate(send_splits) if d // stats.ranks_per_host != host)
             stats.cross_host_bytes[name] += away * row_bytes(x)

@@ -21,6 +21,7 @@ on one host the flat path already moves the fewest bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -49,6 +50,7 @@ class TableRowWiseHierarchy:
         self.rank = topology.rank
         self.r = topology.ranks_per_host
         self.host = topology.host_of(self.rank)
+        self.peers = set(topology.ranks_of_host(self.host))  # the only ranks the two stages exchange with
 
     def extra_cols(self, sender: int, receiver: int) -> int:
         """Block columns ``sender`` adds to its output for source ``receiver`` (stage 2)."""
@@ -59,31 +61,24 @@ class TableRowWiseHierarchy:
     def sources(self, local: int) -> list[int]:
         return [h * self.r + local for h in range(self.topology.num_hosts)]
 
-    @staticmethod
-    def _starts(sizes: list[int]) -> list[int]:
-        out = [0]
-        for n in sizes:
-            out.append(out[-1] + n)
-        return out
-
     # ------------------------------------------------------------------ forward, stage 1
     def reduce_scatter(self, pooled: torch.Tensor, sizes: list[int], codec, group, stats: CommStats | None) -> torch.Tensor:
         """This rank's finished block sums for the sources of its own local index, in source
         order: ``[sum of their batch sizes, block dim]`` (a collective: every rank calls it)."""
         world, dim = self.topology.world_size, self.blocks[self.host].dim
-        starts = self._starts(sizes)
+        starts = list(accumulate(sizes, initial=0))
         width = codec.row_bytes(dim)
         part = pooled.index_select(1, self.my_local_cols) if dim else pooled.new_zeros(pooled.shape[0], 0)
         chunks, send = [], []
         for d in range(world):
-            if dim and self.topology.host_of(d) == self.host:
+            if dim and d in self.peers:
                 rows = torch.cat([part[starts[s] : starts[s] + sizes[s]] for s in self.sources(d % self.r)])
                 chunks.append(codec.encode(rows).reshape(-1))
                 send.append(rows.shape[0] * width)
             else:
                 send.append(0)
         mine = sum(sizes[s] for s in self.sources(self.rank % self.r))
-        recv = [mine * width if dim and self.topology.host_of(d) == self.host else 0 for d in range(world)]
+        recv = [mine * width if dim and d in self.peers else 0 for d in range(world)]
         payload = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8, device=pooled.device)
         got = all_to_all_async(payload, send, recv, group, stats, "twrw_reduce_scatter").wait()
         total = None
@@ -100,15 +95,15 @@ class TableRowWiseHierarchy:
         world, dim = self.topology.world_size, self.blocks[self.host].dim
         width = codec.row_bytes(dim)
         mine = codec.encode(grads).reshape(-1) if dim else torch.zeros(0, dtype=torch.uint8, device=grads.device)
-        send = [mine.numel() if dim and self.topology.host_of(d) == self.host else 0 for d in range(world)]
+        send = [mine.numel() if dim and d in self.peers else 0 for d in range(world)]
         payload = torch.cat([mine] * sum(1 for n in send if n)) if dim else mine
         counts = [sum(sizes[s] for s in self.sources(d % self.r)) for d in range(world)]
-        recv = [counts[d] * width if dim and self.topology.host_of(d) == self.host else 0 for d in range(world)]
+        recv = [counts[d] * width if dim and d in self.peers else 0 for d in range(world)]
         got = all_to_all_async(payload, send, recv, group, stats, "twrw_grad_all_gather").wait()
         out = grads.new_zeros(sum(sizes), dim)
         if not dim:
             return out
-        starts = self._starts(sizes)
+        starts = list(accumulate(sizes, initial=0))
         for d, piece in enumerate(torch.split(got, recv)):
             if not recv[d]:
                 continue
