@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from recscale.planner.cost_model import TableSpec, Workload, shard_cost
+from recscale.planner.cost_model import TableSpec, Workload, collectives_per_step, dp_reduces_dense, shard_cost
 from recscale.planner.hardware import ZIONEX, Hardware
 from recscale.planner.search import BASELINES, baseline_plan, plan_tables
 from recscale.sharding.plan import PlanError
@@ -100,6 +100,23 @@ def test_table_row_wise_on_several_hosts_is_priced_hierarchically():
     tiny = TableSpec("tiny", 3, 128, 1.0)
     flat = shard_cost(tiny, "table_row_wise", 1, tiny.dim, hw, wl)
     assert math.isclose(flat.comm_s, link(wl.batch_size * 1.0 / 3 * 4.0 + out), rel_tol=1e-9)
+
+
+def test_small_data_parallel_tables_are_priced_as_a_dense_reduce():
+    # The runtime reduces a table densely when 2 N (D+1) < sum(U_r) (D+2) (``dense_is_cheaper``):
+    # a 1,000-row table on 16 ranks moves 2 x 15/16 of its gradient, not 16 replicas' rows.
+    wl, hw = Workload(batch_size=65536), ZIONEX.with_world(16)
+    small, big = TableSpec("small", 1_000, 64, 4.0, 0.01), TableSpec("big", 10_000_000, 64, 4.0, 0.5)
+    assert dp_reduces_dense(small, hw, wl) and not dp_reduces_dense(big, hw, wl)
+    got = shard_cost(small, "data_parallel", small.rows, small.dim, hw, wl)
+    buf = small.rows * (small.dim + 1) * 4.0
+    want = 2 * buf * 15 / 16 * (7 / 15 / hw.intra_host_bw + 8 / 15 / hw.cross_host_bw)
+    assert math.isclose(got.comm_s, want, rel_tol=1e-9)
+    # one gather of counts, plus a reduce-scatter and an all-gather; a gathered table of
+    # another dim adds counts and its gather
+    kinds = {"small": "data_parallel", "big": "data_parallel", "tw": "table_wise"}
+    assert collectives_per_step(kinds, {"small": 64, "big": 32, "tw": 64}, dense_dp=frozenset({"small"})) == 5 + 3 + 2
+    assert collectives_per_step(kinds, {"small": 64, "big": 64, "tw": 64}, dense_dp=frozenset({"small"})) == 5 + 4
 
 
 def test_narrow_column_shards_pay_a_whole_line_per_row_read():

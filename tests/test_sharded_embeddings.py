@@ -73,12 +73,14 @@ def reference(opt_name: str, weighted: bool):
     return outs, tables, states
 
 
-def sharded_worker(rank, world, ranks_per_host, default, overrides, opt_name, weighted, precision, shared_memory=True):
+def sharded_worker(rank, world, ranks_per_host, default, overrides, opt_name, weighted, precision, shared_memory=True,
+                   dp_reduction="auto"):
     topo = Topology(world, rank, ranks_per_host)
     groups = init_process_groups(topo, timeout_s=60, shared_memory=shared_memory)
     assert (shared_memory_group(groups.embedding) is not None) == shared_memory
     plan = default_plan(TABLES, topo, default, {k: TableSharding(*v) for k, v in overrides.items()})
-    coll = ShardedEmbeddingCollection(TABLES, make_optimizer(opt_name), plan, groups, SEED, CommPrecision(*precision))
+    coll = ShardedEmbeddingCollection(TABLES, make_optimizer(opt_name), plan, groups, SEED, CommPrecision(*precision),
+                                      dp_reduction=dp_reduction)
     sizes = shares(world)
     start = sum(sizes[:rank])
     outs = []
@@ -93,10 +95,10 @@ def sharded_worker(rank, world, ranks_per_host, default, overrides, opt_name, we
 
 
 def check(world, ranks_per_host, default, overrides=None, opt_name="rowwise_adagrad", weighted=True,
-          precision=("fp32", "fp32"), rtol=1e-5, atol=1e-6, shared_memory=True):
+          precision=("fp32", "fp32"), rtol=1e-5, atol=1e-6, shared_memory=True, dp_reduction="auto"):
     ref_outs, ref_tables, ref_states = reference(opt_name, weighted)
     results = run_ranks(sharded_worker, world, ranks_per_host, default, overrides or {}, opt_name, weighted, precision,
-                        shared_memory)
+                        shared_memory, dp_reduction)
     sizes = shares(world)
     for rank, res in enumerate(results):
         start = sum(sizes[:rank])
@@ -135,6 +137,63 @@ def test_data_parallel_replicas_agree_bitwise_with_every_optimizer(opt_name):
     results = check(2, 2, "data_parallel", opt_name=opt_name)
     for t in TABLES:
         assert torch.equal(results[0]["tables"][t.name], results[1]["tables"][t.name]), t.name
+
+
+@pytest.mark.parametrize("world,shared_memory", [(2, True), (3, False), (4, True)])
+def test_data_parallel_dense_reduce_and_row_gather_give_the_same_bits(world, shared_memory):
+    # Both sum each row's replica parts in rank order: the choice between them (by bytes) can
+    # never change a result. Both also equal one process.
+    runs = {how: check(world, world, "data_parallel", opt_name="adagrad", shared_memory=shared_memory, dp_reduction=how)
+            for how in ("gather", "dense")}
+    for rank in range(world):
+        g, d = runs["gather"][rank], runs["dense"][rank]
+        assert g["bytes"]["dp_grads"] > 0 and "dp_grads_reduce_scatter" not in g["bytes"]
+        assert d["bytes"]["dp_grads_reduce_scatter"] > 0 and d["bytes"]["dp_grads_all_gather"] > 0
+        assert "dp_grads" not in d["bytes"]
+        for t in TABLES:
+            assert torch.equal(g["tables"][t.name], d["tables"][t.name]), (rank, t.name)
+            for k in g["states"][t.name]:
+                assert torch.equal(g["states"][t.name][k], d["states"][t.name][k]), (rank, t.name, k)
+        for a, b in zip(g["outs"], d["outs"]):
+            assert torch.equal(a, b)
+
+
+MIXED_DP = [TableConfig("big", 5000, 8, ("f_big",)), TableConfig("tiny", 4, 8, ("f_tiny",))]
+
+
+def mixed_dp_worker(rank, world, how):
+    topo = Topology(world, rank, world)
+    groups = init_process_groups(topo, timeout_s=60)
+    plan = default_plan(MIXED_DP, topo, "data_parallel", {})
+    coll = ShardedEmbeddingCollection(MIXED_DP, RowWiseAdagrad(lr=0.1), plan, groups, SEED, dp_reduction=how)
+    for batch, grad in mixed_dp_steps():
+        local = batch.split(shares(world))[rank]
+        start = sum(shares(world)[:rank])
+        coll(local).backward(grad[start : start + local.batch_size])
+    return {"tables": {t.name: coll.full_table(t.name) for t in MIXED_DP}, "bytes": coll.stats.snapshot()}
+
+
+def mixed_dp_steps():
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(5):
+        feats = {"f_big": [torch.randint(0, 5000, (2,), generator=gen).tolist() for _ in range(GLOBAL_BATCH)],
+                 "f_tiny": [torch.randint(0, 4, (3,), generator=gen).tolist() for _ in range(GLOBAL_BATCH)]}
+        yield JaggedBatch.from_lists(feats), torch.randn(GLOBAL_BATCH, 16, generator=gen)
+
+
+def test_data_parallel_auto_reduces_small_tables_densely_and_gathers_big_ones():
+    # One operator group holds both: the big table's few touched rows are gathered, the tiny
+    # table (every row touched by every replica) is reduced densely; results equal one process.
+    auto = run_ranks(mixed_dp_worker, 2, "auto")
+    gather = run_ranks(mixed_dp_worker, 2, "gather")
+    ref = TableBatchedEmbeddingBags(MIXED_DP, RowWiseAdagrad(lr=0.1), seed=SEED)
+    for batch, grad in mixed_dp_steps():
+        ref(batch).backward(grad)
+    for a, g in zip(auto, gather):
+        assert a["bytes"]["dp_grads_reduce_scatter"] > 0 and 0 < a["bytes"]["dp_grads"] < g["bytes"]["dp_grads"]
+        for t in MIXED_DP:
+            assert torch.equal(a["tables"][t.name], g["tables"][t.name]), t.name
+            torch.testing.assert_close(a["tables"][t.name], ref.table_weight(t.name), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -173,17 +173,22 @@ def all_gather_rows(
     group: dist.ProcessGroup | None,
     stats: CommStats | None = None,
     name: str = "all_gather",
+    sizes: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
-    """Gather tensors whose dim 0 differs across ranks (padded to the largest, then trimmed)."""
+    """Gather tensors whose dim 0 differs across ranks (padded to the largest, then trimmed).
+    ``sizes``: every rank's dim 0 when the caller already knows them (saves an exchange)."""
     if group is None:
         return [x]
+    if sizes is not None and int(sizes[dist.get_rank(group)]) != x.shape[0]:
+        raise ValueError(f"{name}: this rank has {x.shape[0]} rows but sizes says {sizes[dist.get_rank(group)]}")
     shm = shared_memory_group(group) if x.device.type == "cpu" else None
     if shm is not None:
         if stats is not None:
             stats.add(name, x.element_size() * x.numel() * (dist.get_world_size(group) - 1))
         with stats.timed(name) if stats is not None else nullcontext():
             return shm.all_gather(x, name)
-    sizes = all_gather_sizes(x.shape[0], group, x.device, name + ".sizes")
+    if sizes is None:
+        sizes = all_gather_sizes(x.shape[0], group, x.device, name + ".sizes")
     biggest = max(sizes)
     padded = x.new_zeros((biggest,) + tuple(x.shape[1:]))
     padded[: x.shape[0]] = x

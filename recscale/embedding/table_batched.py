@@ -111,10 +111,10 @@ def output_feature_order(tables: Sequence[TableConfig]) -> tuple[str, ...]:
     return tuple(f for group in group_tables(tables) for t in group for f in t.features)
 
 
-# Takes this replica's (unique rows, summed gradients) and returns every replica's, gathered
-# in one fixed order (a row may repeat); the operator sums the repeats in that order, so every
-# replica applies the same update.
-GradReducer = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# Takes a group and this replica's (unique rows, summed gradients) and returns every replica's,
+# combined in one fixed order (a row may repeat); the operator sums the repeats in that order,
+# so every replica applies the same update.
+GradReducer = Callable[["TableGroup", torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 RowStatFn = Callable[["TableGroup", torch.Tensor, torch.Tensor], torch.Tensor]
 InitFn = Callable[[TableConfig], torch.Tensor]
 
@@ -138,7 +138,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         kernel: str = "auto",
     ) -> None:
         """``init_fn`` gives a table's initial rows (default: ``init_table_rows``);
-        ``grad_reducer`` gathers (unique rows, summed gradients) from every replica before the
+        ``grad_reducer`` combines (unique rows, summed gradients) of every replica before the
         optimizer runs (data-parallel tables); ``row_stat_fn`` gives each unique row's mean square
         gradient over its whole row when only some of its columns live here (column shards);
         ``kernel`` is ``auto`` (native where it builds and applies, else torch), ``native``
@@ -258,7 +258,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         """Update each unique row once with its summed gradient (with ``mod`` and ``step_args``:
         by the native kernel's update, which mirrors the optimizer's definition)."""
         if self.grad_reducer is not None:
-            rows, grads = self.grad_reducer(unique, summed)
+            rows, grads = self.grad_reducer(g, unique, summed)
             unique, summed = row_gradients(rows, torch.arange(rows.numel() + 1, device=rows.device), grads, None)
         g.step += 1
         row_mean_sq = None
@@ -295,7 +295,7 @@ class TableBatchedEmbeddingBags(nn.Module):
                 return
             # Replicas agree first: gather every replica's summed rows, then let the fused
             # kernel sum the gathered rows (each a bag of one id, in gather order) and update.
-            values, grad = self.grad_reducer(unique, summed)
+            values, grad = self.grad_reducer(g, unique, summed)
             grad, batch_size, weights = grad.contiguous(), values.numel(), None
             offsets = torch.arange(batch_size + 1, device=values.device)
             feat_idx = row_off = torch.zeros(1, dtype=torch.int64, device=values.device)

@@ -19,7 +19,9 @@ table with ``rows_t`` rows, dim ``d``, pooling factor P and unique fraction u:
                             (m cols x wire_bwd), split between intra-host and cross-host links
                             by where the sources sit; table-row-wise on several hosts: pooled
                             outputs reduce-scattered inside the host first, so 1/R of them
-                            cross hosts; data-parallel: gather of row gradients
+                            cross hosts; data-parallel: gather of row gradients, or a dense
+                            reduce-scatter + all-gather of the table's gradient where that moves
+                            fewer bytes (``dense_is_cheaper``, the runtime's rule)
   memory                    rows cols (e + state per element) + rows x state per row
 Every rank alike (``source_cost``): its own samples' ids out, pooled outputs in and gradients
 out, ``feature_s`` per feature, ``latency_s`` per collective, ``step_overhead_s``.
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from recscale.planner.hardware import Hardware
+from recscale.sharding.replica_gradients import dense_is_cheaper
 
 
 @dataclass(frozen=True)
@@ -155,10 +158,7 @@ def shard_cost(t: TableSpec, sharding_type: str, rows: int, cols: int, hw: Hardw
     unique = min(float(rows), n * t.unique_fraction)  # rows this shard's own ids touch
     updated = unique
     if sharding_type == "data_parallel":
-        # a replica sees B/W samples: more distinct rows per id than the global batch, and
-        # after the gradient gather it updates every row any replica touched (the global set)
-        unique = unique_rows(t.rows, t.unique_fraction, b * t.pooling, n)
-        updated = min(float(rows), b * t.pooling * t.unique_fraction)
+        unique, updated = _replica_rows(t, hw, wl)
     read = max(cols * t.element_bytes, hw.min_row_read_bytes)
     nbytes = (n * read + m * cols * 4) * (1 + hw.backward_factor) + 2 * updated * row_bytes
     compute = nbytes / hw.memory_bw + n * hw.id_s + updated * hw.row_s + m * hw.bag_s + 2 * hw.kernel_overhead_s
@@ -166,10 +166,18 @@ def shard_cost(t: TableSpec, sharding_type: str, rows: int, cols: int, hw: Hardw
         compute += b * t.pooling / w * hw.route_id_s
     if sharding_type == "column_wise" and cols < t.dim and t.state_bytes_per_row > 0:
         compute += n * hw.column_stat_id_s
-    if sharding_type == "data_parallel":
-        # ``_reduce_dp_grads``: every rank gathers every replica's unique rows and their
-        # gradients (int64 row + fp32 values), and sums them (a second sort and pooling pass
-        # over the W x U gathered rows) before updating the union (``updated`` above).
+    if sharding_type == "data_parallel" and dp_reduces_dense(t, hw, wl):
+        # ``replica_gradients.py``, dense reduce: the table's gradient plus a touched column,
+        # reduce-scattered (an all-to-all, then a sum of W slices) and all-gathered; about six
+        # passes over the buffer (zero, fill, pack, sum, gather, scan). One buffer serves all
+        # such tables of a dim: no per-table kernels.
+        buf = rows * (cols + 1) * 4.0
+        comm = _others_link_time(2 * buf * (w - 1) / w, hw)
+        compute += 6 * buf / hw.memory_bw
+    elif sharding_type == "data_parallel":
+        # ``replica_gradients.py``, gather: every rank gathers every replica's unique rows and
+        # their gradients (int64 row + fp32 values), and sums them (a second sort and pooling
+        # pass over the W x U gathered rows) before updating the union (``updated`` above).
         comm = _others_link_time(unique * (w - 1) * (cols * 4 + 8), hw)
         compute += unique * w * (hw.id_s + cols * 4 * 2 / hw.memory_bw)
     elif sharding_type == "table_row_wise" and hw.num_hosts > 1 and t.rows >= hw.ranks_per_host:
@@ -186,17 +194,35 @@ def shard_cost(t: TableSpec, sharding_type: str, rows: int, cols: int, hw: Hardw
     return ShardCost(compute, comm, memory)
 
 
-def collectives_per_step(kinds: dict[str, str], dims: dict[str, int], weighted: bool = False, hosts: int = 1) -> int:
+def _replica_rows(t: TableSpec, hw: Hardware, wl: Workload) -> tuple[float, float]:
+    """A data-parallel replica's distinct rows (it sees B/W samples: more distinct rows per id
+    than the global batch) and the rows every replica updates (any replica touched: the
+    global batch's set)."""
+    n = wl.batch_size * t.pooling / hw.world_size
+    own = unique_rows(t.rows, t.unique_fraction, wl.batch_size * t.pooling, n)
+    return own, min(float(t.rows), wl.batch_size * t.pooling * t.unique_fraction)
+
+
+def dp_reduces_dense(t: TableSpec, hw: Hardware, wl: Workload) -> bool:
+    """Whether the runtime's rule (``dense_is_cheaper``) reduces this data-parallel table's
+    gradients densely, given W replicas of the predicted distinct rows each."""
+    return hw.world_size > 1 and dense_is_cheaper(t.rows, t.dim, _replica_rows(t, hw, wl)[0] * hw.world_size)
+
+
+def collectives_per_step(kinds: dict[str, str], dims: dict[str, int], weighted: bool = False, hosts: int = 1,
+                         dense_dp: frozenset[str] = frozenset()) -> int:
     """Collectives one step issues: batch sizes, lengths, ids, (weights), outputs, gradients
     (only batch sizes when every table is data-parallel: each rank looks up its own samples);
-    each operator group of data-parallel tables (one per dim) adds a gather of its row
-    gradients (sizes, then rows and values in one); column shards of a row-wise optimizer
-    state add two gathers of two collectives each per step; table-row-wise tables on several
-    hosts add the reduce-scatter and the all-gather inside the host."""
-    dp_groups = len({dims[t] for t, k in kinds.items() if k == "data_parallel"})
+    each operator group of data-parallel tables (one per dim) adds a gather of per-table
+    counts, a gather of row gradients if any of its tables is gathered, and a reduce-scatter
+    and an all-gather if any is reduced densely (``dense_dp``); column shards of a row-wise
+    optimizer state add two gathers of two collectives each per step; table-row-wise tables
+    on several hosts add the reduce-scatter and the all-gather inside the host."""
     all_dp = bool(kinds) and all(k == "data_parallel" for k in kinds.values())
     n = 1 if all_dp else 5 + int(weighted)
-    n += 2 * dp_groups
+    for dim in {dims[t] for t, k in kinds.items() if k == "data_parallel"}:
+        group = [t for t, k in kinds.items() if k == "data_parallel" and dims[t] == dim]
+        n += 1 + int(any(t not in dense_dp for t in group)) + 2 * int(any(t in dense_dp for t in group))
     if "column_wise" in kinds.values():
         n += 4
     if hosts > 1 and "table_row_wise" in kinds.values():
@@ -215,7 +241,12 @@ def source_cost(tables: list[TableSpec], hw: Hardware, wl: Workload, kinds: dict
         for t in tables
         if kinds.get(t.name) != "data_parallel"
     )
-    coll = collectives_per_step(kinds, {t.name: t.dim for t in tables}, hosts=hw.num_hosts) if hw.world_size > 1 else 0
+    dense = frozenset(t.name for t in tables if kinds.get(t.name) == "data_parallel" and dp_reduces_dense(t, hw, wl))
+    coll = (
+        collectives_per_step(kinds, {t.name: t.dim for t in tables}, hosts=hw.num_hosts, dense_dp=dense)
+        if hw.world_size > 1
+        else 0
+    )
     return (
         _link_time(nbytes, hw)
         + coll * hw.latency_s * math.log2(max(hw.world_size, 2))

@@ -14,8 +14,9 @@ One step, for every sharding type but data-parallel:
   backward runs the same collectives in reverse, and each rank updates only the rows it owns.
 On several hosts, table-row-wise outputs take two stages instead (``hierarchical.py``): a
 reduce-scatter inside the host, then the sums cross hosts once, not once per rank of the host.
-Data-parallel tables are looked up locally; their row gradients are all-gathered and summed
-before the same fused optimizer updates every replica identically.
+Data-parallel tables are looked up locally; their row gradients are combined (gathered, or
+reduced densely for small tables: ``replica_gradients.py``) before the same fused optimizer
+updates every replica identically.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from recscale.embedding import SparseOptimizer, TableBatchedEmbeddingBags, Table
 from recscale.embedding.table_batched import init_rows, output_feature_order, row_gradients
 from recscale.sharding.hierarchical import HostBlock, TableRowWiseHierarchy
 from recscale.sharding.plan import ShardingPlan
+from recscale.sharding.replica_gradients import ReplicaGradients, Reduction
 from recscale.sparse import JaggedBatch, SparseInputError, permute_bags
 
 
@@ -115,7 +117,8 @@ def _shard_table_name(table: str, index: int) -> str:
 
 class ShardedEmbeddingCollection(nn.Module):
     """``hierarchical=False`` keeps table-row-wise outputs on the flat path on several hosts
-    too (same results up to summation order; for comparisons)."""
+    too (same results up to summation order; for comparisons); ``dp_reduction`` forces how
+    data-parallel replicas combine gradients (``gather`` or ``dense``; same bits either way)."""
 
     def __init__(
         self,
@@ -128,6 +131,7 @@ class ShardedEmbeddingCollection(nn.Module):
         stats: CommStats | None = None,
         kernel: str = "auto",
         hierarchical: bool = True,
+        dp_reduction: Reduction = "auto",
     ) -> None:
         super().__init__()
         plan.validate(tables)
@@ -211,7 +215,8 @@ class ShardedEmbeddingCollection(nn.Module):
         )
         self.dp = (
             TableBatchedEmbeddingBags(
-                self._dp_tables, optimizer, seed, device, grad_reducer=self._reduce_dp_grads, kernel=kernel
+                self._dp_tables, optimizer, seed, device, kernel=kernel,
+                grad_reducer=ReplicaGradients(groups.embedding_grads, self.stats, dp_reduction),
             )
             if self._dp_tables
             else None
@@ -546,21 +551,6 @@ class ShardedEmbeddingCollection(nn.Module):
                 raise RuntimeError(f"column shard {t.name}: rows differ between lookup and update")
             msq[mask] = full
         return msq
-
-    # ------------------------------------------------------------------ data-parallel gradients
-    def _reduce_dp_grads(self, unique: torch.Tensor, summed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every replica's unique rows and summed gradients, in rank order (the same on every
-        rank; the operator sums repeated rows in that order). One gather carries both: the
-        int64 row ids ride as two extra float32 columns, bit for bit."""
-        pg = self.groups.embedding_grads
-        if pg is None:
-            return unique, summed
-        dim = summed.shape[1]
-        ids = unique.contiguous().view(torch.float32).view(-1, 2)
-        parts = all_gather_rows(torch.cat([summed.float(), ids], dim=1), pg, self.stats, "dp_grads")
-        packed = torch.cat(parts)
-        rows = packed[:, dim:].contiguous().view(torch.int64).view(-1)
-        return rows, packed[:, :dim].to(summed.dtype)
 
     # ------------------------------------------------------------------ access (collective)
     def full_table(self, name: str) -> torch.Tensor:
