@@ -166,7 +166,7 @@ def shard_cost(t: TableSpec, sharding_type: str, rows: int, cols: int, hw: Hardw
         compute += b * t.pooling / w * hw.route_id_s
     if sharding_type == "column_wise" and cols < t.dim and t.state_bytes_per_row > 0:
         compute += n * hw.column_stat_id_s
-    if sharding_type == "data_parallel" and dp_reduces_dense(t, hw, wl):
+    if sharding_type == "data_parallel" and w > 1 and dense_is_cheaper(t.rows, t.dim, unique * w):
         # ``replica_gradients.py``, dense reduce: the table's gradient plus a touched column,
         # reduce-scattered (an all-to-all, then a sum of W slices) and all-gathered; about six
         # passes over the buffer (zero, fill, pack, sum, gather, scan). One buffer serves all

@@ -97,9 +97,19 @@ def _templates(t: TableSpec, hw: Hardware) -> list[tuple[str, list[tuple[int, in
     return out
 
 
+def _rect_costs(t: TableSpec, kind: str, rects, hw: Hardware, wl: Workload) -> list[ShardCost]:
+    """Each shard's cost, computed once per shard shape (W equal data-parallel replicas, even
+    splits)."""
+    by_shape: dict[tuple[int, int], ShardCost] = {}
+    for _, rows, _, cols in rects:
+        if (rows, cols) not in by_shape:
+            by_shape[(rows, cols)] = shard_cost(t, kind, rows, cols, hw, wl)
+    return [by_shape[(rows, cols)] for _, rows, _, cols in rects]
+
+
 def _place(t: TableSpec, kind: str, rects, hw: Hardware, wl: Workload, loads: _Loads) -> Placement | None:
     """Place one option's shards on ranks (least loaded where they fit), or None."""
-    costs = [shard_cost(t, kind, rows, cols, hw, wl) for _, rows, _, cols in rects]
+    costs = _rect_costs(t, kind, rects, hw, wl)
     w, r = hw.world_size, hw.ranks_per_host
     if kind == "row_wise":
         ranks = list(range(w))
@@ -305,7 +315,7 @@ def _average_load_bound(tables: list[TableSpec], hw: Hardware, wl: Workload, all
     total = 0.0
     for t in tables:
         costs = [
-            sum(shard_cost(t, kind, rows, cols, hw, wl).time_s for _, rows, _, cols in rects)
+            sum(c.time_s for c in _rect_costs(t, kind, rects, hw, wl))
             for kind, rects in _templates(t, hw)
             if allowed is None or kind in allowed
         ]
