@@ -166,7 +166,7 @@ def shard_cost(t: TableSpec, sharding_type: str, rows: int, cols: int, hw: Hardw
         compute += b * t.pooling / w * hw.route_id_s
     if sharding_type == "column_wise" and cols < t.dim and t.state_bytes_per_row > 0:
         compute += n * hw.column_stat_id_s
-    if sharding_type == "data_parallel" and w > 1 and dense_is_cheaper(t.rows, t.dim, unique * w):
+    if sharding_type == "data_parallel" and _dense_rule(t, hw, unique):
         # ``replica_gradients.py``, dense reduce: the table's gradient plus a touched column,
         # reduce-scattered (an all-to-all, then a sum of W slices) and all-gathered; about six
         # passes over the buffer (zero, fill, pack, sum, gather, scan). One buffer serves all
@@ -206,7 +206,11 @@ def _replica_rows(t: TableSpec, hw: Hardware, wl: Workload) -> tuple[float, floa
 def dp_reduces_dense(t: TableSpec, hw: Hardware, wl: Workload) -> bool:
     """Whether the runtime's rule (``dense_is_cheaper``) reduces this data-parallel table's
     gradients densely, given W replicas of the predicted distinct rows each."""
-    return hw.world_size > 1 and dense_is_cheaper(t.rows, t.dim, _replica_rows(t, hw, wl)[0] * hw.world_size)
+    return _dense_rule(t, hw, _replica_rows(t, hw, wl)[0])
+
+
+def _dense_rule(t: TableSpec, hw: Hardware, replica_rows: float) -> bool:
+    return hw.world_size > 1 and dense_is_cheaper(t.rows, t.dim, replica_rows * hw.world_size)
 
 
 def collectives_per_step(kinds: dict[str, str], dims: dict[str, int], weighted: bool = False, hosts: int = 1,

@@ -69,7 +69,8 @@ class ReplicaGradients:
             rows, grads = self._gather(unique[keep], summed[keep], gathered_sizes)
             parts_rows.append(rows)
             parts_grads.append(grads)
-        rows, grads = self._dense_reduce(g, [i for i, d in enumerate(dense) if d], unique[is_dense], summed[is_dense], world)
+        rows, grads = self._dense_reduce(g, [i for i, d in enumerate(dense) if d], unique[is_dense], table_of[is_dense],
+                                         summed[is_dense], world)
         parts_rows.append(rows)
         parts_grads.append(grads)
         return torch.cat(parts_rows), torch.cat(parts_grads)
@@ -89,23 +90,21 @@ class ReplicaGradients:
         rows = packed[:, dim:].contiguous().view(torch.int64).view(-1)
         return rows, packed[:, :dim].to(summed.dtype)
 
-    def _dense_reduce(self, g: TableGroup, tables: list[int], unique: torch.Tensor, summed: torch.Tensor,
-                      world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _dense_reduce(self, g: TableGroup, tables: list[int], unique: torch.Tensor, table_of: torch.Tensor,
+                      summed: torch.Tensor, world: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The dense tables' rows, laid end to end, with a last column counting the replicas
         that touched each row; rank d sums slice d of every replica's buffer in rank order."""
         dev, dim = unique.device, summed.shape[1]
-        starts = [g.table_row_offsets[i] for i in tables]
-        sizes = [g.tables[i].num_rows for i in tables]
-        total = sum(sizes)
-        # group row -> position in the end-to-end buffer
-        shift = torch.zeros(g.num_rows if len(tables) > 1 else 0, dtype=torch.int64, device=dev)
-        pos_base, row_ids = 0, []
-        for s, n in zip(starts, sizes):
-            row_ids.append(torch.arange(s, s + n, device=dev))
-            if len(tables) > 1:
-                shift[s : s + n] = pos_base - s
-            pos_base += n
-        pos = unique - starts[0] if len(tables) == 1 else unique + shift[unique]
+        # group row -> position in the end-to-end buffer: a shift per table (O(tables), not
+        # O(group rows): the group may also hold big gathered tables)
+        shift = torch.zeros(len(g.tables), dtype=torch.int64)
+        row_ids, total = [], 0
+        for i in tables:
+            start, n = g.table_row_offsets[i], g.tables[i].num_rows
+            row_ids.append(torch.arange(start, start + n, device=dev))
+            shift[i] = total - start
+            total += n
+        pos = unique + shift.to(dev)[table_of]
         buf = torch.zeros(total, dim + 1, dtype=torch.float32, device=dev)
         buf[pos, :dim] = summed.float()
         buf[pos, dim] = 1.0
