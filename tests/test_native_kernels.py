@@ -162,6 +162,18 @@ def test_apply_rows_equals_the_optimizer_definition(opt_name, with_msq):
         mod.apply_rows(torch.tensor([10**6]), torch.zeros(1, 128), None, nat.storage.weight, states, kind, hp, None)
 
 
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 40_000), top=st.sampled_from([1, 7, 2047, 2048, 5_000_000, 2**40]), seed=st.integers(0, 99))
+def test_stable_argsort_equals_torch(n, top, seed):
+    # The radix sort that replaces torch's slow small-size comparison sort (row routing and
+    # column-shard row statistics): the same stable order, for keys of one to four digits.
+    keys = torch.randint(0, top, (n,), generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(native.load().stable_argsort(keys), torch.argsort(keys, stable=True))
+    assert torch.equal(native.stable_argsort(keys), torch.argsort(keys, stable=True))
+    with pytest.raises(ValueError, match="non-negative"):
+        native.load().stable_argsort(torch.tensor([3, -1]))
+
+
 def test_empty_bags_and_empty_batch():
     pair = _pair(TABLES, "rowwise_adagrad")
     batch = JaggedBatch.from_lists({f: [[], [1, 1, 2], []] for f in FEATURES})

@@ -19,6 +19,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Literal, cast
 
+import torch
+
 from recscale import native_build
 from recscale.embedding.optimizers import SGD, Adagrad, Adam, RowWiseAdagrad, SparseOptimizer
 from recscale.native_build import FlagSet
@@ -83,6 +85,17 @@ def load() -> ModuleType | None:
                 )
             _tried = True
     return _module
+
+
+def stable_argsort(keys: torch.Tensor) -> torch.Tensor:
+    """``torch.argsort(keys, stable=True)`` for non-negative int64 ids, by the native radix sort
+    when the kernels are already loaded and ``keys`` is a CPU tensor of at most 2^17 elements
+    (torch sorts 8k-16k ids by comparison, 15-20x slower; above 2^17 its parallel radix sort
+    wins). Same result either way: a stable order is unique."""
+    mod = _module
+    if mod is not None and keys.device.type == "cpu" and keys.dtype == torch.int64 and 0 < keys.numel() <= 1 << 17:
+        return mod.stable_argsort(keys.contiguous().view(-1))
+    return torch.argsort(keys, stable=True)
 
 
 def failure() -> str | None:

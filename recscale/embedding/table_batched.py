@@ -16,7 +16,7 @@ tables in CPU memory whenever it builds.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -98,17 +98,19 @@ def init_table_rows(table: TableConfig, seed: int) -> torch.Tensor:
     return init_rows(table, seed)
 
 
-def group_tables(tables: Sequence[TableConfig]) -> list[list[TableConfig]]:
-    """Tables that share a weight buffer (same dim and dtype), in first-appearance order."""
-    by_kind: dict[tuple[int, torch.dtype], list[TableConfig]] = {}
+def group_tables(tables: Sequence[TableConfig], apart: Collection[str] = ()) -> list[list[TableConfig]]:
+    """Tables that share a weight buffer (same dim and dtype), in first-appearance order.
+    Tables named in ``apart`` (their update needs a whole-row statistic from elsewhere) get
+    groups of their own, so the others keep the one-pass fused update."""
+    by_kind: dict[tuple[int, torch.dtype, bool], list[TableConfig]] = {}
     for t in tables:
-        by_kind.setdefault((t.dim, t.torch_dtype), []).append(t)
+        by_kind.setdefault((t.dim, t.torch_dtype, t.name in apart), []).append(t)
     return list(by_kind.values())
 
 
-def output_feature_order(tables: Sequence[TableConfig]) -> tuple[str, ...]:
+def output_feature_order(tables: Sequence[TableConfig], apart: Collection[str] = ()) -> tuple[str, ...]:
     """The order of features in the operator's output columns."""
-    return tuple(f for group in group_tables(tables) for t in group for f in t.features)
+    return tuple(f for group in group_tables(tables, apart) for t in group for f in t.features)
 
 
 # Takes a group and this replica's (unique rows, summed gradients) and returns every replica's,
@@ -136,11 +138,13 @@ class TableBatchedEmbeddingBags(nn.Module):
         grad_reducer: GradReducer | None = None,
         row_stat_fn: RowStatFn | None = None,
         kernel: str = "auto",
+        row_stat_tables: Collection[str] = (),
     ) -> None:
         """``init_fn`` gives a table's initial rows (default: ``init_table_rows``);
         ``grad_reducer`` combines (unique rows, summed gradients) of every replica before the
         optimizer runs (data-parallel tables); ``row_stat_fn`` gives each unique row's mean square
-        gradient over its whole row when only some of its columns live here (column shards);
+        gradient over its whole row when only some of its columns live here (column shards), for
+        the tables named in ``row_stat_tables`` (grouped apart: the rest keep the fused update);
         ``kernel`` is ``auto`` (native where it builds and applies, else torch), ``native``
         (error if it cannot be built) or ``torch``; ``RECSCALE_EMBEDDING_KERNEL`` overrides it."""
         super().__init__()
@@ -153,13 +157,14 @@ class TableBatchedEmbeddingBags(nn.Module):
         self.device = torch.device(device)
         self.grad_reducer = grad_reducer
         self.row_stat_fn = row_stat_fn
+        self.row_stat_tables = frozenset(row_stat_tables)
         self.kernel = native.resolve_choice(kernel)
         if self.kernel == "native":
             native.require()
         self._init_fn = init_fn or (lambda t: init_table_rows(t, seed))
         self.global_batch_size = 0
         self.groups: list[TableGroup] = []
-        for members in group_tables(tables):
+        for members in group_tables(tables, self.row_stat_tables):
             self.groups.append(self._build_group(members[0].dim, members[0].torch_dtype, members, seed))
         self.feature_names: tuple[str, ...] = tuple(f for g in self.groups for f in g.features)
         self.feature_dims: tuple[int, ...] = tuple(g.dim for g in self.groups for _ in g.features)
@@ -262,7 +267,7 @@ class TableBatchedEmbeddingBags(nn.Module):
             unique, summed = row_gradients(rows, torch.arange(rows.numel() + 1, device=rows.device), grads, None)
         g.step += 1
         row_mean_sq = None
-        if self.row_stat_fn is not None and self.optimizer.uses_row_mean_sq:
+        if self._needs_row_stat(g):
             row_mean_sq = self.row_stat_fn(g, unique, summed)
         if mod is not None and step_args is not None:
             state = g.storage.state_tensors()
@@ -275,6 +280,12 @@ class TableBatchedEmbeddingBags(nn.Module):
         if g.touched is not None:
             g.touched.index_fill_(0, unique, 1)
 
+    def _needs_row_stat(self, g: TableGroup) -> bool:
+        return (
+            self.row_stat_fn is not None and self.optimizer.uses_row_mean_sq
+            and any(t.name in self.row_stat_tables for t in g.tables)
+        )
+
     def _native_backward(self, mod, g: TableGroup, grad: torch.Tensor, args: tuple) -> None:
         """The native twin of ``row_gradients`` + ``_apply_gradients``: one pass that sums each
         unique row's gradient (same order as the torch kernel) and updates it, marking it in
@@ -285,7 +296,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         is_mean, row_off = g.feature_mean_u8, g.feature_row_offset
         opt = self.optimizer
         step_args = native.optimizer_args(opt, g.step + 1)
-        needs_row_stat = self.row_stat_fn is not None and opt.uses_row_mean_sq
+        needs_row_stat = self._needs_row_stat(g)
         if step_args is None or needs_row_stat or self.grad_reducer is not None:
             unique, summed = mod.row_gradients(
                 grad, values, offsets, batch_size, feat_idx, row_off, is_mean, weights, g.num_rows, g.dim
@@ -423,7 +434,8 @@ def row_gradients(
     result is the same on every run and every device.
     """
     n = slots.numel()
-    sorted_slots, order = torch.sort(slots, stable=True)
+    order = native.stable_argsort(slots)
+    sorted_slots = slots[order]
     unique, counts = torch.unique_consecutive(sorted_slots, return_counts=True)
     row_offsets = torch.zeros(unique.numel() + 1, dtype=torch.int64, device=slots.device)
     torch.cumsum(counts, 0, out=row_offsets[1:])

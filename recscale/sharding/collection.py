@@ -32,6 +32,7 @@ from recscale.comm.collectives import CommStats, all_gather_rows, all_to_all_asy
 from recscale.comm.errors import DistributedError
 from recscale.comm.process_group import ProcessGroups
 from recscale.embedding import SparseOptimizer, TableBatchedEmbeddingBags, TableConfig
+from recscale.embedding import native
 from recscale.embedding.table_batched import init_rows, output_feature_order, row_gradients
 from recscale.sharding.hierarchical import HostBlock, TableRowWiseHierarchy
 from recscale.sharding.plan import ShardingPlan
@@ -180,10 +181,16 @@ class ShardedEmbeddingCollection(nn.Module):
                     TableConfig(name, s.num_rows, s.num_cols, tuple(f"{f}#{i}" for f in t.features), "sum", None, t.dtype)
                 )
                 origin[name] = (t, s, tp.routes_by_row)
+        # Column-shard tables whose optimizer keeps a whole-row statistic (row-wise Adagrad):
+        # their shards update with it, in operator groups apart from the other tables.
+        self._cw_row_stat = [
+            tp for tp in plan.tables if tp.sharding_type == "column_wise" and len(tp.shards) > 1
+        ] if optimizer.uses_row_mean_sq else []
+        row_stat_tables = frozenset(_shard_table_name(tp.table, i) for tp in self._cw_row_stat for i in range(len(tp.shards)))
         self._served: list[list[_ShardFeature]] = []
         for r in range(self.world):
             served = []
-            for key in output_feature_order(local_tables[r]):
+            for key in output_feature_order(local_tables[r], row_stat_tables):
                 feature, idx = key.rsplit("#", 1)
                 t, s, by_row = origin[_shard_table_name(table_of_feature[feature].name, int(idx))]
                 served.append(_ShardFeature(key, feature, t.name, s.row_offset, s.num_rows, s.col_offset, s.num_cols, by_row))
@@ -195,10 +202,6 @@ class ShardedEmbeddingCollection(nn.Module):
             return init_rows(t, seed, s.row_offset, s.num_rows, s.col_offset, s.num_cols)
 
         device = groups.device
-        # Column-shard tables whose optimizer keeps a whole-row statistic (row-wise Adagrad).
-        self._cw_row_stat = [
-            tp for tp in plan.tables if tp.sharding_type == "column_wise" and len(tp.shards) > 1
-        ] if optimizer.uses_row_mean_sq else []
         self._cw_msq: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._local_col = {}
         col = 0
@@ -209,6 +212,7 @@ class ShardedEmbeddingCollection(nn.Module):
             TableBatchedEmbeddingBags(
                 local_tables[self.rank], optimizer, seed, device, init_fn=shard_init,
                 row_stat_fn=self._row_mean_sq if self._cw_row_stat else None, kernel=kernel,
+                row_stat_tables=row_stat_tables,
             )
             if local_tables[self.rank]
             else None
@@ -473,7 +477,7 @@ class ShardedEmbeddingCollection(nn.Module):
                 shard_of = torch.searchsorted(bounds, vals, right=True) - 1
                 sample_of = torch.repeat_interleave(torch.arange(b, device=vals.device), lens, output_size=vals.numel())
                 counts = torch.bincount(shard_of * b + sample_of, minlength=n_shards * b).view(n_shards, b)
-                order = torch.argsort(shard_of, stable=True)
+                order = native.stable_argsort(shard_of)
                 sorted_vals = vals[order] - bounds[shard_of[order]]
                 sorted_w = None if w is None else w[order]
                 per_shard = counts.sum(1).tolist()

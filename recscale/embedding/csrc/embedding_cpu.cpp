@@ -604,10 +604,50 @@ std::vector<at::Tensor> row_gradients(const at::Tensor& grad, const at::Tensor& 
   return {unique, summed};
 }
 
+// Positions of ``keys`` (1-D contiguous non-negative int64) in ascending order, equal keys in
+// their original order: an LSD radix sort with 11-bit digits, as many passes as the largest key
+// needs. torch's CPU stable sort runs a comparison sort below 32k elements, at about 40 ns per
+// element on this kind of machine (32k ids: 1.6 ms; this: about 0.1 ms).
+at::Tensor stable_argsort(const at::Tensor& keys) {
+  check(keys.scalar_type() == at::kLong && keys.dim() == 1 && keys.is_contiguous(),
+        "keys must be a contiguous 1-D int64 tensor");
+  const int64_t n = keys.numel();
+  const int64_t* k = keys.data_ptr<int64_t>();
+  int64_t top = 0, low = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    top = std::max(top, k[i]);
+    low = std::min(low, k[i]);
+  }
+  check(low >= 0, "keys must be non-negative");
+  const auto opts = at::TensorOptions().dtype(at::kLong);
+  at::Tensor a = at::empty({n}, opts), b = at::empty({n}, opts);
+  int64_t* src = a.data_ptr<int64_t>();
+  int64_t* dst = b.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) src[i] = i;
+  constexpr int kBits = 11;
+  constexpr int64_t kBuckets = int64_t{1} << kBits;
+  std::vector<int64_t> count(kBuckets + 1);
+  bool in_a = true;
+  std::vector<uint16_t> digit(n);
+  for (int shift = 0; shift < 63 && (shift == 0 || (top >> shift) > 0); shift += kBits) {
+    std::fill(count.begin(), count.end(), 0);
+    for (int64_t i = 0; i < n; ++i) {
+      digit[i] = static_cast<uint16_t>((k[src[i]] >> shift) & (kBuckets - 1));
+      ++count[digit[i] + 1];
+    }
+    for (int64_t d = 0; d < kBuckets; ++d) count[d + 1] += count[d];
+    for (int64_t i = 0; i < n; ++i) dst[count[digit[i]]++] = src[i];
+    std::swap(src, dst);
+    in_a = !in_a;
+  }
+  return in_a ? a : b;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "recscale native CPU embedding kernels (pooled lookup, fused exact backward + optimizer)";
   m.def("pool", &pool, py::call_guard<py::gil_scoped_release>());
   m.def("backward_update", &backward_update, py::call_guard<py::gil_scoped_release>());
   m.def("row_gradients", &row_gradients, py::call_guard<py::gil_scoped_release>());
   m.def("apply_rows", &apply_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("stable_argsort", &stable_argsort, py::call_guard<py::gil_scoped_release>());
 }
