@@ -110,6 +110,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     )
     print(f"per id {hw.id_s * 1e9:.1f} ns, per unique row {hw.row_s * 1e9:.1f} ns, per bag {hw.bag_s * 1e9:.1f} ns, "
           f"per bucketized id {hw.route_id_s * 1e9:.1f} ns, per column-statistic id {hw.column_stat_id_s * 1e9:.1f} ns, "
+          f"per distributed id {hw.dist_id_s * 1e9:.1f} ns, per distributed value {hw.dist_value_s * 1e9:.2f} ns, "
           f"per step {hw.step_overhead_s * 1e6:.0f} us")
     print(f"written to {out} (use it with: recscale plan --topology {out}; the trainer's planner uses the cached file "
           "by default)")

@@ -41,7 +41,7 @@ from recscale.planner.cost_model import TableSpec, Workload
 from recscale.planner.hardware import Hardware
 from recscale.planner.measure import _free_port, shard_loads, synthetic_batches, time_plan
 from recscale.sharding.default_plan import TableSharding, default_plan
-from recscale.sharding.plan import ShardingPlan
+from recscale.sharding.plan import Shard, ShardingPlan, TablePlan
 
 # Probe models: (rows, dim, pooling) per table. Sizes are chosen so building them is quick.
 PROBE_SETS: dict[str, list[tuple[int, int, float]]] = {
@@ -52,7 +52,7 @@ PROBE_SETS: dict[str, list[tuple[int, int, float]]] = {
 }
 PROBE_TYPES = ("table_wise", "row_wise", "data_parallel", "column_wise")
 FIT_TERMS = ("bytes", "id_s", "row_s", "bag_s", "kernel_overhead_s", "route_id_s", "column_stat_id_s", "feature_s",
-             "step_overhead_s")
+             "dist_id_s", "dist_value_s", "step_overhead_s")
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,16 @@ def probe_terms(plan: ShardingPlan, tables: list[TableSpec], batch, backward_fac
         r["route_id_s"] += sl.routed
         if sl.sharding_type == "column_wise" and sl.cols < by_dim[sl.table]:
             r["column_stat_id_s"] += sl.ids
-    terms = rank_of_max[0]
+        if sl.sharding_type != "data_parallel":  # the owner's side of the distribution
+            r["dist_id_s"] += sl.ids
+            r["dist_value_s"] += sl.bags * sl.cols
+    terms = rank_of_max.setdefault(0, dict.fromkeys(FIT_TERMS, 0.0))
+    kinds = {tp.table: tp.sharding_type for tp in plan.tables}
+    b_local = batch.batch_size / plan.world_size
+    for name in batch.keys:  # the source's side: its own samples' ids and pooled values
+        if kinds.get(name, "data_parallel") != "data_parallel":
+            terms["dist_id_s"] += batch[name][0].numel() / plan.world_size
+            terms["dist_value_s"] += b_local * by_dim[name]
     terms["feature_s"] = float(len(tables))
     terms["step_overhead_s"] = 1.0
     return terms
@@ -134,10 +143,12 @@ def fit(probes_by_bf: dict[float, list[Probe]], fixed: dict[str, float] | None =
 
 
 def measure_compute(world_size: int, batches: tuple[int, ...] = (1024, 4096), steps: int = 5,
-                    progress=None, quick: bool = False) -> tuple[dict[str, float], float, float, list[Probe]]:
-    """Stage 1: fit the compute constants for one of ``world_size`` local ranks."""
+                    progress=None, quick: bool = False, rounds: int = 2) -> tuple[dict[str, float], float, float, list[Probe]]:
+    """Stage 1: fit the compute constants for one of ``world_size`` local ranks. Every probe
+    is timed in each of ``rounds`` rounds over all probes and its median kept, so a burst of
+    load on a shared machine moves one round, not one probe's figure (and with it a constant)."""
     threads = max(1, (os.cpu_count() or 1) // world_size)
-    measured: list[tuple[str, ShardingPlan, list[TableSpec], object, float]] = []
+    cases: list[tuple[str, ShardingPlan, list[TableSpec], list]] = []
     topo = Topology(1, 0, 1)
     for set_name, rows in PROBE_SETS.items():
         if quick and set_name in ("large", "narrow"):
@@ -145,7 +156,7 @@ def measure_compute(world_size: int, batches: tuple[int, ...] = (1024, 4096), st
         tables = [TableSpec(f"{set_name}{i}", r, d, p) for i, (r, d, p) in enumerate(rows)]
         cfgs = [TableConfig(t.name, t.rows, t.dim) for t in tables]
         for kind in PROBE_TYPES:
-            if set_name == "large" and kind in ("data_parallel", "column_wise"):
+            if set_name == "large" and kind == "data_parallel":
                 continue  # same bytes as table-wise; skip to keep calibration short
             if set_name == "many_small" and kind == "column_wise":
                 continue  # planners never split 16-wide tiny tables; their row-statistic
@@ -153,11 +164,14 @@ def measure_compute(world_size: int, batches: tuple[int, ...] = (1024, 4096), st
             overrides = {c.name: TableSharding("column_wise", 2) for c in cfgs} if kind == "column_wise" else None
             plan = default_plan(cfgs, topo, "table_wise" if kind == "column_wise" else kind, overrides)
             for b in batches:
-                gb = synthetic_batches(tables, b, 2, seed=b)
-                t = time_plan(plan, tables, gb, steps, threads=threads)
-                measured.append((f"{set_name}/{kind}/B{b}", plan, tables, gb[0], t))
-                if progress:
-                    progress(f"{set_name}/{kind}/B{b}: {t * 1e3:.2f} ms")
+                cases.append((f"{set_name}/{kind}/B{b}", plan, tables, synthetic_batches(tables, b, 2, seed=b)))
+    times: list[list[float]] = [[] for _ in cases]
+    for r in range(1 if quick else rounds):
+        for i, (name, plan, tables, gb) in enumerate(cases):
+            times[i].append(time_plan(plan, tables, gb, steps, threads=threads))
+            if progress:
+                progress(f"round {r + 1}: {name}: {times[i][-1] * 1e3:.2f} ms")
+    measured = [(name, plan, tables, gb[0], statistics.median(ts)) for (name, plan, tables, gb), ts in zip(cases, times)]
     # The backward pass moves what the forward moved once more (each id's row gradient is
     # formed from its bag's gradient and scattered): backward factor 1, not a free parameter.
     # (An isolated gather of uniformly random rows runs far slower than the skewed, partly
@@ -204,11 +218,12 @@ def measure_all_to_all(world: int = 2) -> dict[str, float]:
 
 
 def measure_collection(hw: Hardware, batches: tuple[int, ...] = (1024, 4096), steps: int = 5,
-                       progress=None, sets: tuple[str, ...] = ("mixed", "large", "many_small")) -> dict[str, float]:
+                       progress=None, sets: tuple[str, ...] = ("mixed", "large", "many_small"),
+                       rounds: int = 2) -> dict[str, float]:
     """Stage 3 (more than one rank): the real collection on ``hw.world_size`` local processes.
 
     Steps of balanced plans (table-wise, row-wise, data-parallel, column shards over every rank)
-    are fitted as ``compute + contention x overlap + latency x collectives + bytes / bandwidth``,
+    and of every table on rank 0 (the others only exchange: no contention) are fitted as ``compute + contention x overlap + latency x collectives + bytes / bandwidth``,
     with compute as stage 1 predicts it for one rank alone and overlap what the slowest rank
     computes while the others compute too (``search.apply_contention``). ``contention`` (> 0 when
     ranks share cores, memory bandwidth and caches) is thus separate from the per-item constants,
@@ -230,11 +245,15 @@ def measure_collection(hw: Hardware, batches: tuple[int, ...] = (1024, 4096), st
             tables = [TableSpec(t.name, t.rows, t.dim, t.pooling, uf[t.name]) for t in raw]
             cfgs = [TableConfig(t.name, t.rows, t.dim) for t in tables]
             wl = Workload(batch_size=batch)
-            for kind in ("table_wise", "row_wise", "data_parallel", "column_wise"):
+            for kind in ("table_wise", "row_wise", "data_parallel", "column_wise", "on_rank_0"):
                 if set_name == "many_small" and kind == "column_wise":
                     continue
-                plan = default_plan(cfgs, topo, kind)
-                meas = time_plan(plan, tables, gb, steps)
+                if kind == "on_rank_0":  # the other ranks idle: no contention, only the exchanges
+                    plan = ShardingPlan(w, w, tuple(TablePlan(c.name, "table_wise", (Shard(0, 0, c.num_rows, 0, c.dim),))
+                                                    for c in cfgs))
+                else:
+                    plan = default_plan(cfgs, topo, kind)
+                meas = statistics.median(time_plan(plan, tables, gb, steps) for _ in range(rounds))
                 alone = score_plan(plan, tables, fast, wl)
                 base = alone.max_rank_s
                 # the contention term's regressor: what the slowest rank computes alongside the others
@@ -283,11 +302,13 @@ def calibrate(world_size: int = 2, memory_fraction: float = 0.6, progress=None, 
         bag_s=coef["bag_s"],
         route_id_s=coef["route_id_s"],
         feature_s=coef["feature_s"],
+        dist_id_s=coef["dist_id_s"],
+        dist_value_s=coef["dist_value_s"],
         step_overhead_s=coef["step_overhead_s"],
     )
     if world_size > 1:
         fitted = measure_collection(hw, batches[-1:] if quick else batches, steps, progress=progress,
-                                    sets=("mixed",) if quick else ("mixed", "large", "many_small"))
+                                    sets=("mixed",) if quick else ("mixed", "large", "many_small"), rounds=1 if quick else 2)
         if progress:
             progress(f"isolated all-to-all: {comm['latency_s'] * 1e6:.0f} us, {comm['intra_host_bw'] / 1e9:.2f} GB/s; "
                      f"in the collection: {fitted['latency_s'] * 1e6:.0f} us, {fitted['intra_host_bw'] / 1e9:.2f} GB/s, "

@@ -23,8 +23,11 @@ table with ``rows_t`` rows, dim ``d``, pooling factor P and unique fraction u:
                             reduce-scatter + all-gather of the table's gradient where that moves
                             fewer bytes (``dense_is_cheaper``, the runtime's rule)
   memory                    rows cols (e + state per element) + rows x state per row
+                            (+ n dist_id_s + m cols dist_value_s if not data-parallel: the
+                            owner's side of the input and output distribution)
 Every rank alike (``source_cost``): its own samples' ids out, pooled outputs in and gradients
-out, ``feature_s`` per feature, ``latency_s`` per collective, ``step_overhead_s``.
+out (link time, plus dist_id_s per id and dist_value_s per pooled value for tables that are
+not data-parallel), ``feature_s`` per feature, ``latency_s`` per collective, ``step_overhead_s``.
 The constants are hardware figures (``Hardware``): the GPU presets set only bandwidths, latency
 and kernel overhead; ``recscale calibrate`` measures all of them on this machine.
 """
@@ -162,6 +165,8 @@ def shard_cost(t: TableSpec, sharding_type: str, rows: int, cols: int, hw: Hardw
     read = max(cols * t.element_bytes, hw.min_row_read_bytes)
     nbytes = (n * read + m * cols * 4) * (1 + hw.backward_factor) + 2 * updated * row_bytes
     compute = nbytes / hw.memory_bw + n * hw.id_s + updated * hw.row_s + m * hw.bag_s + 2 * hw.kernel_overhead_s
+    if sharding_type != "data_parallel":  # ordering the ids it receives, packing its outputs
+        compute += n * hw.dist_id_s + m * cols * hw.dist_value_s
     if routes:
         compute += b * t.pooling / w * hw.route_id_s
     if sharding_type == "column_wise" and cols < t.dim and t.state_bytes_per_row > 0:
@@ -240,6 +245,8 @@ def source_cost(tables: list[TableSpec], hw: Hardware, wl: Workload, kinds: dict
     ``kinds`` maps table name to sharding type (data-parallel tables stay local)."""
     kinds = kinds or {}
     b_local = wl.batch_size / hw.world_size
+    distributed = [t for t in tables if kinds.get(t.name) != "data_parallel"]
+    packing = sum(b_local * (t.pooling * hw.dist_id_s + t.dim * hw.dist_value_s) for t in distributed)
     nbytes = sum(
         b_local * t.pooling * wl.id_bytes + b_local * t.dim * (wl.fwd_wire_bytes + wl.bwd_wire_bytes)
         for t in tables
@@ -255,5 +262,6 @@ def source_cost(tables: list[TableSpec], hw: Hardware, wl: Workload, kinds: dict
         _link_time(nbytes, hw)
         + coll * hw.latency_s * math.log2(max(hw.world_size, 2))
         + len(tables) * hw.feature_s
+        + packing
         + hw.step_overhead_s
     )

@@ -38,6 +38,12 @@ class Hardware:
     # its row gradients are formed a second time to share the row's sum of squares
     column_stat_id_s: float = 0.0
     feature_s: float = 0.0  # per feature per step at its source (input/output distribution)
+    # The input and output distribution's own work, on top of the link time: per id (its
+    # source packs it, its owner orders it for the operator) and per pooled value (the owner
+    # packs it, the source places it in the output, and the reverse for its gradient). Tables
+    # that are not data-parallel pay it even on one rank.
+    dist_id_s: float = 0.0
+    dist_value_s: float = 0.0
     step_overhead_s: float = 0.0  # fixed per step
     # Ranks of one host that share cores and memory bandwidth (CPU processes) slow each other
     # while both compute: a rank pays ``contention`` x the time it computes alongside each other
@@ -56,7 +62,8 @@ class Hardware:
             if getattr(self, key) <= 0:
                 raise ValueError(f"hardware '{self.name}': {key} must be > 0")
         for key in ("latency_s", "kernel_overhead_s", "backward_factor", "id_s", "row_s", "bag_s", "route_id_s",
-                    "column_stat_id_s", "feature_s", "step_overhead_s", "contention", "min_row_read_bytes"):
+                    "column_stat_id_s", "feature_s", "dist_id_s", "dist_value_s", "step_overhead_s", "contention",
+                    "min_row_read_bytes"):
             if getattr(self, key) < 0:
                 raise ValueError(f"hardware '{self.name}': {key} must be >= 0")
 

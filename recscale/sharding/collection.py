@@ -546,14 +546,17 @@ class ShardedEmbeddingCollection(nn.Module):
     def _row_mean_sq(self, group, unique: torch.Tensor, summed: torch.Tensor) -> torch.Tensor:
         """Per unique row of one operator group: its mean square gradient over the whole row."""
         msq = summed.square().mean(dim=1)
-        for t, off in zip(group.tables, group.table_row_offsets):
-            if t.name not in self._cw_msq:
-                continue
+        # ``unique`` is ascending, so each table's rows are one slice of it (found by bisection:
+        # a mask per table would cost rows x tables).
+        bounds = torch.tensor([[off, off + t.num_rows] for t, off in zip(group.tables, group.table_row_offsets)
+                               if t.name in self._cw_msq], dtype=unique.dtype, device=unique.device)
+        cuts = torch.searchsorted(unique, bounds.view(-1)).view(-1, 2).tolist() if bounds.numel() else []
+        named = [(t, off) for t, off in zip(group.tables, group.table_row_offsets) if t.name in self._cw_msq]
+        for (t, off), (lo, hi) in zip(named, cuts):
             rows, full = self._cw_msq[t.name]
-            mask = (unique >= off) & (unique < off + t.num_rows)
-            if not torch.equal(unique[mask] - off, rows):
+            if hi - lo != rows.numel() or not torch.equal(unique[lo:hi] - off, rows):
                 raise RuntimeError(f"column shard {t.name}: rows differ between lookup and update")
-            msq[mask] = full
+            msq[lo:hi] = full
         return msq
 
     # ------------------------------------------------------------------ access (collective)
