@@ -33,8 +33,8 @@ from recscale.planner.cost_model import TableSpec, Workload  # noqa: E402
 from recscale.planner.hardware import Hardware, resolve_hardware  # noqa: E402
 from recscale.planner.measure import synthetic_batches, time_plan, unique_fractions  # noqa: E402
 from recscale.planner.search import plan_tables, score_plan  # noqa: E402
-from recscale.sharding.default_plan import TableSharding, default_plan  # noqa: E402
-from recscale.sharding.plan import Shard, ShardingPlan, TablePlan  # noqa: E402
+from recscale.sharding.default_plan import TableSharding, default_plan, single_rank_plan  # noqa: E402
+from recscale.sharding.plan import ShardingPlan  # noqa: E402
 
 MODEL = [  # rows, dim, pooling
     (2_000_000, 64, 1), (1_000_000, 64, 4), (500_000, 32, 8), (200_000, 64, 2), (100_000, 128, 1),
@@ -67,10 +67,9 @@ def one_rank_plans(cfgs: list[TableConfig]) -> list[tuple[str, ShardingPlan]]:
 
 def two_rank_plans(cfgs: list[TableConfig], tables: list[TableSpec], hw2: Hardware, wl: Workload) -> list[tuple[str, ShardingPlan]]:
     topo = Topology(2, 0, 2)
-    on_rank0 = ShardingPlan(2, 2, tuple(TablePlan(c.name, "table_wise", (Shard(0, 0, c.num_rows, 0, c.dim),)) for c in cfgs))
     return [
         ("2: recscale planner", plan_tables(tables, hw2, wl, time_budget_s=5).plan),
-        ("2: all on rank 0", on_rank0),
+        ("2: all on rank 0", single_rank_plan(cfgs, topo)),
         ("2: row-wise", default_plan(cfgs, topo, "row_wise")),
         ("2: column-wise", default_plan(cfgs, topo, "column_wise")),
         ("2: data-parallel", default_plan(cfgs, topo, "data_parallel")),

@@ -40,8 +40,8 @@ from recscale.embedding import TableConfig
 from recscale.planner.cost_model import TableSpec, Workload
 from recscale.planner.hardware import Hardware
 from recscale.planner.measure import _free_port, shard_loads, synthetic_batches, time_plan
-from recscale.sharding.default_plan import TableSharding, default_plan
-from recscale.sharding.plan import Shard, ShardingPlan, TablePlan
+from recscale.sharding.default_plan import TableSharding, default_plan, single_rank_plan
+from recscale.sharding.plan import ShardingPlan
 
 # Probe models: (rows, dim, pooling) per table. Sizes are chosen so building them is quick.
 PROBE_SETS: dict[str, list[tuple[int, int, float]]] = {
@@ -223,7 +223,8 @@ def measure_collection(hw: Hardware, batches: tuple[int, ...] = (1024, 4096), st
     """Stage 3 (more than one rank): the real collection on ``hw.world_size`` local processes.
 
     Steps of balanced plans (table-wise, row-wise, data-parallel, column shards over every rank)
-    and of every table on rank 0 (the others only exchange: no contention) are fitted as ``compute + contention x overlap + latency x collectives + bytes / bandwidth``,
+    and of every table on rank 0 (the others only exchange: no contention) are fitted as
+    ``compute + contention x overlap + latency x collectives + bytes / bandwidth``,
     with compute as stage 1 predicts it for one rank alone and overlap what the slowest rank
     computes while the others compute too (``search.apply_contention``). ``contention`` (> 0 when
     ranks share cores, memory bandwidth and caches) is thus separate from the per-item constants,
@@ -248,11 +249,8 @@ def measure_collection(hw: Hardware, batches: tuple[int, ...] = (1024, 4096), st
             for kind in ("table_wise", "row_wise", "data_parallel", "column_wise", "on_rank_0"):
                 if set_name == "many_small" and kind == "column_wise":
                     continue
-                if kind == "on_rank_0":  # the other ranks idle: no contention, only the exchanges
-                    plan = ShardingPlan(w, w, tuple(TablePlan(c.name, "table_wise", (Shard(0, 0, c.num_rows, 0, c.dim),))
-                                                    for c in cfgs))
-                else:
-                    plan = default_plan(cfgs, topo, kind)
+                # on_rank_0: the other ranks idle, so no contention, only the exchanges
+                plan = single_rank_plan(cfgs, topo) if kind == "on_rank_0" else default_plan(cfgs, topo, kind)
                 meas = statistics.median(time_plan(plan, tables, gb, steps) for _ in range(rounds))
                 alone = score_plan(plan, tables, fast, wl)
                 base = alone.max_rank_s

@@ -14,7 +14,9 @@ table with ``rows_t`` rows, dim ``d``, pooling factor P and unique fraction u:
   compute                   bytes / memory_bw + n id_s + U row_s + m bag_s + 2 kernel_overhead_s
                             (+ B P / W route_id_s for row-split shards: the source bucketizes;
                             + n column_stat_id_s for column shards of a row-wise optimizer;
-                            data-parallel: + a second pass over the W U gathered row gradients)
+                            data-parallel: + a second pass over the W U gathered row gradients;
+                            + n dist_id_s + m cols dist_value_s if not data-parallel: the
+                            owner's side of the input and output distribution)
   communication             ids in (n x id bytes), pooled out (m cols x wire_fwd), gradients in
                             (m cols x wire_bwd), split between intra-host and cross-host links
                             by where the sources sit; table-row-wise on several hosts: pooled
@@ -23,8 +25,6 @@ table with ``rows_t`` rows, dim ``d``, pooling factor P and unique fraction u:
                             reduce-scatter + all-gather of the table's gradient where that moves
                             fewer bytes (``dense_is_cheaper``, the runtime's rule)
   memory                    rows cols (e + state per element) + rows x state per row
-                            (+ n dist_id_s + m cols dist_value_s if not data-parallel: the
-                            owner's side of the input and output distribution)
 Every rank alike (``source_cost``): its own samples' ids out, pooled outputs in and gradients
 out (link time, plus dist_id_s per id and dist_value_s per pooled value for tables that are
 not data-parallel), ``feature_s`` per feature, ``latency_s`` per collective, ``step_overhead_s``.
@@ -248,9 +248,7 @@ def source_cost(tables: list[TableSpec], hw: Hardware, wl: Workload, kinds: dict
     distributed = [t for t in tables if kinds.get(t.name) != "data_parallel"]
     packing = sum(b_local * (t.pooling * hw.dist_id_s + t.dim * hw.dist_value_s) for t in distributed)
     nbytes = sum(
-        b_local * t.pooling * wl.id_bytes + b_local * t.dim * (wl.fwd_wire_bytes + wl.bwd_wire_bytes)
-        for t in tables
-        if kinds.get(t.name) != "data_parallel"
+        b_local * t.pooling * wl.id_bytes + b_local * t.dim * (wl.fwd_wire_bytes + wl.bwd_wire_bytes) for t in distributed
     )
     dense = frozenset(t.name for t in tables if kinds.get(t.name) == "data_parallel" and dp_reduces_dense(t, hw, wl))
     coll = (

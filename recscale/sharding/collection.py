@@ -31,8 +31,7 @@ from recscale.comm.codecs import get_codec
 from recscale.comm.collectives import CommStats, all_gather_rows, all_to_all_async
 from recscale.comm.errors import DistributedError
 from recscale.comm.process_group import ProcessGroups
-from recscale.embedding import SparseOptimizer, TableBatchedEmbeddingBags, TableConfig
-from recscale.embedding import native
+from recscale.embedding import SparseOptimizer, TableBatchedEmbeddingBags, TableConfig, native
 from recscale.embedding.table_batched import init_rows, output_feature_order, row_gradients
 from recscale.sharding.hierarchical import HostBlock, TableRowWiseHierarchy
 from recscale.sharding.plan import ShardingPlan
@@ -548,10 +547,11 @@ class ShardedEmbeddingCollection(nn.Module):
         msq = summed.square().mean(dim=1)
         # ``unique`` is ascending, so each table's rows are one slice of it (found by bisection:
         # a mask per table would cost rows x tables).
-        bounds = torch.tensor([[off, off + t.num_rows] for t, off in zip(group.tables, group.table_row_offsets)
-                               if t.name in self._cw_msq], dtype=unique.dtype, device=unique.device)
-        cuts = torch.searchsorted(unique, bounds.view(-1)).view(-1, 2).tolist() if bounds.numel() else []
         named = [(t, off) for t, off in zip(group.tables, group.table_row_offsets) if t.name in self._cw_msq]
+        if not named:
+            return msq
+        bounds = torch.tensor([[off, off + t.num_rows] for t, off in named], dtype=unique.dtype, device=unique.device)
+        cuts = torch.searchsorted(unique, bounds.view(-1)).view(-1, 2).tolist()
         for (t, off), (lo, hi) in zip(named, cuts):
             rows, full = self._cw_msq[t.name]
             if hi - lo != rows.numel() or not torch.equal(unique[lo:hi] - off, rows):

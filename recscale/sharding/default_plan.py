@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from recscale.comm.process_group import Topology
 from recscale.embedding import TableConfig
-from recscale.sharding.plan import SHARDING_TYPES, PlanError, ShardingPlan, ShardingType, TablePlan
+from recscale.sharding.plan import SHARDING_TYPES, PlanError, Shard, ShardingPlan, ShardingType, TablePlan
 from recscale.sharding.types import SHARD_MAKERS
 
 
@@ -43,3 +43,12 @@ def default_plan(
     plan = ShardingPlan(topology.world_size, topology.ranks_per_host, tuple(placed[t.name] for t in tables))
     plan.validate(tables)
     return plan
+
+
+def single_rank_plan(tables: list[TableConfig], topology: Topology, rank: int = 0) -> ShardingPlan:
+    """Every table whole on one rank, the others idle (for measuring contention and exchanges)."""
+    return ShardingPlan(
+        topology.world_size,
+        topology.ranks_per_host,
+        tuple(TablePlan(t.name, "table_wise", (Shard(rank, 0, t.num_rows, 0, t.dim),)) for t in tables),
+    )

@@ -606,8 +606,8 @@ std::vector<at::Tensor> row_gradients(const at::Tensor& grad, const at::Tensor& 
 
 // Positions of ``keys`` (1-D contiguous non-negative int64) in ascending order, equal keys in
 // their original order: an LSD radix sort with 11-bit digits, as many passes as the largest key
-// needs. torch's CPU stable sort runs a comparison sort below 32k elements, at about 40 ns per
-// element on this kind of machine (32k ids: 1.6 ms; this: about 0.1 ms).
+// needs. torch's CPU stable sort runs a comparison sort below about 32k elements (measured here:
+// 8k ids 0.35 ms, 16k 0.77 ms; this: 0.02 and 0.05 ms).
 at::Tensor stable_argsort(const at::Tensor& keys) {
   check(keys.scalar_type() == at::kLong && keys.dim() == 1 && keys.is_contiguous(),
         "keys must be a contiguous 1-D int64 tensor");
@@ -627,7 +627,6 @@ at::Tensor stable_argsort(const at::Tensor& keys) {
   constexpr int kBits = 11;
   constexpr int64_t kBuckets = int64_t{1} << kBits;
   std::vector<int64_t> count(kBuckets + 1);
-  bool in_a = true;
   std::vector<uint16_t> digit(n);
   for (int shift = 0; shift < 63 && (shift == 0 || (top >> shift) > 0); shift += kBits) {
     std::fill(count.begin(), count.end(), 0);
@@ -638,9 +637,8 @@ at::Tensor stable_argsort(const at::Tensor& keys) {
     for (int64_t d = 0; d < kBuckets; ++d) count[d + 1] += count[d];
     for (int64_t i = 0; i < n; ++i) dst[count[digit[i]]++] = src[i];
     std::swap(src, dst);
-    in_a = !in_a;
   }
-  return in_a ? a : b;
+  return src == a.data_ptr<int64_t>() ? a : b;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
