@@ -8,7 +8,7 @@ update) of several plans on 1 rank and on 2 ranks (gloo, one thread each), and p
 plan's predicted and measured time (median over steps of the slowest rank), the error, and
 whether the model ranks the plans of each world size in the measured order.
 
-    python benchmarks/planner_validation.py                 # calibrate, then validate (~3 min)
+    python benchmarks/planner_validation.py                 # calibrate, then validate (~8 min)
     python benchmarks/planner_validation.py --quick --json out/validation.json
     python benchmarks/planner_validation.py --topology-1 local1.json --topology-2 local2.json
 
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-size", type=int, default=4096, help="global batch")
     p.add_argument("--steps", type=int, default=9, help="timed steps per plan (the median is kept)")
-    p.add_argument("--repeats", type=int, default=3, help="rounds over all plans (the median is kept)")
+    p.add_argument("--repeats", type=int, default=5, help="rounds over all plans (the median is kept)")
     p.add_argument("--topology-1", metavar="FILE", help="calibration for 1 rank (default: calibrate now)")
     p.add_argument("--topology-2", metavar="FILE", help="calibration for 2 ranks (default: calibrate now)")
     p.add_argument("--quick", action="store_true", help="tables 10x smaller, 3 steps (a smoke run)")

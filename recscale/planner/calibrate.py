@@ -1,7 +1,8 @@
 """Measure this machine for the planner: every constant of the cost model, from the real
 operator and the real sharded collection.
 
-Two short stages (about a minute in all):
+Three short stages (a few minutes in all; every probe is timed in three rounds over all
+probes and its median kept, so a burst of load on a shared machine moves one round):
 
 1. *Compute* (one process, with the threads one of ``world_size`` local ranks gets): time full
    embedding steps of the sharded collection for probe models that stress one cost each (large
@@ -14,6 +15,9 @@ Two short stages (about a minute in all):
 2. *Communication* (``world_size`` local processes): all-to-all of a small and a large message;
    latency per collective and bandwidth (bytes sent plus received per second, as the cost model
    counts both directions).
+3. *Collection* (more than one rank): steps of the real sharded collection on ``world_size``
+   local processes, fitted for contention between ranks sharing the host and for what a
+   collective costs inside a step (``measure_collection``).
 
 The result is a ``Hardware`` JSON (``recscale calibrate --out FILE``) with the fit's residuals.
 """
@@ -143,7 +147,7 @@ def fit(probes_by_bf: dict[float, list[Probe]], fixed: dict[str, float] | None =
 
 
 def measure_compute(world_size: int, batches: tuple[int, ...] = (1024, 4096), steps: int = 5,
-                    progress=None, quick: bool = False, rounds: int = 2) -> tuple[dict[str, float], float, float, list[Probe]]:
+                    progress=None, quick: bool = False, rounds: int = 3) -> tuple[dict[str, float], float, float, list[Probe]]:
     """Stage 1: fit the compute constants for one of ``world_size`` local ranks. Every probe
     is timed in each of ``rounds`` rounds over all probes and its median kept, so a burst of
     load on a shared machine moves one round, not one probe's figure (and with it a constant)."""
@@ -219,7 +223,7 @@ def measure_all_to_all(world: int = 2) -> dict[str, float]:
 
 def measure_collection(hw: Hardware, batches: tuple[int, ...] = (1024, 4096), steps: int = 5,
                        progress=None, sets: tuple[str, ...] = ("mixed", "large", "many_small"),
-                       rounds: int = 2) -> dict[str, float]:
+                       rounds: int = 3) -> dict[str, float]:
     """Stage 3 (more than one rank): the real collection on ``hw.world_size`` local processes.
 
     Steps of balanced plans (table-wise, row-wise, data-parallel, column shards over every rank)
@@ -237,7 +241,7 @@ def measure_collection(hw: Hardware, batches: tuple[int, ...] = (1024, 4096), st
     w = hw.world_size
     topo = Topology(w, 0, w)
     fast = replace(hw, intra_host_bw=1e30, cross_host_bw=1e30, latency_s=0.0, contention=0.0)
-    ys, rows_a = [], []
+    cases = []
     for set_name in sets:
         raw = [TableSpec(f"{set_name}{i}", r, d, p) for i, (r, d, p) in enumerate(PROBE_SETS[set_name])]
         for batch in batches:
@@ -245,23 +249,31 @@ def measure_collection(hw: Hardware, batches: tuple[int, ...] = (1024, 4096), st
             uf = unique_fractions(raw, gb[0])
             tables = [TableSpec(t.name, t.rows, t.dim, t.pooling, uf[t.name]) for t in raw]
             cfgs = [TableConfig(t.name, t.rows, t.dim) for t in tables]
-            wl = Workload(batch_size=batch)
             for kind in ("table_wise", "row_wise", "data_parallel", "column_wise", "on_rank_0"):
                 if set_name == "many_small" and kind == "column_wise":
                     continue
                 # on_rank_0: the other ranks idle, so no contention, only the exchanges
                 plan = single_rank_plan(cfgs, topo) if kind == "on_rank_0" else default_plan(cfgs, topo, kind)
-                meas = statistics.median(time_plan(plan, tables, gb, steps) for _ in range(rounds))
-                alone = score_plan(plan, tables, fast, wl)
-                base = alone.max_rank_s
-                # the contention term's regressor: what the slowest rank computes alongside the others
-                overlap = score_plan(plan, tables, replace(fast, contention=1.0), wl).max_rank_s - base
-                lat = score_plan(plan, tables, replace(fast, latency_s=1e-3), wl).max_rank_s - base
-                nbytes = (score_plan(plan, tables, replace(fast, intra_host_bw=1e9, cross_host_bw=1e9), wl).max_rank_s - base) * 1e9
-                ys.append((meas - base) / meas)
-                rows_a.append([overlap / meas, lat / 1e-3 / meas, nbytes / meas])
-                if progress:
-                    progress(f"{w} ranks {set_name}/{kind}/B{batch}: {meas * 1e3:.2f} ms, one rank alone {base * 1e3:.2f} ms")
+                cases.append((f"{set_name}/{kind}/B{batch}", plan, tables, gb))
+    # Round-robin over the probes, as in stage 1: a burst of load lasting longer than one probe
+    # moves one round of several probes, not every round of one.
+    times: list[list[float]] = [[] for _ in cases]
+    for r in range(rounds):
+        for i, (name, plan, tables, gb) in enumerate(cases):
+            times[i].append(time_plan(plan, tables, gb, steps))
+            if progress:
+                progress(f"{w} ranks, round {r + 1}: {name}: {times[i][-1] * 1e3:.2f} ms")
+    ys, rows_a = [], []
+    for (name, plan, tables, gb), ts in zip(cases, times):
+        meas = statistics.median(ts)
+        wl = Workload(batch_size=gb[0].batch_size)
+        base = score_plan(plan, tables, fast, wl).max_rank_s  # every rank alone, no exchange
+        # the contention term's regressor: what the slowest rank computes alongside the others
+        overlap = score_plan(plan, tables, replace(fast, contention=1.0), wl).max_rank_s - base
+        lat = score_plan(plan, tables, replace(fast, latency_s=1e-3), wl).max_rank_s - base
+        nbytes = (score_plan(plan, tables, replace(fast, intra_host_bw=1e9, cross_host_bw=1e9), wl).max_rank_s - base) * 1e9
+        ys.append((meas - base) / meas)
+        rows_a.append([overlap / meas, lat / 1e-3 / meas, nbytes / meas])
     a = np.array(rows_a)
     scale = a.max(0)
     scale[scale == 0] = 1.0
@@ -306,7 +318,7 @@ def calibrate(world_size: int = 2, memory_fraction: float = 0.6, progress=None, 
     )
     if world_size > 1:
         fitted = measure_collection(hw, batches[-1:] if quick else batches, steps, progress=progress,
-                                    sets=("mixed",) if quick else ("mixed", "large", "many_small"), rounds=1 if quick else 2)
+                                    sets=("mixed",) if quick else ("mixed", "large", "many_small"), rounds=1 if quick else 3)
         if progress:
             progress(f"isolated all-to-all: {comm['latency_s'] * 1e6:.0f} us, {comm['intra_host_bw'] / 1e9:.2f} GB/s; "
                      f"in the collection: {fitted['latency_s'] * 1e6:.0f} us, {fitted['intra_host_bw'] / 1e9:.2f} GB/s, "
