@@ -8,7 +8,7 @@ update) of several plans on 1 rank and on 2 ranks (gloo, one thread each), and p
 plan's predicted and measured time (median over steps of the slowest rank), the error, and
 whether the model ranks the plans of each world size in the measured order.
 
-    python benchmarks/planner_validation.py                 # calibrate, then validate (~8 min)
+    python benchmarks/planner_validation.py                 # calibrate, then validate (~10-12 min)
     python benchmarks/planner_validation.py --quick --json out/validation.json
     python benchmarks/planner_validation.py --topology-1 local1.json --topology-2 local2.json
 

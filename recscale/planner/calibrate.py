@@ -231,7 +231,9 @@ def measure_collection(hw: Hardware, batches: tuple[int, ...] = (1024, 4096), st
     ``compute + contention x overlap + latency x collectives + bytes / bandwidth``,
     with compute as stage 1 predicts it for one rank alone and overlap what the slowest rank
     computes while the others compute too (``search.apply_contention``). ``contention`` (> 0 when
-    ranks share cores, memory bandwidth and caches) is thus separate from the per-item constants,
+    ranks share a host; on the 2-core development VM shared bandwidth and caches slow a rank by
+    under 10%, so most of the fitted 0.3-0.5 is ranks waiting for each other at each collective,
+    which grows with what they compute) is thus separate from the per-item constants,
     and a plan that leaves a rank idle is not charged for it; latency and bandwidth are what a collective costs
     inside a step, which on shared cores is far more than an isolated all-to-all suggests
     (the ranks' threads must wake each other up)."""

@@ -45,8 +45,9 @@ class Hardware:
     dist_id_s: float = 0.0
     dist_value_s: float = 0.0
     step_overhead_s: float = 0.0  # fixed per step
-    # Ranks of one host that share cores and memory bandwidth (CPU processes) slow each other
-    # while both compute: a rank pays ``contention`` x the time it computes alongside each other
+    # Ranks of one host (CPU processes) slow each other while both compute (shared bandwidth and
+    # caches, and waiting for each other at every collective): a rank pays ``contention`` x the
+    # time it computes alongside each other
     # rank of its host (min of the two computes, averaged over the others). 0 on GPUs (own HBM).
     contention: float = 0.0
     # Bytes a random row read moves at least: a GPU reads whole 128-byte lines, so a shard 4
