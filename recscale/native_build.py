@@ -72,8 +72,11 @@ def cpu_signature() -> str:
 
 def build_name(prefix: str, source: Path, flags: FlagSet) -> str:
     h = hashlib.sha256()
+    # torch's installation path too: the build files it writes name that environment's include
+    # and library folders, so two environments sharing one cache would otherwise silently
+    # rebuild (about 20 s here) every time the other one had loaded the kernels.
     for part in (source.read_bytes(), " ".join(flags.cflags).encode(), " ".join(flags.ldflags).encode(),
-                 torch.__version__.encode(), sys.version.encode()):
+                 torch.__version__.encode(), sys.version.encode(), os.path.dirname(torch.__file__).encode()):
         h.update(part)
     if "-march=native" in flags.cflags:
         h.update(cpu_signature().encode())
@@ -171,7 +174,7 @@ def build(prefix: str, source: Path, flag_sets: Sequence[FlagSet], *, what: str)
                 build_dir.mkdir(parents=True, exist_ok=True)
                 (build_dir / "lock").unlink(missing_ok=True)  # torch's own; stale while we hold ours
                 if not any(build_dir.glob(f"{name}*.so")):
-                    print(f"recscale: compiling {what} ({' '.join(flags.cflags)}), once per machine ...",
+                    print(f"recscale: compiling {what} ({' '.join(flags.cflags)}), once per machine and environment ...",
                           file=sys.stderr, flush=True)
                     t0 = time.monotonic()
                     _compile_in_child(name, source, flags, build_dir, deadline - time.monotonic())

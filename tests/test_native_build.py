@@ -93,3 +93,15 @@ def test_a_compile_past_the_limit_is_killed_with_its_compiler(tmp_path: Path, mo
     time.sleep(0.5)
     left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
     assert not left, f"processes left behind: {left}"
+
+
+def test_each_torch_installation_gets_its_own_build(monkeypatch):
+    """torch's build files name the environment's include folders: a second environment with
+    the same torch version must not reuse (and silently rebuild) the first one's build."""
+    import torch
+
+    flags = native.FLAG_SETS[0]
+    here = native_build.build_name("recscale_embedding", native.SOURCE, flags)
+    assert native_build.build_name("recscale_embedding", native.SOURCE, flags) == here  # stable
+    monkeypatch.setattr(torch, "__file__", "/another/env/site-packages/torch/__init__.py")
+    assert native_build.build_name("recscale_embedding", native.SOURCE, flags) != here

@@ -1,8 +1,8 @@
 """The native CPU embedding kernels: building, loading and choosing them.
 
 ``csrc/embedding_cpu.cpp`` (C++, SIMD over the embedding dim, threads from torch's own OpenMP
-pool) is compiled on first use and cached by ``recscale.native_build`` (once per machine, source, flags
-and torch version; safe when several ranks ask at once). ``-march=native`` is tried first and
+pool) is compiled on first use and cached by ``recscale.native_build`` (once per machine, source, flags,
+torch version and torch installation; safe when several ranks ask at once). ``-march=native`` is tried first and
 dropped if the compiler rejects it. When nothing builds (no C++ compiler, say), one warning says why and the
 pure-PyTorch kernels run instead: same results, slower.
 

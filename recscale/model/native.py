@@ -4,7 +4,8 @@
 cache (one batched GEMM of tiny F x F Gram matrices runs far below the machine's matmul speed in
 fp32), and its gradient in one pass; it reads the dense row and the pooled embeddings in place
 and writes the output (dense row, then pairs) and each input gradient once. It is compiled on first use and cached by
-``recscale.native_build`` (once per machine, source, flags and torch version). When it
+``recscale.native_build`` (once per machine, source, flags, torch version and torch
+installation). When it
 cannot be built (no compiler), one warning says so and the PyTorch formulation runs instead.
 ``RECSCALE_NATIVE_INTERACTION=0`` turns it off.
 """

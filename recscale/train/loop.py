@@ -23,6 +23,7 @@ from recscale.data import Batch
 from recscale.embedding import TableBatchedEmbeddingBags, TableConfig, make_optimizer
 from recscale.host_memory import retain_freed_memory
 from recscale.model import DLRM
+from recscale.model.native import interaction_kernels
 from recscale.sharding.collection import CommPrecision, ShardedEmbeddingCollection
 from recscale.sharding.default_plan import TableSharding, default_plan
 from recscale.sharding.plan import PlanError, ShardingPlan
@@ -131,6 +132,8 @@ def build_model(
             tables, optimizer, plan, groups, cfg.train.seed, precision, stats, kernel=cfg.model.embedding_kernel
         )
     model = DLRM(embeddings, num_dense, cfg.model.bottom_mlp, cfg.model.top_mlp, cfg.model.mlp_precision)  # type: ignore[arg-type]
+    if device.type == "cpu" and model.interaction.native:
+        interaction_kernels()  # a first-use compile happens now, not inside the first (timed) step
     return model.to(device)
 
 
