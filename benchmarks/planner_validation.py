@@ -30,7 +30,7 @@ from recscale.comm.process_group import Topology  # noqa: E402
 from recscale.embedding import TableConfig  # noqa: E402
 from recscale.planner.calibrate import calibrate  # noqa: E402
 from recscale.planner.cost_model import TableSpec, Workload  # noqa: E402
-from recscale.planner.hardware import Hardware, resolve_hardware  # noqa: E402
+from recscale.planner.hardware import resolve_hardware  # noqa: E402
 from recscale.planner.measure import synthetic_batches, time_plan, unique_fractions  # noqa: E402
 from recscale.planner.search import plan_tables, score_plan  # noqa: E402
 from recscale.sharding.default_plan import TableSharding, default_plan, single_rank_plan  # noqa: E402
@@ -65,10 +65,10 @@ def one_rank_plans(cfgs: list[TableConfig]) -> list[tuple[str, ShardingPlan]]:
     ]
 
 
-def two_rank_plans(cfgs: list[TableConfig], tables: list[TableSpec], hw2: Hardware, wl: Workload) -> list[tuple[str, ShardingPlan]]:
+def fixed_two_rank_plans(cfgs: list[TableConfig]) -> list[tuple[str, ShardingPlan]]:
+    """The 2-rank plans that do not depend on the calibration (the planner's plan does)."""
     topo = Topology(2, 0, 2)
     return [
-        ("2: recscale planner", plan_tables(tables, hw2, wl, time_budget_s=5).plan),
         ("2: all on rank 0", single_rank_plan(cfgs, topo)),
         ("2: row-wise", default_plan(cfgs, topo, "row_wise")),
         ("2: column-wise", default_plan(cfgs, topo, "column_wise")),
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-size", type=int, default=4096, help="global batch")
     p.add_argument("--steps", type=int, default=9, help="timed steps per plan (the median is kept)")
-    p.add_argument("--repeats", type=int, default=5, help="rounds over all plans (the median is kept)")
+    p.add_argument("--repeats", type=int, default=5, help="rounds of the planner's plan, and of every plan with topology files (median kept)")
     p.add_argument("--topology-1", metavar="FILE", help="calibration for 1 rank (default: calibrate now)")
     p.add_argument("--topology-2", metavar="FILE", help="calibration for 2 ranks (default: calibrate now)")
     p.add_argument("--quick", action="store_true", help="tables 10x smaller, 3 steps (a smoke run)")
@@ -102,21 +102,34 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.repeats = 3, 1
-    hws = {}
-    for w, path in ((1, args.topology_1), (2, args.topology_2)):
-        hws[w] = resolve_hardware(path, w, w) if path else calibrate(w)
     raw = model_tables(args.quick)
     batches = synthetic_batches(raw, args.batch_size, 4, seed=1)
     tables = with_statistics(raw, batches[0])
     cfgs = [TableConfig(t.name, t.rows, t.dim) for t in tables]
     wl = Workload(batch_size=args.batch_size)
-    cases = [(1, n, pl) for n, pl in one_rank_plans(cfgs)] + [(2, n, pl) for n, pl in two_rank_plans(cfgs, tables, hws[2], wl)]
-    # Plans are measured round-robin ``--repeats`` times and the median kept, so a burst of
-    # load on the (shared) machine moves one round of every plan, not one plan's figure.
+    cases: list[tuple[int, str, ShardingPlan]] = [(1, n, pl) for n, pl in one_rank_plans(cfgs)]
+    cases += [(2, n, pl) for n, pl in fixed_two_rank_plans(cfgs)]
     timings: dict[int, list[float]] = {i: [] for i in range(len(cases))}
-    for _ in range(args.repeats):
-        for i, (world, name, plan) in enumerate(cases):
-            timings[i].append(time_plan(plan, tables, batches, args.steps))
+
+    def time_round(world: int) -> None:
+        for i, (w, _, plan) in enumerate(cases):
+            if w == world:
+                timings[i].append(time_plan(plan, tables, batches, args.steps))
+
+    # A calibration made now times its plans after each of its own rounds of probes, so the
+    # constants and the measured plans see the same mix of machine states (this VM's speed
+    # drifts 1.5-2x over minutes); with a topology file, plans are timed ``--repeats`` rounds.
+    hws = {}
+    for w, path in ((1, args.topology_1), (2, args.topology_2)):
+        if path:
+            hws[w] = resolve_hardware(path, w, w)
+            for _ in range(args.repeats):
+                time_round(w)
+        else:
+            hws[w] = calibrate(w, between_rounds=lambda w=w: time_round(w))
+    # The planner's plan needs the 2-rank constants, so it is timed after them.
+    cases.append((2, "2: recscale planner", plan_tables(tables, hws[2], wl, time_budget_s=5).plan))
+    timings[len(cases) - 1] = [time_plan(cases[-1][2], tables, batches, args.steps) for _ in range(args.repeats)]
     rows, records = [], []
     for i, (world, name, plan) in enumerate(cases):
         pred = score_plan(plan, tables, hws[world], wl).max_rank_s

@@ -29,6 +29,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -147,7 +148,8 @@ def fit(probes_by_bf: dict[float, list[Probe]], fixed: dict[str, float] | None =
 
 
 def measure_compute(world_size: int, batches: tuple[int, ...] = (1024, 4096), steps: int = 5,
-                    progress=None, quick: bool = False, rounds: int = 3) -> tuple[dict[str, float], float, float, list[Probe]]:
+                    progress=None, quick: bool = False, rounds: int = 3,
+                    between_rounds: Callable[[], None] | None = None) -> tuple[dict[str, float], float, float, list[Probe]]:
     """Stage 1: fit the compute constants for one of ``world_size`` local ranks. Every probe
     is timed in each of ``rounds`` rounds over all probes and its median kept, so a burst of
     load on a shared machine moves one round, not one probe's figure (and with it a constant)."""
@@ -175,6 +177,8 @@ def measure_compute(world_size: int, batches: tuple[int, ...] = (1024, 4096), st
             times[i].append(time_plan(plan, tables, gb, steps, threads=threads))
             if progress:
                 progress(f"round {r + 1}: {name}: {times[i][-1] * 1e3:.2f} ms")
+        if between_rounds is not None:
+            between_rounds()
     measured = [(name, plan, tables, gb[0], statistics.median(ts)) for (name, plan, tables, gb), ts in zip(cases, times)]
     # The backward pass moves what the forward moved once more (each id's row gradient is
     # formed from its bag's gradient and scattered): backward factor 1, not a free parameter.
@@ -223,7 +227,7 @@ def measure_all_to_all(world: int = 2) -> dict[str, float]:
 
 def measure_collection(hw: Hardware, batches: tuple[int, ...] = (1024, 4096), steps: int = 5,
                        progress=None, sets: tuple[str, ...] = ("mixed", "large", "many_small"),
-                       rounds: int = 3) -> dict[str, float]:
+                       rounds: int = 3, between_rounds: Callable[[], None] | None = None) -> dict[str, float]:
     """Stage 3 (more than one rank): the real collection on ``hw.world_size`` local processes.
 
     Steps of balanced plans (table-wise, row-wise, data-parallel, column shards over every rank)
@@ -265,6 +269,8 @@ def measure_collection(hw: Hardware, batches: tuple[int, ...] = (1024, 4096), st
             times[i].append(time_plan(plan, tables, gb, steps))
             if progress:
                 progress(f"{w} ranks, round {r + 1}: {name}: {times[i][-1] * 1e3:.2f} ms")
+        if between_rounds is not None:
+            between_rounds()
     ys, rows_a = [], []
     for (name, plan, tables, gb), ts in zip(cases, times):
         meas = statistics.median(ts)
@@ -288,12 +294,16 @@ def physical_memory_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def calibrate(world_size: int = 2, memory_fraction: float = 0.6, progress=None, quick: bool = False) -> Hardware:
+def calibrate(world_size: int = 2, memory_fraction: float = 0.6, progress=None, quick: bool = False,
+              between_rounds: Callable[[], None] | None = None) -> Hardware:
     """This machine as a Hardware description for ``world_size`` local ranks (``quick``: fewer,
-    smaller probes, for smoke tests; the constants are rougher)."""
+    smaller probes, for smoke tests; the constants are rougher). ``between_rounds`` runs after
+    each round of probes: a validation times its plans there, so that the constants and the
+    plans see the same mix of machine states (a shared VM's speed drifts 1.5-2x over minutes)."""
     batches = (512, 2048) if quick else (1024, 4096)
     steps = 3 if quick else 5
-    coef, bf, err, _ = measure_compute(world_size, batches, steps, progress=progress, quick=quick)
+    coef, bf, err, _ = measure_compute(world_size, batches, steps, progress=progress, quick=quick,
+                                       between_rounds=between_rounds)
     if progress:
         progress(f"compute fit: median error {100 * err:.1f}%, backward factor {bf}")
     comm = measure_all_to_all(world_size) if world_size > 1 else {"intra_host_bw": 1e12, "latency_s": 0.0}
@@ -320,7 +330,8 @@ def calibrate(world_size: int = 2, memory_fraction: float = 0.6, progress=None, 
     )
     if world_size > 1:
         fitted = measure_collection(hw, batches[-1:] if quick else batches, steps, progress=progress,
-                                    sets=("mixed",) if quick else ("mixed", "large", "many_small"), rounds=1 if quick else 3)
+                                    sets=("mixed",) if quick else ("mixed", "large", "many_small"), rounds=1 if quick else 3,
+                                    between_rounds=between_rounds)
         if progress:
             progress(f"isolated all-to-all: {comm['latency_s'] * 1e6:.0f} us, {comm['intra_host_bw'] / 1e9:.2f} GB/s; "
                      f"in the collection: {fitted['latency_s'] * 1e6:.0f} us, {fitted['intra_host_bw'] / 1e9:.2f} GB/s, "
