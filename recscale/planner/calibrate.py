@@ -272,7 +272,7 @@ def measure_collection(hw: Hardware, batches: tuple[int, ...] = (1024, 4096), st
         if between_rounds is not None:
             between_rounds()
     ys, rows_a = [], []
-    for (name, plan, tables, gb), ts in zip(cases, times):
+    for (_, plan, tables, gb), ts in zip(cases, times):
         meas = statistics.median(ts)
         wl = Workload(batch_size=gb[0].batch_size)
         base = score_plan(plan, tables, fast, wl).max_rank_s  # every rank alone, no exchange

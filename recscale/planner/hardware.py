@@ -47,8 +47,8 @@ class Hardware:
     step_overhead_s: float = 0.0  # fixed per step
     # Ranks of one host (CPU processes) slow each other while both compute (shared bandwidth and
     # caches, and waiting for each other at every collective): a rank pays ``contention`` x the
-    # time it computes alongside each other
-    # rank of its host (min of the two computes, averaged over the others). 0 on GPUs (own HBM).
+    # time it computes alongside each other rank of its host (min of the two computes, averaged
+    # over the others). 0 on GPUs (own HBM).
     contention: float = 0.0
     # Bytes a random row read moves at least: a GPU reads whole 128-byte lines, so a shard 4
     # columns wide costs as much per id as one 32 columns wide (0: reads are exactly the row).
