@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from recscale.comm.collectives import all_gather_rows, all_gather_sizes, all_to_all, all_to_all_async
+from recscale.comm.collectives import all_gather_concat, all_gather_rows, all_gather_sizes, all_to_all, all_to_all_async
 from recscale.comm.errors import DistributedError
 from recscale.comm.shared_memory import SLOTS, enable_shared_memory, shared_memory_group, shared_memory_supported
 from tests.dist_utils import run_ranks
@@ -58,6 +58,11 @@ def _exchange_many(rank: int, world: int) -> list[tuple[str, int, bool]]:
         rows = torch.arange(rnd * (rank + 1), dtype=torch.float32).view(-1, 1) * (rank + 1)
         got, ref = all_gather_rows(rows, shm), all_gather_rows(rows, plain)
         checked.append(("gather", rnd, all(torch.equal(a, b) for a, b in zip(got, ref))))
+        # straight into one tensor, with every rank's size known (rounds 5-6: past 1 MiB)
+        x, _, _ = _payload(rank, rnd, world, big=rnd in (5, 6))
+        sizes = [_payload(r, rnd, world, big=rnd in (5, 6))[0].shape[0] for r in range(world)]
+        got = all_gather_concat(x, shm, sizes=sizes)
+        checked.append(("concat", rnd, bool(got.dtype == x.dtype and torch.equal(got, torch.cat(all_gather_rows(x, plain))))))
         sizes = all_gather_sizes(rnd + rank, shm, torch.device("cpu"))
         checked.append(("sizes", rnd, sizes == [rnd + r for r in range(world)]))
     for r, p, ref in pending:

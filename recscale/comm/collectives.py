@@ -203,6 +203,28 @@ def all_gather_rows(
     return [t[:n] for t, n in zip(out, sizes)]
 
 
+def all_gather_concat(
+    x: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    stats: CommStats | None = None,
+    name: str = "all_gather",
+    sizes: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """``torch.cat(all_gather_rows(...))`` without the intermediate parts: with ``sizes`` known
+    and shared memory, each rank's rows are copied once, straight into the result."""
+    if group is None:
+        return x
+    shm = shared_memory_group(group) if x.device.type == "cpu" else None
+    if shm is None or sizes is None:
+        return torch.cat(all_gather_rows(x, group, stats, name, sizes))
+    if int(sizes[dist.get_rank(group)]) != x.shape[0]:
+        raise ValueError(f"{name}: this rank has {x.shape[0]} rows but sizes says {sizes[dist.get_rank(group)]}")
+    if stats is not None:
+        stats.add(name, x.element_size() * x.numel() * (dist.get_world_size(group) - 1))
+    with stats.timed(name) if stats is not None else nullcontext():
+        return shm.all_gather_into(x.contiguous(), sizes, name)
+
+
 def all_reduce_sum(
     x: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats | None = None, name: str = "all_reduce", async_op: bool = False
 ):

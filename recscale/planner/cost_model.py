@@ -223,7 +223,7 @@ def collectives_per_step(kinds: dict[str, str], dims: dict[str, int], weighted: 
     """Collectives one step issues: batch sizes, lengths, ids, (weights), outputs, gradients
     (only batch sizes when every table is data-parallel: each rank looks up its own samples);
     each operator group of data-parallel tables (one per dim) adds a gather of per-table
-    counts, a gather of row gradients if any of its tables is gathered, and a reduce-scatter
+    counts, gathers of row ids and of row gradients if any of its tables is gathered, and a reduce-scatter
     and an all-gather if any is reduced densely (``dense_dp``); column shards of a row-wise
     optimizer state add two gathers of two collectives each per step; table-row-wise tables
     on several hosts add the reduce-scatter and the all-gather inside the host."""
@@ -231,7 +231,7 @@ def collectives_per_step(kinds: dict[str, str], dims: dict[str, int], weighted: 
     n = 1 if all_dp else 5 + int(weighted)
     for dim in {dims[t] for t, k in kinds.items() if k == "data_parallel"}:
         group = [t for t, k in kinds.items() if k == "data_parallel" and dims[t] == dim]
-        n += 1 + int(any(t not in dense_dp for t in group)) + 2 * int(any(t in dense_dp for t in group))
+        n += 1 + 2 * int(any(t not in dense_dp for t in group)) + 2 * int(any(t in dense_dp for t in group))
     if "column_wise" in kinds.values():
         n += 4
     if hosts > 1 and "table_row_wise" in kinds.values():
