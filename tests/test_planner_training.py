@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from recscale.planner.calibrate import _nnls, fit, Probe, FIT_TERMS
+from recscale.planner.calibrate import _nnls, fit, fit_collection, Probe, FIT_TERMS
 from recscale.planner.cost_model import TableSpec, Workload
 from recscale.planner.hardware import LOCAL_CPU, ZIONEX, Hardware, cached_calibration, this_machine
 from recscale.planner.search import baseline_plan, plan_tables, score_plan
@@ -110,6 +110,34 @@ def test_calibration_fit_recovers_the_constants_of_a_known_machine():
         assert coef[k] == pytest.approx(truth[k], rel=1e-3), k
 
 
+
+
+def test_collection_fit_recovers_latency_bandwidth_and_replica_cost():
+    # Steps of a known 2-rank machine, priced by the cost model itself: stage 3's fit must give
+    # back its latency, link bandwidth and per-replica-byte cost, given its compute and contention.
+    from dataclasses import replace
+
+    from recscale.comm.process_group import Topology
+    from recscale.embedding import TableConfig
+    from recscale.sharding.default_plan import default_plan, single_rank_plan
+
+    truth = replace(LOCAL_CPU, latency_s=80e-6, intra_host_bw=2.5e9, cross_host_bw=2.5e9, replica_byte_s=0.3e-9,
+                    contention=0.05)
+    topo = Topology(2, 0, 2)
+    measured = []
+    for rows in ([(200_000, 32, 8.0), (50_000, 16, 20.0), (100_000, 64, 2.0), (5_000, 128, 1.0)],
+                 [(1_000, 16, 1.0)] * 8, [(2_000_000, 64, 1.0), (400_000, 128, 4.0)]):
+        tables = [TableSpec(f"t{i}", r, d, p, 0.4) for i, (r, d, p) in enumerate(rows)]
+        cfgs = [TableConfig(t.name, t.rows, t.dim) for t in tables]
+        for batch in (1024, 4096):
+            for plan in [default_plan(cfgs, topo, k) for k in ("table_wise", "row_wise", "data_parallel", "column_wise")] + [
+                single_rank_plan(cfgs, topo)
+            ]:
+                measured.append((plan, tables, batch, score_plan(plan, tables, truth, Workload(batch)).max_rank_s))
+    got = fit_collection(replace(truth, latency_s=0.0, intra_host_bw=1e12, cross_host_bw=1e12, replica_byte_s=0.0), measured)
+    assert got["latency_s"] == pytest.approx(truth.latency_s, rel=1e-3)
+    assert got["intra_host_bw"] == pytest.approx(truth.intra_host_bw, rel=1e-3)
+    assert got["replica_byte_s"] == pytest.approx(truth.replica_byte_s, rel=1e-3)
 
 
 def _torchrec():

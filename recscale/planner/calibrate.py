@@ -1,7 +1,7 @@
 """Measure this machine for the planner: every constant of the cost model, from the real
 operator and the real sharded collection.
 
-Three short stages (a few minutes in all; every probe is timed in three rounds over all
+Short stages (a few minutes in all; every probe is timed in three rounds over all
 probes and its median kept, so a burst of load on a shared machine moves one round):
 
 1. *Compute* (one process, with the threads one of ``world_size`` local ranks gets): time full
@@ -15,9 +15,11 @@ probes and its median kept, so a burst of load on a shared machine moves one rou
 2. *Communication* (``world_size`` local processes): all-to-all of a small and a large message;
    latency per collective and bandwidth (bytes sent plus received per second, as the cost model
    counts both directions).
-3. *Collection* (more than one rank): steps of the real sharded collection on ``world_size``
-   local processes, fitted for contention between ranks sharing the host and for what a
-   collective costs inside a step (``measure_collection``).
+3. *Contention* (more than one rank): single-thread steps alone and as ``world_size`` copies
+   side by side; the slowdown from sharing the host's memory system (``measure_contention``).
+4. *Collection* (more than one rank): steps of the real sharded collection on ``world_size``
+   local processes, fitted for what a collective costs inside a step and what data-parallel
+   replicas pay per row they combine (``measure_collection``).
 
 The result is a ``Hardware`` JSON (``recscale calibrate --out FILE``) with the fit's residuals.
 """
@@ -44,7 +46,7 @@ from recscale.comm.shared_memory import enable_shared_memory, shared_memory_want
 from recscale.embedding import TableConfig
 from recscale.planner.cost_model import TableSpec, Workload
 from recscale.planner.hardware import Hardware
-from recscale.planner.measure import _free_port, shard_loads, synthetic_batches, time_plan
+from recscale.planner.measure import _free_port, shard_loads, synthetic_batches, time_plan, time_plan_side_by_side
 from recscale.sharding.default_plan import TableSharding, default_plan, single_rank_plan
 from recscale.sharding.plan import ShardingPlan
 
@@ -147,6 +149,14 @@ def fit(probes_by_bf: dict[float, list[Probe]], fixed: dict[str, float] | None =
     return best[0], best[1], best[3]
 
 
+def _compute_plan(set_name: str, kind: str) -> tuple[ShardingPlan, list[TableSpec]]:
+    """A stage-1 probe: one probe set's tables on one rank, placed as ``kind`` (column shards: 2 per table)."""
+    tables = [TableSpec(f"{set_name}{i}", r, d, p) for i, (r, d, p) in enumerate(PROBE_SETS[set_name])]
+    cfgs = [TableConfig(t.name, t.rows, t.dim) for t in tables]
+    overrides = {c.name: TableSharding("column_wise", 2) for c in cfgs} if kind == "column_wise" else None
+    return default_plan(cfgs, Topology(1, 0, 1), "table_wise" if kind == "column_wise" else kind, overrides), tables
+
+
 def measure_compute(world_size: int, batches: tuple[int, ...] = (1024, 4096), steps: int = 5,
                     progress=None, quick: bool = False, rounds: int = 3,
                     between_rounds: Callable[[], None] | None = None) -> tuple[dict[str, float], float, float, list[Probe]]:
@@ -155,20 +165,16 @@ def measure_compute(world_size: int, batches: tuple[int, ...] = (1024, 4096), st
     load on a shared machine moves one round, not one probe's figure (and with it a constant)."""
     threads = max(1, (os.cpu_count() or 1) // world_size)
     cases: list[tuple[str, ShardingPlan, list[TableSpec], list]] = []
-    topo = Topology(1, 0, 1)
-    for set_name, rows in PROBE_SETS.items():
+    for set_name in PROBE_SETS:
         if quick and set_name in ("large", "narrow"):
             continue
-        tables = [TableSpec(f"{set_name}{i}", r, d, p) for i, (r, d, p) in enumerate(rows)]
-        cfgs = [TableConfig(t.name, t.rows, t.dim) for t in tables]
         for kind in PROBE_TYPES:
             if set_name == "large" and kind == "data_parallel":
                 continue  # same bytes as table-wise; skip to keep calibration short
             if set_name == "many_small" and kind == "column_wise":
                 continue  # planners never split 16-wide tiny tables; their row-statistic
                 # bookkeeping grows with shards x shards and would distort the fit
-            overrides = {c.name: TableSharding("column_wise", 2) for c in cfgs} if kind == "column_wise" else None
-            plan = default_plan(cfgs, topo, "table_wise" if kind == "column_wise" else kind, overrides)
+            plan, tables = _compute_plan(set_name, kind)
             for b in batches:
                 cases.append((f"{set_name}/{kind}/B{b}", plan, tables, synthetic_batches(tables, b, 2, seed=b)))
     times: list[list[float]] = [[] for _ in cases]
@@ -187,6 +193,33 @@ def measure_compute(world_size: int, batches: tuple[int, ...] = (1024, 4096), st
     by_bf = {1.0: [Probe(n, probe_terms(p, tb, g, 1.0), t) for n, p, tb, g, t in measured]}
     coef, bf, err = fit(by_bf)
     return coef, bf, err, by_bf[bf]
+
+
+# Stage-1 probes of different kinds whose slowdown side by side gives ``contention``.
+CONTENTION_PROBES = (("mixed", "table_wise"), ("large", "row_wise"), ("narrow", "column_wise"))
+
+
+def measure_contention(world_size: int, batch: int = 4096, steps: int = 5, rounds: int = 3, progress=None,
+                       quick: bool = False) -> float:
+    """Stage 2a: how much ranks of one host slow each other by sharing memory bandwidth and
+    caches, measured, not fitted: single-thread embedding steps run alone, then as
+    ``world_size`` independent copies at once (they never communicate, so nothing waits);
+    ``contention`` is the median slowdown minus one, over probes of several kinds and rounds
+    (0.0-0.1 on the 2-core development VM)."""
+    probes = CONTENTION_PROBES[:1] if quick else CONTENTION_PROBES
+    cases = []
+    for set_name, kind in probes:
+        plan, tables = _compute_plan(set_name, kind)
+        cases.append((f"{set_name}/{kind}/B{batch}", plan, tables, synthetic_batches(tables, batch, 2, seed=batch)))
+    ratios = []
+    for r in range(1 if quick else rounds):
+        for name, plan, tables, gb in cases:
+            alone = time_plan_side_by_side(plan, tables, gb, 1, steps)  # the same kind of process, alone
+            together = time_plan_side_by_side(plan, tables, gb, world_size, steps)
+            ratios.append(together / alone)
+            if progress:
+                progress(f"round {r + 1}: {name}: {alone * 1e3:.2f} ms alone, {together * 1e3:.2f} ms with {world_size} at once")
+    return max(0.0, statistics.median(ratios) - 1.0)
 
 
 def _a2a_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -231,22 +264,22 @@ def measure_collection(hw: Hardware, batches: tuple[int, ...] = (1024, 4096), st
     """Stage 3 (more than one rank): the real collection on ``hw.world_size`` local processes.
 
     Steps of balanced plans (table-wise, row-wise, data-parallel, column shards over every rank)
-    and of every table on rank 0 (the others only exchange: no contention) are fitted as
-    ``compute + contention x overlap + latency x collectives + bytes / bandwidth``,
-    with compute as stage 1 predicts it for one rank alone and overlap what the slowest rank
-    computes while the others compute too (``search.apply_contention``). ``contention`` (> 0 when
-    ranks share a host; on the 2-core development VM shared bandwidth and caches slow a rank by
-    under 10%, so most of the fitted 0.3-0.5 is ranks waiting for each other at each collective,
-    which grows with what they compute) is thus separate from the per-item constants,
-    and a plan that leaves a rank idle is not charged for it; latency and bandwidth are what a collective costs
-    inside a step, which on shared cores is far more than an isolated all-to-all suggests
-    (the ranks' threads must wake each other up)."""
+    and of every table on rank 0 (the others only exchange) are fitted as ``compute + latency x
+    collectives + bytes / bandwidth + replica bytes x replica_byte_s``, with compute as stage 1
+    predicts it for one rank plus the measured ``hw.contention`` (``search.apply_contention``).
+    Latency and bandwidth are what a collective costs inside a step, which on shared cores is
+    more than an isolated all-to-all suggests (the ranks' threads must wake each other up).
+    ``replica_byte_s`` is what data-parallel replicas pay per byte of row gradients they combine,
+    beyond one rank's work: the copies, the second pass over every replica's rows, and the waits
+    at the three collectives of each operator group, where each replica meets the others
+    mid-backward (per byte rather than per row: wide rows measured dearer).
+    (Fitting a contention factor here instead, as before, charged every plan for the waits
+    these replicas do: column shards, whose ranks do the same work and rarely wait, came out
+    25-35% too slow and data-parallel plans 15-25% too fast.)"""
     from recscale.planner.measure import unique_fractions
-    from recscale.planner.search import score_plan
 
     w = hw.world_size
     topo = Topology(w, 0, w)
-    fast = replace(hw, intra_host_bw=1e30, cross_host_bw=1e30, latency_s=0.0, contention=0.0)
     cases = []
     for set_name in sets:
         raw = [TableSpec(f"{set_name}{i}", r, d, p) for i, (r, d, p) in enumerate(PROBE_SETS[set_name])]
@@ -271,23 +304,36 @@ def measure_collection(hw: Hardware, batches: tuple[int, ...] = (1024, 4096), st
                 progress(f"{w} ranks, round {r + 1}: {name}: {times[i][-1] * 1e3:.2f} ms")
         if between_rounds is not None:
             between_rounds()
+    return fit_collection(hw, [(plan, tables, gb[0].batch_size, statistics.median(ts)) for (_, plan, tables, gb), ts in zip(cases, times)])
+
+
+def fit_collection(hw: Hardware, measured: list[tuple[ShardingPlan, list[TableSpec], int, float]]) -> dict[str, float]:
+    """Stage 3's fit: latency, bandwidth and ``replica_byte_s`` from (plan, tables, global batch,
+    measured seconds), given ``hw``'s compute constants and contention (relative error weighted)."""
+    from recscale.planner.search import score_plan
+
+    fast = replace(hw, intra_host_bw=1e30, cross_host_bw=1e30, latency_s=0.0, replica_byte_s=0.0)
     ys, rows_a = [], []
-    for (_, plan, tables, gb), ts in zip(cases, times):
-        meas = statistics.median(ts)
-        wl = Workload(batch_size=gb[0].batch_size)
-        base = score_plan(plan, tables, fast, wl).max_rank_s  # every rank alone, no exchange
-        # the contention term's regressor: what the slowest rank computes alongside the others
-        overlap = score_plan(plan, tables, replace(fast, contention=1.0), wl).max_rank_s - base
-        lat = score_plan(plan, tables, replace(fast, latency_s=1e-3), wl).max_rank_s - base
-        nbytes = (score_plan(plan, tables, replace(fast, intra_host_bw=1e9, cross_host_bw=1e9), wl).max_rank_s - base) * 1e9
+    for plan, tables, batch, meas in measured:
+        wl = Workload(batch_size=batch)
+
+        def extra(**k: float) -> float:  # what one unit of a term adds to the slowest rank
+            return score_plan(plan, tables, replace(fast, **k), wl).max_rank_s - base
+
+        base = score_plan(plan, tables, fast, wl).max_rank_s  # every rank computing, no exchange
         ys.append((meas - base) / meas)
-        rows_a.append([overlap / meas, lat / 1e-3 / meas, nbytes / meas])
+        rows_a.append([extra(latency_s=1e-3) / 1e-3 / meas, extra(intra_host_bw=1e9, cross_host_bw=1e9) * 1e9 / meas,
+                       extra(replica_byte_s=1e-9) * 1e9 / meas])
     a = np.array(rows_a)
     scale = a.max(0)
     scale[scale == 0] = 1.0
-    contention, latency, per_byte = _nnls(a / scale, np.array(ys)) / scale
-    return {"contention": float(contention), "latency_s": float(latency),
-            "intra_host_bw": float(1.0 / per_byte) if per_byte > 0 else 1e12}
+    latency, per_byte, replica_byte = _nnls(a / scale, np.array(ys)) / scale
+    return {"latency_s": float(latency), "intra_host_bw": float(1.0 / per_byte) if per_byte > 0 else 1e12,
+            "replica_byte_s": float(replica_byte)}
+
+
+def _rate(seconds_per_byte: float) -> str:
+    return f"{1e-9 / seconds_per_byte:.2f} GB/s" if seconds_per_byte > 0 else "no measurable cost"
 
 
 def physical_memory_bytes() -> float:
@@ -329,15 +375,18 @@ def calibrate(world_size: int = 2, memory_fraction: float = 0.6, progress=None, 
         step_overhead_s=coef["step_overhead_s"],
     )
     if world_size > 1:
+        contention = measure_contention(world_size, batches[-1], steps, progress=progress, quick=quick)
+        hw = replace(hw, contention=contention)
         fitted = measure_collection(hw, batches[-1:] if quick else batches, steps, progress=progress,
                                     sets=("mixed",) if quick else ("mixed", "large", "many_small"), rounds=1 if quick else 3,
                                     between_rounds=between_rounds)
         if progress:
-            progress(f"isolated all-to-all: {comm['latency_s'] * 1e6:.0f} us, {comm['intra_host_bw'] / 1e9:.2f} GB/s; "
+            progress(f"contention {contention:.2f} (compute x{1 + contention:.2f} while every rank is busy); "
+                     f"isolated all-to-all: {comm['latency_s'] * 1e6:.0f} us, {comm['intra_host_bw'] / 1e9:.2f} GB/s; "
                      f"in the collection: {fitted['latency_s'] * 1e6:.0f} us, {fitted['intra_host_bw'] / 1e9:.2f} GB/s, "
-                     f"contention {fitted['contention']:.2f} (compute x{1 + fitted['contention']:.2f} while every rank is busy)")
+                     f"data-parallel replicas combine rows at {_rate(fitted['replica_byte_s'])}")
         # A collective inside a step costs at least what it costs alone; the fit, whose other
         # terms can absorb a small latency, may not go below the isolated measurement.
         hw = replace(hw, latency_s=max(fitted["latency_s"], comm["latency_s"]), intra_host_bw=fitted["intra_host_bw"],
-                     cross_host_bw=fitted["intra_host_bw"], contention=fitted["contention"])
+                     cross_host_bw=fitted["intra_host_bw"], replica_byte_s=fitted["replica_byte_s"])
     return hw

@@ -14,7 +14,9 @@ table with ``rows_t`` rows, dim ``d``, pooling factor P and unique fraction u:
   compute                   bytes / memory_bw + n id_s + U row_s + m bag_s + 2 kernel_overhead_s
                             (+ B P / W route_id_s for row-split shards: the source bucketizes;
                             + n column_stat_id_s for column shards of a row-wise optimizer;
-                            data-parallel: + a second pass over the W U gathered row gradients;
+                            data-parallel: + a second pass over the W U gathered row gradients,
+                            and replica_byte_s per byte combined across replicas (W U rows of
+                            cols x 4 + 8 bytes gathered, or a dense reduce's buffer in and out);
                             + n dist_id_s + m cols dist_value_s if not data-parallel: the
                             owner's side of the input and output distribution)
   communication             ids in (n x id bytes), pooled out (m cols x wire_fwd), gradients in
@@ -178,13 +180,13 @@ def shard_cost(t: TableSpec, sharding_type: str, rows: int, cols: int, hw: Hardw
         # such tables of a dim: no per-table kernels.
         buf = rows * (cols + 1) * 4.0
         comm = _others_link_time(2 * buf * (w - 1) / w, hw)
-        compute += 6 * buf / hw.memory_bw
+        compute += 6 * buf / hw.memory_bw + 2 * buf * hw.replica_byte_s
     elif sharding_type == "data_parallel":
         # ``replica_gradients.py``, gather: every rank gathers every replica's unique rows and
         # their gradients (int64 row + fp32 values), and sums them (a second sort and pooling
         # pass over the W x U gathered rows) before updating the union (``updated`` above).
         comm = _others_link_time(unique * (w - 1) * (cols * 4 + 8), hw)
-        compute += unique * w * (hw.id_s + cols * 4 * 2 / hw.memory_bw)
+        compute += unique * w * (hw.id_s + cols * 4 * 2 / hw.memory_bw + (cols * 4 + 8) * hw.replica_byte_s)
     elif sharding_type == "table_row_wise" and hw.num_hosts > 1 and t.rows >= hw.ranks_per_host:
         # Hierarchical (``sharding/hierarchical.py``): the partial sums of all B samples are
         # reduce-scattered inside the host, then this rank's 1/R of the finished sums goes to

@@ -45,10 +45,15 @@ class Hardware:
     dist_id_s: float = 0.0
     dist_value_s: float = 0.0
     step_overhead_s: float = 0.0  # fixed per step
-    # Ranks of one host (CPU processes) slow each other while both compute (shared bandwidth and
-    # caches, and waiting for each other at every collective): a rank pays ``contention`` x the
-    # time it computes alongside each other rank of its host (min of the two computes, averaged
-    # over the others). 0 on GPUs (own HBM).
+    # Per byte of row gradients a data-parallel replica combines with the other replicas' (every
+    # replica's gathered rows with their ids, or a dense reduce's buffer in and out), beyond one
+    # rank's own work: the copies, the second pass over them, and the waits at each operator
+    # group's collectives mid-backward.
+    replica_byte_s: float = 0.0
+    # Ranks of one host (CPU processes) slow each other while both compute (shared memory
+    # bandwidth and caches): a rank pays ``contention`` x the time it computes alongside each
+    # other rank of its host (min of the two computes, averaged over the others). Measured by
+    # running single-thread steps side by side. 0 on GPUs (own HBM).
     contention: float = 0.0
     # Bytes a random row read moves at least: a GPU reads whole 128-byte lines, so a shard 4
     # columns wide costs as much per id as one 32 columns wide (0: reads are exactly the row).
@@ -63,7 +68,7 @@ class Hardware:
             if getattr(self, key) <= 0:
                 raise ValueError(f"hardware '{self.name}': {key} must be > 0")
         for key in ("latency_s", "kernel_overhead_s", "backward_factor", "id_s", "row_s", "bag_s", "route_id_s",
-                    "column_stat_id_s", "feature_s", "dist_id_s", "dist_value_s", "step_overhead_s", "contention",
+                    "column_stat_id_s", "feature_s", "dist_id_s", "dist_value_s", "step_overhead_s", "replica_byte_s", "contention",
                     "min_row_read_bytes"):
             if getattr(self, key) < 0:
                 raise ValueError(f"hardware '{self.name}': {key} must be >= 0")

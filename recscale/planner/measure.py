@@ -130,6 +130,37 @@ def _worker(rank, world, port, plan_dict, tables, batches, steps, out_dir) -> No
             torch.distributed.destroy_process_group()
 
 
+def _copy_worker(index: int, plan_dict, tables, batches, steps, start, out_dir) -> None:
+    torch.set_num_threads(1)
+    groups = init_process_groups(Topology(1, 0, 1), device=torch.device("cpu"))
+    cfgs = [TableConfig(t.name, t.rows, t.dim) for t in tables]
+    coll = ShardedEmbeddingCollection(cfgs, RowWiseAdagrad(lr=0.01), ShardingPlan.from_dict(plan_dict), groups)
+    retain_freed_memory()
+    times = []
+    for i in range(steps + 2):  # two warm-up steps, then every copy starts timing at once
+        if i == 2:
+            start.wait()
+        t0 = time.perf_counter()
+        out = coll(batches[i % len(batches)])
+        out.backward(torch.ones_like(out))
+        times.append(time.perf_counter() - t0)
+    torch.save(times[2:], Path(out_dir) / f"c{index}.pt")
+
+
+def time_plan_side_by_side(plan: ShardingPlan, tables: list[TableSpec], batches: list[JaggedBatch], copies: int,
+                           steps: int = 7) -> float:
+    """Median step time of one rank's work (a 1-rank ``plan``, one thread) while ``copies``
+    independent processes run it at once, one per core: what sharing the host's memory
+    bandwidth and caches costs, without any waiting for each other (they never communicate)."""
+    ctx = mp.get_context("spawn")
+    start = ctx.Barrier(copies)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_copy_worker, args=(plan.to_dict(), tables, batches, steps, start, tmp), nprocs=copies,
+                           start_method="spawn")
+        per_copy = [torch.load(Path(tmp) / f"c{i}.pt") for i in range(copies)]
+    return statistics.median(t for ts in per_copy for t in ts)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -187,7 +187,7 @@ def apply_contention(ranks: list[RankLoad], hw: Hardware) -> None:
     """Ranks sharing a host's cores slow each other only while both compute: rank r pays
     ``contention x min(c_r, c_o)`` averaged over the other ranks o of its host. A plan that
     leaves a rank idle thus runs its busy rank at single-rank speed, a balanced one pays the
-    full factor (which is what the calibration fits)."""
+    full factor (which is what the calibration measures)."""
     r = hw.ranks_per_host
     if hw.contention <= 0 or r < 2:
         return
