@@ -129,28 +129,32 @@ TORCHREC_DEFAULTS = Hardware(
     cross_host_bw=12.5 * GB,
 )
 
-# This kind of machine (2-core AMD EPYC VM, gloo between local ranks), as `recscale calibrate
-# --ranks 2` measured it with the native kernels on; the trainer's planner uses it when no calibration is cached. Memory is
-# a conservative 4 GB per rank: recalibrate (or pass a file) to plan for a bigger machine.
+# This kind of machine (2-core AMD EPYC VM, shared memory between local ranks), as `recscale
+# calibrate --ranks 2` measured it (stop 18: contention measured side by side, replicas' per-byte
+# cost fitted); the trainer's planner uses it when no calibration is cached. Memory is a
+# conservative 4 GB per rank: recalibrate (or pass a file) to plan for a bigger machine.
 LOCAL_CPU = Hardware(
     name="local-cpu",
     world_size=2,
     ranks_per_host=2,
     memory_bytes=4 * GB,
-    memory_bw=9.95 * GB,
-    intra_host_bw=1.08 * GB,
-    cross_host_bw=1.08 * GB,
-    latency_s=0.79e-3,
-    kernel_overhead_s=0.9e-6,
+    memory_bw=79.2 * GB,
+    intra_host_bw=2.15 * GB,
+    cross_host_bw=2.15 * GB,
+    latency_s=78e-6,
+    kernel_overhead_s=0.0,
     backward_factor=1.0,
-    id_s=0.0,
-    row_s=128e-9,
-    bag_s=36e-9,
-    route_id_s=26.4e-9,
-    column_stat_id_s=59.5e-9,
+    id_s=17.4e-9,
+    row_s=11.0e-9,
+    bag_s=0.0,
+    route_id_s=16.4e-9,
+    column_stat_id_s=37.6e-9,
     feature_s=0.0,
-    step_overhead_s=0.23e-3,
-    contention=0.28,
+    dist_id_s=4.7e-9,
+    dist_value_s=1.42e-9,
+    step_overhead_s=0.175e-3,
+    replica_byte_s=0.277e-9,
+    contention=0.0,
 )
 
 PRESETS = {h.name: h for h in (ZIONEX, TORCHREC_DEFAULTS, LOCAL_CPU)}
