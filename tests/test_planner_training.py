@@ -113,7 +113,7 @@ def test_calibration_fit_recovers_the_constants_of_a_known_machine():
 
 
 def test_collection_fit_recovers_latency_bandwidth_and_replica_cost():
-    # Steps of a known 2-rank machine, priced by the cost model itself: stage 3's fit must give
+    # Steps of a known 2-rank machine, priced by the cost model itself: stage 4's fit must give
     # back its latency, link bandwidth and per-replica-byte cost, given its compute and contention.
     from dataclasses import replace
 

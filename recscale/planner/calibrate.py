@@ -19,7 +19,7 @@ probes and its median kept, so a burst of load on a shared machine moves one rou
    side by side; the slowdown from sharing the host's memory system (``measure_contention``).
 4. *Collection* (more than one rank): steps of the real sharded collection on ``world_size``
    local processes, fitted for what a collective costs inside a step and what data-parallel
-   replicas pay per row they combine (``measure_collection``).
+   replicas pay per byte of row gradients they combine (``measure_collection``).
 
 The result is a ``Hardware`` JSON (``recscale calibrate --out FILE``) with the fit's residuals.
 """
@@ -201,7 +201,7 @@ CONTENTION_PROBES = (("mixed", "table_wise"), ("large", "row_wise"), ("narrow", 
 
 def measure_contention(world_size: int, batch: int = 4096, steps: int = 5, rounds: int = 3, progress=None,
                        quick: bool = False) -> float:
-    """Stage 2a: how much ranks of one host slow each other by sharing memory bandwidth and
+    """Stage 3: how much ranks of one host slow each other by sharing memory bandwidth and
     caches, measured, not fitted: single-thread embedding steps run alone, then as
     ``world_size`` independent copies at once (they never communicate, so nothing waits);
     ``contention`` is the median slowdown minus one, over probes of several kinds and rounds
@@ -261,7 +261,7 @@ def measure_all_to_all(world: int = 2) -> dict[str, float]:
 def measure_collection(hw: Hardware, batches: tuple[int, ...] = (1024, 4096), steps: int = 5,
                        progress=None, sets: tuple[str, ...] = ("mixed", "large", "many_small"),
                        rounds: int = 3, between_rounds: Callable[[], None] | None = None) -> dict[str, float]:
-    """Stage 3 (more than one rank): the real collection on ``hw.world_size`` local processes.
+    """Stage 4 (more than one rank): the real collection on ``hw.world_size`` local processes.
 
     Steps of balanced plans (table-wise, row-wise, data-parallel, column shards over every rank)
     and of every table on rank 0 (the others only exchange) are fitted as ``compute + latency x
@@ -308,7 +308,7 @@ def measure_collection(hw: Hardware, batches: tuple[int, ...] = (1024, 4096), st
 
 
 def fit_collection(hw: Hardware, measured: list[tuple[ShardingPlan, list[TableSpec], int, float]]) -> dict[str, float]:
-    """Stage 3's fit: latency, bandwidth and ``replica_byte_s`` from (plan, tables, global batch,
+    """Stage 4's fit: latency, bandwidth and ``replica_byte_s`` from (plan, tables, global batch,
     measured seconds), given ``hw``'s compute constants and contention (relative error weighted)."""
     from recscale.planner.search import score_plan
 
