@@ -168,6 +168,11 @@ def all_gather_sizes(n: int, group: dist.ProcessGroup | None, device: torch.devi
     return [int(v) for v in out]
 
 
+def _check_own_size(x: torch.Tensor, group: dist.ProcessGroup, sizes: Sequence[int], name: str) -> None:
+    if int(sizes[dist.get_rank(group)]) != x.shape[0]:
+        raise ValueError(f"{name}: this rank has {x.shape[0]} rows but sizes says {sizes[dist.get_rank(group)]}")
+
+
 def all_gather_rows(
     x: torch.Tensor,
     group: dist.ProcessGroup | None,
@@ -179,8 +184,8 @@ def all_gather_rows(
     ``sizes``: every rank's dim 0 when the caller already knows them (saves an exchange)."""
     if group is None:
         return [x]
-    if sizes is not None and int(sizes[dist.get_rank(group)]) != x.shape[0]:
-        raise ValueError(f"{name}: this rank has {x.shape[0]} rows but sizes says {sizes[dist.get_rank(group)]}")
+    if sizes is not None:
+        _check_own_size(x, group, sizes, name)
     shm = shared_memory_group(group) if x.device.type == "cpu" else None
     if shm is not None:
         if stats is not None:
@@ -217,8 +222,7 @@ def all_gather_concat(
     shm = shared_memory_group(group) if x.device.type == "cpu" else None
     if shm is None or sizes is None:
         return torch.cat(all_gather_rows(x, group, stats, name, sizes))
-    if int(sizes[dist.get_rank(group)]) != x.shape[0]:
-        raise ValueError(f"{name}: this rank has {x.shape[0]} rows but sizes says {sizes[dist.get_rank(group)]}")
+    _check_own_size(x, group, sizes, name)
     if stats is not None:
         stats.add(name, x.element_size() * x.numel() * (dist.get_world_size(group) - 1))
     with stats.timed(name) if stats is not None else nullcontext():

@@ -16,6 +16,7 @@ import socket
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,7 +100,7 @@ def shard_loads(plan: ShardingPlan, batch: JaggedBatch) -> list[ShardLoad]:
 
 
 def _step_times(rank: int, world: int, plan: ShardingPlan, tables: list[TableSpec], batches: list[JaggedBatch],
-                steps: int, groups) -> list[float]:
+                steps: int, groups, after_warm_up: Callable[[], object] | None = None) -> list[float]:
     cfgs = [TableConfig(t.name, t.rows, t.dim) for t in tables]
     coll = ShardedEmbeddingCollection(cfgs, RowWiseAdagrad(lr=0.01), plan, groups)
     retain_freed_memory()  # as `recscale train` does once the model is built: no page faults per step
@@ -108,6 +109,8 @@ def _step_times(rank: int, world: int, plan: ShardingPlan, tables: list[TableSpe
     locals_ = [g.split(sizes)[rank] if world > 1 else g for g in batches]
     times = []
     for i in range(steps + 2):  # two warm-up steps
+        if i == 2 and after_warm_up is not None:
+            after_warm_up()
         local = locals_[i % len(locals_)]
         if groups.embedding is not None:
             torch.distributed.barrier(groups.embedding)
@@ -133,18 +136,9 @@ def _worker(rank, world, port, plan_dict, tables, batches, steps, out_dir) -> No
 def _copy_worker(index: int, plan_dict, tables, batches, steps, start, out_dir) -> None:
     torch.set_num_threads(1)
     groups = init_process_groups(Topology(1, 0, 1), device=torch.device("cpu"))
-    cfgs = [TableConfig(t.name, t.rows, t.dim) for t in tables]
-    coll = ShardedEmbeddingCollection(cfgs, RowWiseAdagrad(lr=0.01), ShardingPlan.from_dict(plan_dict), groups)
-    retain_freed_memory()
-    times = []
-    for i in range(steps + 2):  # two warm-up steps, then every copy starts timing at once
-        if i == 2:
-            start.wait()
-        t0 = time.perf_counter()
-        out = coll(batches[i % len(batches)])
-        out.backward(torch.ones_like(out))
-        times.append(time.perf_counter() - t0)
-    torch.save(times[2:], Path(out_dir) / f"c{index}.pt")
+    # every copy starts timing at once, after its warm-up
+    times = _step_times(0, 1, ShardingPlan.from_dict(plan_dict), tables, batches, steps, groups, start.wait)
+    torch.save(times, Path(out_dir) / f"c{index}.pt")
 
 
 def time_plan_side_by_side(plan: ShardingPlan, tables: list[TableSpec], batches: list[JaggedBatch], copies: int,
