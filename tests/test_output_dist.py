@@ -1,5 +1,6 @@
-"""The output distribution's whole-feature fast path (dim-wide row copies instead of a
-per-column scatter-add) equals one process, alone and next to the general path."""
+"""The output distribution's whole-feature fast path (dim-wide row copies) and its general path
+(runs of columns copied or added, ``column_runs.py``) equal one process, alone and together;
+column runs equal a scatter-add into zeros bitwise."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ import torch
 from dist_utils import run_ranks
 from recscale.comm.process_group import Topology, init_process_groups
 from recscale.embedding import RowWiseAdagrad, TableBatchedEmbeddingBags, TableConfig
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from recscale.sharding.collection import ShardedEmbeddingCollection
+from recscale.sharding.column_runs import column_runs, place, take
 from recscale.sharding.default_plan import TableSharding, default_plan
 from recscale.sparse import JaggedBatch
 
@@ -73,6 +78,30 @@ def test_whole_feature_output_path_equals_one_process() -> None:
             if name == "table_wise":
                 assert all_copied and all(fast)
             if name == "mixed":
-                assert not all(fast)  # the general path ran here too
+                assert not all(fast) and all_copied  # the general path ran here too; row shards' first part copies
             if name == "with_dp":
-                assert not all_copied and any(fast)
+                assert all_copied and any(fast)  # the replicas' columns are copied in as well
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_column_runs_equal_a_scatter_add_into_zeros(data) -> None:
+    # Blocks whose columns go anywhere in the output, overlapping (row shards' partial sums)
+    # or not, in any order: copying the first writer's runs and adding the rest gives the
+    # bits of index_add_ into zeros, and ``take`` is index_select.
+    width = data.draw(st.integers(1, 24))
+    blocks = data.draw(st.lists(st.lists(st.integers(0, width - 1), min_size=1, max_size=width, unique=True), min_size=1, max_size=4))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 99)))
+    values = [torch.randn(5, len(cols), generator=gen) for cols in blocks]
+    want = torch.zeros(5, width)
+    for cols, v in zip(blocks, values):
+        want.index_add_(1, torch.tensor(cols), v)
+    written = [False] * width
+    runs = [column_runs(cols, written) for cols in blocks]
+    got = torch.full((5, width), float("nan")) if all(written) else torch.zeros(5, width)
+    for r, v in zip(runs, values):
+        place(got, v, r)
+    assert torch.equal(got, want)
+    grad = torch.randn(5, width, generator=gen)
+    for cols, r in zip(blocks, runs):
+        assert torch.equal(take(grad, r), grad.index_select(1, torch.tensor(cols)))

@@ -28,8 +28,12 @@ table with ``rows_t`` rows, dim ``d``, pooling factor P and unique fraction u:
                             fewer bytes (``dense_is_cheaper``, the runtime's rule)
   memory                    rows cols (e + state per element) + rows x state per row
 Every rank alike (``source_cost``): its own samples' ids out, pooled outputs in and gradients
-out (link time, plus dist_id_s per id and dist_value_s per pooled value for tables that are
-not data-parallel), ``feature_s`` per feature, ``latency_s`` per collective, ``step_overhead_s``.
+out (link time for every shard as if it were on another rank: a row shard sends each source
+a partial output of its own; plus dist_id_s per id and dist_value_s per pooled value for
+tables that are not data-parallel), ``feature_s`` per feature, ``latency_s`` per collective,
+``step_overhead_s``. A shard's owner gets back the link time of its own samples' share of the
+shard (1/W of its traffic), which never leaves the rank: so of two ranks, the one holding every
+table exchanges only the other rank's samples, as it does.
 The constants are hardware figures (``Hardware``): the GPU presets set only bandwidths, latency
 and kernel overhead; ``recscale calibrate`` measures all of them on this machine.
 """
@@ -82,6 +86,9 @@ class ShardCost:
     compute_s: float
     comm_s: float
     memory_bytes: float
+    # What one source rank exchanges with this shard per step (its samples' ids out, their
+    # outputs in, gradients out); every rank pays it (``source_cost``), the owner gets it back.
+    source_bytes: float = 0.0
 
     @property
     def time_s(self) -> float:
@@ -94,6 +101,12 @@ def _link_time(nbytes: float, hw: Hardware) -> float:
     intra = (r - 1) / w
     cross = (w - r) / w
     return nbytes * (intra / hw.intra_host_bw + cross / hw.cross_host_bw)
+
+
+def source_link_s(nbytes: float, hw: Hardware) -> float:
+    """A source rank's link time for ``nbytes`` exchanged with shards on other ranks (spread
+    evenly over them): what ``ShardCost.source_bytes`` costs every rank."""
+    return _others_link_time(nbytes, hw)
 
 
 def _others_link_time(nbytes: float, hw: Hardware) -> float:
@@ -173,6 +186,11 @@ def shard_cost(t: TableSpec, sharding_type: str, rows: int, cols: int, hw: Hardw
         compute += b * t.pooling / w * hw.route_id_s
     if sharding_type == "column_wise" and cols < t.dim and t.state_bytes_per_row > 0:
         compute += n * hw.column_stat_id_s
+    # One source's share: 1/W of the ids and outputs; every source gets a partial output from
+    # each row shard, and from a hierarchical table-row-wise shard 1/R of its finished sums.
+    hier = sharding_type == "table_row_wise" and hw.num_hosts > 1 and t.rows >= hw.ranks_per_host
+    out_cols = cols / hw.ranks_per_host if hier else cols
+    source = 0.0 if sharding_type == "data_parallel" else (n * wl.id_bytes + m * out_cols * (wl.fwd_wire_bytes + wl.bwd_wire_bytes)) / w
     if sharding_type == "data_parallel" and _dense_rule(t, hw, unique):
         # ``replica_gradients.py``, dense reduce: the table's gradient plus a touched column,
         # reduce-scattered (an all-to-all, then a sum of W slices) and all-gathered; about six
@@ -187,7 +205,7 @@ def shard_cost(t: TableSpec, sharding_type: str, rows: int, cols: int, hw: Hardw
         # pass over the W x U gathered rows) before updating the union (``updated`` above).
         comm = _others_link_time(unique * (w - 1) * (cols * 4 + 8), hw)
         compute += unique * w * (hw.id_s + cols * 4 * 2 / hw.memory_bw + (cols * 4 + 8) * hw.replica_byte_s)
-    elif sharding_type == "table_row_wise" and hw.num_hosts > 1 and t.rows >= hw.ranks_per_host:
+    elif hier:
         # Hierarchical (``sharding/hierarchical.py``): the partial sums of all B samples are
         # reduce-scattered inside the host, then this rank's 1/R of the finished sums goes to
         # its sources, (H-1)/H of them on other hosts; gradients come back the same way. (A
@@ -198,7 +216,11 @@ def shard_cost(t: TableSpec, sharding_type: str, rows: int, cols: int, hw: Hardw
     else:
         traffic = n * wl.id_bytes + m * cols * (wl.fwd_wire_bytes + wl.bwd_wire_bytes)
         comm = _link_time(traffic, hw)
-    return ShardCost(compute, comm, memory)
+    # ``source_cost`` charges every rank its samples' exchange with every shard as if the shard
+    # were elsewhere; the owner's own samples never leave it, so it gets that share back: of
+    # two ranks, the one holding every table exchanges only the other rank's samples.
+    comm -= _others_link_time(source, hw)
+    return ShardCost(compute, comm, memory, source)
 
 
 def _replica_rows(t: TableSpec, hw: Hardware, wl: Workload) -> tuple[float, float]:
@@ -241,15 +263,18 @@ def collectives_per_step(kinds: dict[str, str], dims: dict[str, int], weighted: 
     return n
 
 
-def source_cost(tables: list[TableSpec], hw: Hardware, wl: Workload, kinds: dict[str, str] | None = None) -> float:
+def source_cost(tables: list[TableSpec], hw: Hardware, wl: Workload, kinds: dict[str, str] | None = None,
+                source_bytes: float | None = None) -> float:
     """What every rank pays alike for its own samples: sending their ids and receiving their
     pooled outputs (and sending gradients back), per-feature work, one latency per collective.
-    ``kinds`` maps table name to sharding type (data-parallel tables stay local)."""
+    ``kinds`` maps table name to sharding type (data-parallel tables stay local);
+    ``source_bytes`` is the sum of the plan's shards' ``ShardCost.source_bytes`` (default: one
+    whole shard per table that is not data-parallel)."""
     kinds = kinds or {}
     b_local = wl.batch_size / hw.world_size
     distributed = [t for t in tables if kinds.get(t.name) != "data_parallel"]
     packing = sum(b_local * (t.pooling * hw.dist_id_s + t.dim * hw.dist_value_s) for t in distributed)
-    nbytes = sum(
+    nbytes = source_bytes if source_bytes is not None else sum(
         b_local * t.pooling * wl.id_bytes + b_local * t.dim * (wl.fwd_wire_bytes + wl.bwd_wire_bytes) for t in distributed
     )
     dense = frozenset(t.name for t in tables if kinds.get(t.name) == "data_parallel" and dp_reduces_dense(t, hw, wl))
@@ -259,7 +284,7 @@ def source_cost(tables: list[TableSpec], hw: Hardware, wl: Workload, kinds: dict
         else 0
     )
     return (
-        _link_time(nbytes, hw)
+        _others_link_time(nbytes, hw)  # as if every shard were elsewhere; owners get their share back
         + coll * hw.latency_s * math.log2(max(hw.world_size, 2))
         + len(tables) * hw.feature_s
         + packing

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from recscale.planner.cost_model import ShardCost, TableSpec, Workload, shard_cost, source_cost
+from recscale.planner.cost_model import ShardCost, TableSpec, Workload, shard_cost, source_cost, source_link_s
 from recscale.planner.hardware import Hardware
 from recscale.sharding.plan import SHARDING_TYPES, PlanError, Shard, ShardingPlan, TablePlan
 from recscale.sharding.types._split import even_split
@@ -62,10 +62,14 @@ class PlanResult:
 
 
 class _Loads:
-    def __init__(self, world: int, cap: float) -> None:
-        self.time = [0.0] * world
-        self.mem = [0.0] * world
-        self.cap = cap
+    def __init__(self, hw: Hardware) -> None:
+        self.time = [0.0] * hw.world_size
+        self.mem = [0.0] * hw.world_size
+        self.cap = hw.memory_bytes
+        # What every rank pays alike for its samples' exchange with the placed shards: a row
+        # split sends every source a partial output per shard, which no single rank's load shows.
+        self.common = 0.0
+        self.link_per_source_byte = source_link_s(1.0, hw)
         # Options that keep every touched rank under ``floor`` (a lower bound on the final
         # slowest rank) are equally good for the maximum, so the cheapest in total wins:
         # tables are not split over ranks before the load requires it.
@@ -78,6 +82,14 @@ class _Loads:
         for s, c in zip(p.shards, p.costs):
             self.time[s.rank] += sign * c.time_s
             self.mem[s.rank] += sign * c.memory_bytes
+        self.common += sign * self.common_of(p)
+
+    def common_of(self, p: Placement) -> float:
+        return sum(c.source_bytes for c in p.costs) * self.link_per_source_byte
+
+    def total_of(self, p: Placement) -> float:
+        """The work an option adds over all ranks, what each pays alike included."""
+        return sum(c.time_s for c in p.costs) + len(self.time) * self.common_of(p)
 
 
 def _templates(t: TableSpec, hw: Hardware) -> list[tuple[str, list[tuple[int, int, int, int]]]]:
@@ -142,10 +154,11 @@ def _place(t: TableSpec, kind: str, rects, hw: Hardware, wl: Workload, loads: _L
 
 
 def _score(p: Placement, loads: _Loads, current_max: float) -> tuple[float, float]:
+    """(the slowest rank after placing ``p``, plus what it adds to every rank; total work)."""
     touched: dict[int, float] = {}
     for s, c in zip(p.shards, p.costs):
         touched[s.rank] = touched.get(s.rank, loads.time[s.rank]) + c.time_s
-    return max(current_max, max(touched.values())), sum(c.time_s for c in p.costs)
+    return max(current_max, max(touched.values())) + loads.common_of(p), loads.total_of(p)
 
 
 def _best_option(t: TableSpec, hw: Hardware, wl: Workload, loads: _Loads, allowed: set[str] | None) -> Placement | None:
@@ -215,7 +228,8 @@ def _result(method: str, placements: dict[str, Placement], tables: list[TableSpe
         tuple(TablePlan(t.name, placements[t.name].sharding_type, tuple(placements[t.name].shards)) for t in tables),  # type: ignore[arg-type]
     )
     kinds = {name: p.sharding_type for name, p in placements.items()}
-    return PlanResult(method, plan, ranks, source_cost(tables, hw, wl, kinds), time.perf_counter() - t0)
+    source_bytes = sum(c.source_bytes for p in placements.values() for c in p.costs)
+    return PlanResult(method, plan, ranks, source_cost(tables, hw, wl, kinds, source_bytes), time.perf_counter() - t0)
 
 
 def score_plan(plan: ShardingPlan, tables: list[TableSpec], hw: Hardware, wl: Workload, method: str = "given") -> PlanResult:
@@ -234,7 +248,7 @@ def plan_tables(
 ) -> PlanResult:
     """The default planner: several starts (greedy over every option with and without the
     average-load floor, greedy table-wise, greedy without column shards, greedy table-row-wise
-    on several hosts, and each baseline that fits), each improved by local search; the best
+    on several hosts, every table data-parallel, and each baseline that fits), each improved by local search; the best
     wins. Starting from every baseline means the result is never worse than any of them."""
     t0 = time.perf_counter()
     _check_names(tables)
@@ -252,6 +266,10 @@ def plan_tables(
         if hw.num_hosts > 1 and "table_row_wise" in kinds:
             hier = {"table_row_wise", "table_wise", "data_parallel"} & kinds
             subsets.append((hier, False, hier))
+    if "data_parallel" in kinds and hw.world_size > 1:
+        # Every table replicated, where it fits: no input or output exchange at all, which the
+        # per-rank greedy cannot see table by table (the exchange is paid by every rank alike).
+        subsets.append(({"data_parallel"}, False, kinds))
     starts: list[tuple[dict[str, Placement], set[str]]] = []
     no_fit: PlanError | None = None
     for subset, floor, search in subsets:
@@ -270,7 +288,7 @@ def plan_tables(
     deadline = t0 + time_budget_s
     best: PlanResult | None = None
     for i, (placements, search) in enumerate(starts):
-        loads = _Loads(hw.world_size, hw.memory_bytes)
+        loads = _Loads(hw)
         for p in placements.values():
             loads.apply(p)
         share = (deadline - time.perf_counter()) / (len(starts) - i)
@@ -291,7 +309,7 @@ def plan_tables(
 def _greedy(tables: list[TableSpec], hw: Hardware, wl: Workload, allowed: set[str] | None, floor: bool = False) -> dict[str, Placement]:
     """Largest tables first, each with the option and ranks that keep the maximum lowest
     (with ``floor``: no lower than the average load of the cheapest options, then cheapest)."""
-    loads = _Loads(hw.world_size, hw.memory_bytes)
+    loads = _Loads(hw)
     if floor:
         loads.floor = _average_load_bound(tables, hw, wl, allowed)
     placements: dict[str, Placement] = {}
@@ -324,14 +342,15 @@ def _average_load_bound(tables: list[TableSpec], hw: Hardware, wl: Workload, all
 
 
 def _local_search(tables, placements, loads: _Loads, hw, wl, allowed, deadline: float) -> None:
-    """Re-place the tables of the slowest rank while that lowers the maximum rank time."""
+    """Re-place the tables of the slowest rank while that lowers the maximum rank time (plus
+    what every rank pays alike for the exchanges)."""
     by_name = {t.name: t for t in tables}
     tabu: set[tuple[str, float]] = set()
     for _ in range(20 * len(tables) + 100):
         if time.perf_counter() > deadline:
             return
         worst = max(range(hw.world_size), key=lambda r: loads.time[r])
-        current = loads.time[worst]
+        current = loads.time[worst] + loads.common
         names = sorted(
             {p.table for p in placements.values() for s in p.shards if s.rank == worst},
             key=lambda n: -sum(c.time_s for s, c in zip(placements[n].shards, placements[n].costs) if s.rank == worst),
@@ -343,12 +362,12 @@ def _local_search(tables, placements, loads: _Loads, hw, wl, allowed, deadline: 
             new = _best_option(by_name[name], hw, wl, loads, allowed)
             if new is not None:
                 loads.apply(new)
-                new_max = max(loads.time)
+                new_max = max(loads.time) + loads.common
                 # Lower the maximum, or keep it and do less work in total (e.g. merge a split
                 # table), which frees room for later moves when several ranks tie at the top.
                 better = new_max < current - 1e-12 or (
                     new_max <= current + 1e-12
-                    and sum(c.time_s for c in new.costs) < sum(c.time_s for c in old.costs) * (1 - 1e-9)
+                    and loads.total_of(new) < loads.total_of(old) * (1 - 1e-9)
                 )
                 if better and (name, round(new_max, 15), round(sum(loads.time), 12)) not in tabu:
                     placements[name] = new
@@ -379,7 +398,7 @@ def baseline_plan(method: str, tables: list[TableSpec], hw: Hardware, wl: Worklo
 
 
 def _baseline_placements(method: str, tables: list[TableSpec], hw: Hardware, wl: Workload) -> dict[str, Placement]:
-    loads = _Loads(hw.world_size, hw.memory_bytes)
+    loads = _Loads(hw)
     if method in PROXIES:
         proxy = PROXIES[method]
         weight = [0.0] * hw.world_size

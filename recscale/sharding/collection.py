@@ -35,6 +35,7 @@ from recscale.embedding import SparseOptimizer, TableBatchedEmbeddingBags, Table
 from recscale.embedding.table_batched import init_rows, output_feature_order, row_gradients
 from recscale.sharding.hierarchical import HostBlock, TableRowWiseHierarchy
 from recscale.sharding.plan import ShardingPlan
+from recscale.sharding.column_runs import ColumnRun, column_runs, place, take
 from recscale.sharding.replica_gradients import ReplicaGradients, Reduction
 from recscale.sparse import JaggedBatch, SparseInputError, permute_bags
 
@@ -104,11 +105,9 @@ class PendingOutput:
         coll = self._coll
         if coll._dp_only:
             return coll.dp(self._batch.select(coll.dp.feature_names))
-        out = _OutputRecv.apply(self._token, coll, self._state)
-        if coll.dp is not None:
-            dp_out = coll.dp(self._batch.select(coll.dp.feature_names))
-            out = out.index_add(1, coll._dp_cols, dp_out)
-        return out
+        # The replicas pool their own samples while the outputs are still on their way.
+        dp_out = coll.dp(self._batch.select(coll.dp.feature_names)) if coll.dp is not None else None
+        return _OutputRecv.apply(self._token, coll, self._state, dp_out)
 
 
 def _shard_table_name(table: str, index: int) -> str:
@@ -245,10 +244,7 @@ class ShardedEmbeddingCollection(nn.Module):
         host_of = groups.topology.host_of
         self._in_widths = [flat_dims[d] + extra(d, me) for d in range(self.world)]  # columns rank d sends me
         self._out_widths = [flat_dims[me] + extra(me, s) for s in range(self.world)]  # columns I send rank s
-        self._colmaps = [
-            torch.tensor(colmaps[d] + (block_cols[host_of(d)] if extra(d, me) else []), dtype=torch.int64, device=device)
-            for d in range(self.world)
-        ]
+        in_cols = [colmaps[d] + (block_cols[host_of(d)] if extra(d, me) else []) for d in range(self.world)]
         # Owners whose shards are whole features (full width, not row-split) of one common dim
         # place their block with one copy of dim-wide rows per feature instead of a per-column
         # scatter-add (and gradients go back by the same rows). None: the general path.
@@ -263,20 +259,21 @@ class ShardedEmbeddingCollection(nn.Module):
             for served in self._served
         ]
         self._common_dim = common
-        covered = {sf.feature for served, slots in zip(self._served, self._feature_slots) if slots is not None for sf in served}
-        # Every output column is written by a copy: no need to zero the output first.
-        self._output_all_copied = (
-            not self._dp_tables and covered == set(self.feature_names)
-            and all(slots is not None or not served for served, slots in zip(self._served, self._feature_slots))
-        )
+        # The others' blocks go in by runs of columns, in rank order; the first writer of a
+        # column copies, later ones (row shards' partial sums) add.
+        written = [False] * self.total_dim
+        for served, slots in zip(self._served, self._feature_slots):
+            if slots is not None:
+                for sf in served:
+                    written[self._feature_col[sf.feature] : self._feature_col[sf.feature] + sf.num_cols] = [True] * sf.num_cols
+        self._in_runs = [() if slots is not None else column_runs(cols, written) for cols, slots in zip(in_cols, self._feature_slots)]
         # Every table data-parallel, pooled in output order: each rank looks up its own batch,
         # so there are no ids to exchange and the replicas' output is the output (no scatter).
         self._dp_only = False
+        self._dp_runs: tuple[ColumnRun, ...] = ()
         if self.dp is not None:
-            self._dp_cols = torch.tensor(
-                [self._feature_col[f] + c for f, d in zip(self.dp.feature_names, self.dp.feature_dims) for c in range(d)],
-                dtype=torch.int64,
-                device=device,
+            self._dp_runs = column_runs(
+                [self._feature_col[f] + c for f, d in zip(self.dp.feature_names, self.dp.feature_dims) for c in range(d)], written
             )
             self._dp_only = not any(self._local_dims) and list(self.dp.feature_names) == list(self.feature_names)
         self._row_bounds = {
@@ -287,6 +284,8 @@ class ShardedEmbeddingCollection(nn.Module):
         self._shard_index = {
             (tp.table, s.row_offset, s.col_offset): i for tp in plan.tables for i, s in enumerate(tp.shards)
         }
+        # Every output column is written by a copy: no need to zero the output first.
+        self._output_all_copied = all(written)
         self._bag_order_cache: dict[tuple[int, ...], torch.Tensor] = {}
         # Makes the output require grad on every rank, so every rank joins the backward collectives.
         self._anchor = nn.Parameter(torch.zeros(0, device=device))
@@ -657,11 +656,13 @@ class _OutputSend(torch.autograd.Function):
 
 
 class _OutputRecv(torch.autograd.Function):
-    """Waits for the output all-to-all and sums each shard into its column range; backward
-    starts sending the gradient columns of each shard back to its owner."""
+    """Waits for the output all-to-all and sums each shard into its column range, beside the
+    data-parallel replicas' own output; backward starts sending the gradient columns of each
+    shard back to its owner, and hands the replicas theirs."""
 
     @staticmethod
-    def forward(ctx, token: torch.Tensor, coll: ShardedEmbeddingCollection, state: _Exchange):  # type: ignore[override]
+    def forward(ctx, token: torch.Tensor, coll: ShardedEmbeddingCollection, state: _Exchange,  # type: ignore[override]
+                dp_out: torch.Tensor | None):
         pending, recv, sizes = state.output
         state.output = None
         ctx.coll, ctx.sizes, ctx.state = coll, sizes, state
@@ -681,7 +682,9 @@ class _OutputRecv(torch.autograd.Function):
                 dim = coll._common_dim
                 out.view(b, -1, dim).index_copy_(1, slots, block.view(b, -1, dim))
             else:
-                out.index_add_(1, coll._colmaps[d], block)
+                place(out, block, coll._in_runs[d])
+        if dp_out is not None:
+            place(out, dp_out, coll._dp_runs)
         return out
 
     @staticmethod
@@ -701,9 +704,10 @@ class _OutputRecv(torch.autograd.Function):
                 b, dim = sizes[me], coll._common_dim
                 g = grad_out.view(b, -1, dim).index_select(1, slots).view(b, dim_d)
             else:
-                g = grad_out.index_select(1, coll._colmaps[d])
+                g = take(grad_out, coll._in_runs[d])
             parts.append(codec.encode(g * scale if scale != 1.0 else g).reshape(-1))
             send.append(sizes[me] * codec.row_bytes(dim_d))
         recv = [sizes[s] * codec.row_bytes(coll._out_widths[s]) for s in range(world)]
         state.grad = all_to_all_async(torch.cat(parts), send, recv, coll.groups.embedding, coll.stats, "grad_a2a")
-        return grad_out.new_zeros(0), None, None
+        grad_dp = take(grad_out, coll._dp_runs) if ctx.needs_input_grad[3] else None
+        return grad_out.new_zeros(0), None, None, grad_dp
