@@ -263,20 +263,14 @@ def collectives_per_step(kinds: dict[str, str], dims: dict[str, int], weighted: 
     return n
 
 
-def source_cost(tables: list[TableSpec], hw: Hardware, wl: Workload, kinds: dict[str, str] | None = None,
-                source_bytes: float | None = None) -> float:
+def source_cost(tables: list[TableSpec], hw: Hardware, wl: Workload, kinds: dict[str, str], source_bytes: float) -> float:
     """What every rank pays alike for its own samples: sending their ids and receiving their
     pooled outputs (and sending gradients back), per-feature work, one latency per collective.
     ``kinds`` maps table name to sharding type (data-parallel tables stay local);
-    ``source_bytes`` is the sum of the plan's shards' ``ShardCost.source_bytes`` (default: one
-    whole shard per table that is not data-parallel)."""
-    kinds = kinds or {}
+    ``source_bytes`` is the sum of the plan's shards' ``ShardCost.source_bytes``."""
     b_local = wl.batch_size / hw.world_size
     distributed = [t for t in tables if kinds.get(t.name) != "data_parallel"]
     packing = sum(b_local * (t.pooling * hw.dist_id_s + t.dim * hw.dist_value_s) for t in distributed)
-    nbytes = source_bytes if source_bytes is not None else sum(
-        b_local * t.pooling * wl.id_bytes + b_local * t.dim * (wl.fwd_wire_bytes + wl.bwd_wire_bytes) for t in distributed
-    )
     dense = frozenset(t.name for t in tables if kinds.get(t.name) == "data_parallel" and dp_reduces_dense(t, hw, wl))
     coll = (
         collectives_per_step(kinds, {t.name: t.dim for t in tables}, hosts=hw.num_hosts, dense_dp=dense)
@@ -284,7 +278,7 @@ def source_cost(tables: list[TableSpec], hw: Hardware, wl: Workload, kinds: dict
         else 0
     )
     return (
-        _others_link_time(nbytes, hw)  # as if every shard were elsewhere; owners get their share back
+        _others_link_time(source_bytes, hw)  # as if every shard were elsewhere; owners get their share back
         + coll * hw.latency_s * math.log2(max(hw.world_size, 2))
         + len(tables) * hw.feature_s
         + packing
