@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -242,25 +243,46 @@ def _dense_rule(t: TableSpec, hw: Hardware, replica_rows: float) -> bool:
     return hw.world_size > 1 and dense_is_cheaper(t.rows, t.dim, replica_rows * hw.world_size)
 
 
+def collective_count(distributed: bool, dp_groups: Iterable[tuple[bool, bool]], column_wise: bool, hierarchical: bool,
+                     weighted: bool = False) -> int:
+    """Collectives one step issues, from what decides them: batch sizes, lengths, ids,
+    (weights), outputs, gradients if any table is ``distributed`` (only batch sizes when every
+    table is data-parallel: each rank looks up its own samples); each operator group of
+    data-parallel tables (one per dim; ``dp_groups`` gives whether any of its tables is
+    gathered and whether any is reduced densely) adds a gather of per-table counts, gathers of
+    row ids and of row gradients if gathered, and a reduce-scatter and an all-gather if dense;
+    column shards of a row-wise optimizer state add two gathers of two collectives each;
+    table-row-wise tables on several hosts add the reduce-scatter and the all-gather inside
+    the host."""
+    n = 5 + int(weighted) if distributed else 1
+    for gathered, dense in dp_groups:
+        n += 1 + 2 * int(gathered) + 2 * int(dense)
+    return n + 4 * int(column_wise) + 2 * int(hierarchical)
+
+
 def collectives_per_step(kinds: dict[str, str], dims: dict[str, int], weighted: bool = False, hosts: int = 1,
                          dense_dp: frozenset[str] = frozenset()) -> int:
-    """Collectives one step issues: batch sizes, lengths, ids, (weights), outputs, gradients
-    (only batch sizes when every table is data-parallel: each rank looks up its own samples);
-    each operator group of data-parallel tables (one per dim) adds a gather of per-table
-    counts, gathers of row ids and of row gradients if any of its tables is gathered, and a reduce-scatter
-    and an all-gather if any is reduced densely (``dense_dp``); column shards of a row-wise
-    optimizer state add two gathers of two collectives each per step; table-row-wise tables
-    on several hosts add the reduce-scatter and the all-gather inside the host."""
-    all_dp = bool(kinds) and all(k == "data_parallel" for k in kinds.values())
-    n = 1 if all_dp else 5 + int(weighted)
-    for dim in {dims[t] for t, k in kinds.items() if k == "data_parallel"}:
-        group = [t for t, k in kinds.items() if k == "data_parallel" and dims[t] == dim]
-        n += 1 + 2 * int(any(t not in dense_dp for t in group)) + 2 * int(any(t in dense_dp for t in group))
-    if "column_wise" in kinds.values():
-        n += 4
-    if hosts > 1 and "table_row_wise" in kinds.values():
-        n += 2
-    return n
+    """``collective_count`` of a plan given as table -> sharding type (``dense_dp``: the
+    data-parallel tables reduced densely)."""
+    groups: dict[int, tuple[bool, bool]] = {}
+    for t, k in kinds.items():
+        if k == "data_parallel":
+            gathered, dense = groups.get(dims[t], (False, False))
+            groups[dims[t]] = (gathered or t not in dense_dp, dense or t in dense_dp)
+    distributed = not kinds or any(k != "data_parallel" for k in kinds.values())
+    return collective_count(distributed, groups.values(), "column_wise" in kinds.values(),
+                            hosts > 1 and "table_row_wise" in kinds.values(), weighted)
+
+
+def collective_s(hw: Hardware) -> float:
+    """The latency one collective adds to every rank (a log2(W)-step algorithm)."""
+    return hw.latency_s * math.log2(max(hw.world_size, 2)) if hw.world_size > 1 else 0.0
+
+
+def packing_s(t: TableSpec, hw: Hardware, wl: Workload) -> float:
+    """A source rank's work to pack its samples' ids of a table that is not data-parallel
+    and unpack their pooled outputs."""
+    return wl.batch_size / hw.world_size * (t.pooling * hw.dist_id_s + t.dim * hw.dist_value_s)
 
 
 def source_cost(tables: list[TableSpec], hw: Hardware, wl: Workload, kinds: dict[str, str], source_bytes: float) -> float:
@@ -268,18 +290,12 @@ def source_cost(tables: list[TableSpec], hw: Hardware, wl: Workload, kinds: dict
     pooled outputs (and sending gradients back), per-feature work, one latency per collective.
     ``kinds`` maps table name to sharding type (data-parallel tables stay local);
     ``source_bytes`` is the sum of the plan's shards' ``ShardCost.source_bytes``."""
-    b_local = wl.batch_size / hw.world_size
-    distributed = [t for t in tables if kinds.get(t.name) != "data_parallel"]
-    packing = sum(b_local * (t.pooling * hw.dist_id_s + t.dim * hw.dist_value_s) for t in distributed)
+    packing = sum(packing_s(t, hw, wl) for t in tables if kinds.get(t.name) != "data_parallel")
     dense = frozenset(t.name for t in tables if kinds.get(t.name) == "data_parallel" and dp_reduces_dense(t, hw, wl))
-    coll = (
-        collectives_per_step(kinds, {t.name: t.dim for t in tables}, hosts=hw.num_hosts, dense_dp=dense)
-        if hw.world_size > 1
-        else 0
-    )
+    coll = collectives_per_step(kinds, {t.name: t.dim for t in tables}, hosts=hw.num_hosts, dense_dp=dense)
     return (
         _others_link_time(source_bytes, hw)  # as if every shard were elsewhere; owners get their share back
-        + coll * hw.latency_s * math.log2(max(hw.world_size, 2))
+        + coll * collective_s(hw)
         + len(tables) * hw.feature_s
         + packing
         + hw.step_overhead_s

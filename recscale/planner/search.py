@@ -1,11 +1,13 @@
 """Planning: choose a sharding option and ranks for every table to minimise the predicted step
 time of the slowest rank under each rank's memory cap.
 
-``plan_tables`` (the default): tables largest first, each takes the option (table-, column-,
-row-, table-row-wise or data-parallel) and ranks that give the smallest resulting maximum rank
-time; then a local search repeatedly re-places a table of the slowest rank while that lowers the
-maximum. ``baseline_plan`` gives the Meta baselines: table-wise only, greedy LPT by a proxy cost
-(size, dim, dim x pooling, dim x pooling x log10(rows)), or Karmarkar-Karp differencing.
+``plan_tables`` (the default): several greedy starts (tables largest first, each taking the
+option (table-, column-, row-, table-row-wise or data-parallel) and ranks that give the smallest
+resulting maximum, or the least work over all ranks), each improved by local search: re-place a
+table of the slowest rank, or any table whose exchange costs every rank more than re-placing it
+adds, while that lowers the slowest rank plus what every rank pays alike. ``baseline_plan``
+gives the Meta baselines: table-wise only, greedy LPT by a proxy cost (size, dim, dim x
+pooling, dim x pooling x log10(rows)), or Karmarkar-Karp differencing.
 """
 
 from __future__ import annotations
@@ -16,7 +18,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from recscale.planner.cost_model import ShardCost, TableSpec, Workload, shard_cost, source_cost, source_link_s
+from recscale.planner.cost_model import (
+    ShardCost,
+    TableSpec,
+    Workload,
+    collective_count,
+    collective_s,
+    dp_reduces_dense,
+    packing_s,
+    shard_cost,
+    source_cost,
+    source_link_s,
+)
 from recscale.planner.hardware import Hardware
 from recscale.sharding.plan import SHARDING_TYPES, PlanError, Shard, ShardingPlan, TablePlan
 from recscale.sharding.types._split import even_split
@@ -24,10 +37,15 @@ from recscale.sharding.types._split import even_split
 
 @dataclass
 class Placement:
-    table: str
+    spec: TableSpec
     sharding_type: str
     shards: list[Shard]
     costs: list[ShardCost]
+    dense_dp: bool = False  # a data-parallel table whose gradients the runtime reduces densely
+
+    @property
+    def table(self) -> str:
+        return self.spec.name
 
 
 @dataclass
@@ -62,14 +80,29 @@ class PlanResult:
 
 
 class _Loads:
-    def __init__(self, hw: Hardware) -> None:
+    """Per-rank times and memory of a partial plan, and what every rank pays alike for it (the
+    exchanges, packing, one latency per collective): the search's objective is the slowest
+    rank plus ``common``, the model's step time less terms no plan changes."""
+
+    def __init__(self, hw: Hardware, wl: Workload, collectives: bool = True) -> None:
+        self.hw, self.wl = hw, wl
+        # Whether the objective counts collectives. The first column shard or data-parallel
+        # group of a dim adds several to every rank, later ones none, so a search that sees them
+        # moves one table at a time is kept from plans whose fixed cost only many tables repay;
+        # the planner searches without them first, then with them (``plan_tables``).
+        self.collectives = collectives
         self.time = [0.0] * hw.world_size
         self.mem = [0.0] * hw.world_size
         self.cap = hw.memory_bytes
-        # What every rank pays alike for its samples' exchange with the placed shards: a row
-        # split sends every source a partial output per shard, which no single rank's load shows.
-        self.common = 0.0
+        # A row split sends every source a partial output per shard, which no single rank's
+        # load shows.
         self.link_per_source_byte = source_link_s(1.0, hw)
+        self.per_collective = collective_s(hw)
+        self.exchange = 0.0  # link time and packing of the placed tables
+        # What decides the number of collectives: tables that are not data-parallel, column
+        # shards, table-row-wise tables, and per dim the [gathered, dense] data-parallel tables.
+        self.distributed = self.column_wise = self.table_row_wise = 0
+        self.groups: dict[int, list[int]] = {}
         # Options that keep every touched rank under ``floor`` (a lower bound on the final
         # slowest rank) are equally good for the maximum, so the cheapest in total wins:
         # tables are not split over ranks before the load requires it.
@@ -78,18 +111,52 @@ class _Loads:
     def fits(self, rank: int, nbytes: float) -> bool:
         return self.mem[rank] + nbytes <= self.cap
 
+    @property
+    def common(self) -> float:
+        return self.exchange + self._latency()
+
     def apply(self, p: Placement, sign: float = 1.0) -> None:
         for s, c in zip(p.shards, p.costs):
             self.time[s.rank] += sign * c.time_s
             self.mem[s.rank] += sign * c.memory_bytes
-        self.common += sign * self.common_of(p)
+        self.exchange += sign * self._exchange_of(p)
+        self._count(p, int(sign))
 
     def common_of(self, p: Placement) -> float:
-        return sum(c.source_bytes for c in p.costs) * self.link_per_source_byte
+        """What placing ``p`` (not placed yet) adds to every rank."""
+        before = self._latency()
+        self._count(p, 1)
+        after = self._latency()
+        self._count(p, -1)
+        return self._exchange_of(p) + after - before
 
     def total_of(self, p: Placement) -> float:
-        """The work an option adds over all ranks, what each pays alike included."""
+        """The work placing ``p`` (not placed yet) adds over all ranks, what each pays alike
+        included."""
         return sum(c.time_s for c in p.costs) + len(self.time) * self.common_of(p)
+
+    def _exchange_of(self, p: Placement) -> float:
+        link = sum(c.source_bytes for c in p.costs) * self.link_per_source_byte
+        return link if p.sharding_type == "data_parallel" else link + packing_s(p.spec, self.hw, self.wl)
+
+    def _count(self, p: Placement, sign: int) -> None:
+        if p.sharding_type == "data_parallel":
+            group = self.groups.setdefault(p.spec.dim, [0, 0])
+            group[int(p.dense_dp)] += sign
+            return
+        self.distributed += sign
+        self.column_wise += sign * (p.sharding_type == "column_wise")
+        self.table_row_wise += sign * (p.sharding_type == "table_row_wise")
+
+    def _latency(self) -> float:
+        if self.per_collective == 0.0 or not self.collectives:
+            return 0.0
+        groups = [(g > 0, d > 0) for g, d in self.groups.values() if g or d]
+        if not self.distributed and not groups:
+            return 0.0
+        n = collective_count(self.distributed > 0, groups, self.column_wise > 0,
+                             self.hw.num_hosts > 1 and self.table_row_wise > 0)
+        return n * self.per_collective
 
 
 def _templates(t: TableSpec, hw: Hardware) -> list[tuple[str, list[tuple[int, int, int, int]]]]:
@@ -139,18 +206,18 @@ def _place(t: TableSpec, kind: str, rects, hw: Hardware, wl: Workload, loads: _L
             return None
         ranks = best[1]
     else:  # table-wise, column-wise: each shard on a different rank, least loaded first
+        order = sorted(range(w), key=lambda x: (loads.time[x], x))
         ranks, used = [], set()
         for c in costs:
-            cands = [rk for rk in range(w) if rk not in used and loads.fits(rk, c.memory_bytes)]
-            if not cands:
+            rk = next((x for x in order if x not in used and loads.fits(x, c.memory_bytes)), None)
+            if rk is None:
                 return None
-            rk = min(cands, key=lambda x: (loads.time[x] + c.time_s, x))
             ranks.append(rk)
             used.add(rk)
     if not all(loads.fits(rk, c.memory_bytes) for rk, c in zip(ranks, costs)):
         return None
     shards = [Shard(rk, ro, rows, co, cols) for rk, (ro, rows, co, cols) in zip(ranks, rects)]
-    return Placement(t.name, kind, shards, costs)
+    return Placement(t, kind, shards, costs, kind == "data_parallel" and dp_reduces_dense(t, hw, wl))
 
 
 def _score(p: Placement, loads: _Loads, current_max: float) -> tuple[float, float]:
@@ -161,7 +228,8 @@ def _score(p: Placement, loads: _Loads, current_max: float) -> tuple[float, floa
     return max(current_max, max(touched.values())) + loads.common_of(p), loads.total_of(p)
 
 
-def _best_option(t: TableSpec, hw: Hardware, wl: Workload, loads: _Loads, allowed: set[str] | None) -> Placement | None:
+def _best_option(t: TableSpec, hw: Hardware, wl: Workload, loads: _Loads, allowed: set[str] | None,
+                 least_work: bool = False) -> Placement | None:
     current = max(max(loads.time), loads.floor)
     best, best_key = None, None
     for kind, rects in _templates(t, hw):
@@ -171,6 +239,8 @@ def _best_option(t: TableSpec, hw: Hardware, wl: Workload, loads: _Loads, allowe
         if p is None:
             continue
         key = _score(p, loads, current)
+        if least_work:
+            key = (key[1], key[0])
         if best_key is None or key < best_key:
             best, best_key = p, key
     return best
@@ -239,7 +309,8 @@ def score_plan(plan: ShardingPlan, tables: list[TableSpec], hw: Hardware, wl: Wo
     for tp in plan.tables:
         t = by_name[tp.table]
         costs = [shard_cost(t, tp.sharding_type, s.num_rows, s.num_cols, hw, wl) for s in tp.shards]
-        placements[tp.table] = Placement(tp.table, tp.sharding_type, list(tp.shards), costs)
+        dense = tp.sharding_type == "data_parallel" and dp_reduces_dense(t, hw, wl)
+        placements[tp.table] = Placement(t, tp.sharding_type, list(tp.shards), costs, dense)
     return _result(method, placements, tables, hw, wl, time.perf_counter())
 
 
@@ -247,34 +318,41 @@ def plan_tables(
     tables: list[TableSpec], hw: Hardware, wl: Workload, allowed: set[str] | None = None, time_budget_s: float = 20.0
 ) -> PlanResult:
     """The default planner: several starts (greedy over every option with and without the
-    average-load floor, greedy table-wise, greedy without column shards, greedy table-row-wise
-    on several hosts, every table data-parallel, and each baseline that fits), each improved by local search; the best
-    wins. Starting from every baseline means the result is never worse than any of them."""
+    average-load floor, greedy by least work, greedy table-wise, greedy without column shards,
+    greedy table-row-wise on several hosts, every table data-parallel, and each baseline that
+    fits), each improved by local search, first blind to the number of collectives, then
+    counting them; the best plan seen wins. Starting from every baseline means the result is
+    never worse than any of them."""
     t0 = time.perf_counter()
     _check_names(tables)
     kinds = set(allowed) if allowed is not None else set(SHARDING_TYPES)
-    # (start subset, floor, subset its local search may use)
-    subsets: list[tuple[set[str], bool, set[str]]] = [(kinds, True, kinds), (kinds, False, kinds)]
+    # (start subset, floor, subset its local search may use, least work first)
+    subsets: list[tuple[set[str], bool, set[str], bool]] = [(kinds, True, kinds, False), (kinds, False, kinds, False)]
+    # Each table its option of least work over all ranks (what every rank pays alike for the
+    # exchanges included), placed on the least-loaded ranks: replicating many small tables
+    # costs each rank a little and saves every rank their exchange, a trade the max-first
+    # greedy, table by table, never takes once the ranks are level.
+    subsets.append((kinds, False, kinds, True))
     if "table_wise" in kinds:
-        subsets.append(({"table_wise"}, False, kinds))
+        subsets.append(({"table_wise"}, False, kinds, False))
         # What these save every rank pays alike, which the per-rank search does not see, so
         # their search keeps to their subset: no column shards (no row-statistic gathers),
         # and on several hosts table-row-wise wherever it beats table-wise (tables with fewer
         # rows than a host has ranks: table-wise or data-parallel).
         if "column_wise" in kinds:
-            subsets.append((kinds - {"column_wise"}, True, kinds - {"column_wise"}))
+            subsets.append((kinds - {"column_wise"}, True, kinds - {"column_wise"}, False))
         if hw.num_hosts > 1 and "table_row_wise" in kinds:
             hier = {"table_row_wise", "table_wise", "data_parallel"} & kinds
-            subsets.append((hier, False, hier))
+            subsets.append((hier, False, hier, False))
     if "data_parallel" in kinds and hw.world_size > 1:
         # Every table replicated, where it fits: no input or output exchange at all, which the
         # per-rank greedy cannot see table by table (the exchange is paid by every rank alike).
-        subsets.append(({"data_parallel"}, False, kinds))
+        subsets.append(({"data_parallel"}, False, kinds, False))
     starts: list[tuple[dict[str, Placement], set[str]]] = []
     no_fit: PlanError | None = None
-    for subset, floor, search in subsets:
+    for subset, floor, search, least_work in subsets:
         try:
-            starts.append((_greedy(tables, hw, wl, subset, floor=floor), search))
+            starts.append((_greedy(tables, hw, wl, subset, floor=floor, least_work=least_work), search))
         except PlanError as e:
             no_fit = no_fit or e
     for method in BASELINES:
@@ -288,17 +366,19 @@ def plan_tables(
     deadline = t0 + time_budget_s
     best: PlanResult | None = None
     for i, (placements, search) in enumerate(starts):
-        loads = _Loads(hw)
+        loads = _Loads(hw, wl, collectives=False)
         for p in placements.values():
             loads.apply(p)
-        share = (deadline - time.perf_counter()) / (len(starts) - i)
-        start = _result("recscale", dict(placements), tables, hw, wl, t0)
-        _local_search(tables, placements, loads, hw, wl, search, time.perf_counter() + max(share, 0.0))
-        # Compare on the full step time: what all ranks pay alike depends on the plan too
-        # (collectives of data-parallel groups and column shards, bucketizing ids), and the
-        # per-rank search does not see it, so a start it made worse is kept as it was.
-        result = _result("recscale", placements, tables, hw, wl, t0)
-        for r in (start, result):
+        share = max((deadline - time.perf_counter()) / (len(starts) - i), 0.0)
+        results = [_result("recscale", dict(placements), tables, hw, wl, t0)]
+        _local_search(tables, placements, loads, hw, wl, search, time.perf_counter() + share / 2)
+        results.append(_result("recscale", dict(placements), tables, hw, wl, t0))
+        loads.collectives = True
+        _local_search(tables, placements, loads, hw, wl, search, time.perf_counter() + share / 2)
+        # Compare on the full step time (contention and per-plan constants included): a start
+        # that a search made worse is kept as it was.
+        results.append(_result("recscale", placements, tables, hw, wl, t0))
+        for r in results:
             if best is None or r.max_rank_s < best.max_rank_s:
                 best = r
     assert best is not None
@@ -306,17 +386,18 @@ def plan_tables(
     return best
 
 
-def _greedy(tables: list[TableSpec], hw: Hardware, wl: Workload, allowed: set[str] | None, floor: bool = False) -> dict[str, Placement]:
+def _greedy(tables: list[TableSpec], hw: Hardware, wl: Workload, allowed: set[str] | None, floor: bool = False,
+            least_work: bool = False) -> dict[str, Placement]:
     """Largest tables first, each with the option and ranks that keep the maximum lowest
     (with ``floor``: no lower than the average load of the cheapest options, then cheapest)."""
-    loads = _Loads(hw)
+    loads = _Loads(hw, wl, collectives=False)
     if floor:
         loads.floor = _average_load_bound(tables, hw, wl, allowed)
     placements: dict[str, Placement] = {}
     tw = {t.name: shard_cost(t, "table_wise", t.rows, t.dim, hw, wl).time_s for t in tables}
     unplaced = []
     for t in sorted(tables, key=lambda t: (-tw[t.name], t.name)):
-        p = _best_option(t, hw, wl, loads, allowed)
+        p = _best_option(t, hw, wl, loads, allowed, least_work)
         if p is None:
             unplaced.append(t)
             continue
@@ -361,14 +442,12 @@ def _local_search(tables, placements, loads: _Loads, hw, wl, allowed, deadline: 
             loads.apply(old, -1.0)
             new = _best_option(by_name[name], hw, wl, loads, allowed)
             if new is not None:
+                less_work = loads.total_of(new) < loads.total_of(old) * (1 - 1e-9)
                 loads.apply(new)
                 new_max = max(loads.time) + loads.common
                 # Lower the maximum, or keep it and do less work in total (e.g. merge a split
                 # table), which frees room for later moves when several ranks tie at the top.
-                better = new_max < current - 1e-12 or (
-                    new_max <= current + 1e-12
-                    and loads.total_of(new) < loads.total_of(old) * (1 - 1e-9)
-                )
+                better = new_max < current - 1e-12 or (new_max <= current + 1e-12 and less_work)
                 if better and (name, round(new_max, 15), round(sum(loads.time), 12)) not in tabu:
                     placements[name] = new
                     tabu.add((name, round(new_max, 15), round(sum(loads.time), 12)))
@@ -376,8 +455,34 @@ def _local_search(tables, placements, loads: _Loads, hw, wl, allowed, deadline: 
                     break
                 loads.apply(new, -1.0)
             loads.apply(old)
-        if not improved:
+        if not improved and not _exchange_pass(by_name, placements, loads, hw, wl, allowed, deadline):
             return
+
+
+def _exchange_pass(by_name, placements, loads: _Loads, hw, wl, allowed, deadline: float) -> bool:
+    """Re-place any table, those with the most exchange first, where that lowers the slowest
+    rank plus what every rank pays alike: replicating a table that is not on the slowest rank
+    can add less to it than the exchange it saves every rank, a move the search of the
+    slowest rank's tables never tries."""
+    improved = False
+    for name in sorted(placements, key=lambda n: (-loads.common_of(placements[n]), n)):
+        if time.perf_counter() > deadline:
+            break
+        old = placements[name]
+        if loads.common_of(old) <= 0.0:
+            break
+        current = max(loads.time) + loads.common
+        loads.apply(old, -1.0)
+        new = _best_option(by_name[name], hw, wl, loads, allowed)
+        if new is not None:
+            loads.apply(new)
+            if max(loads.time) + loads.common < current - 1e-12:
+                placements[name] = new
+                improved = True
+                continue
+            loads.apply(new, -1.0)
+        loads.apply(old)
+    return improved
 
 
 # ---------------------------------------------------------------------- baselines
@@ -398,7 +503,7 @@ def baseline_plan(method: str, tables: list[TableSpec], hw: Hardware, wl: Worklo
 
 
 def _baseline_placements(method: str, tables: list[TableSpec], hw: Hardware, wl: Workload) -> dict[str, Placement]:
-    loads = _Loads(hw)
+    loads = _Loads(hw, wl)
     if method in PROXIES:
         proxy = PROXIES[method]
         weight = [0.0] * hw.world_size
@@ -424,7 +529,7 @@ def _baseline_placements(method: str, tables: list[TableSpec], hw: Hardware, wl:
     placements = {}
     for t in tables:
         c = shard_cost(t, "table_wise", t.rows, t.dim, hw, wl)
-        placements[t.name] = Placement(t.name, "table_wise", [Shard(ranks[t.name], 0, t.rows, 0, t.dim)], [c])
+        placements[t.name] = Placement(t, "table_wise", [Shard(ranks[t.name], 0, t.rows, 0, t.dim)], [c])
     return placements
 
 
