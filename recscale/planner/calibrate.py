@@ -203,22 +203,28 @@ def measure_contention(world_size: int, batch: int = 4096, steps: int = 5, round
                        quick: bool = False) -> float:
     """Stage 3: how much ranks of one host slow each other by sharing memory bandwidth and
     caches, measured, not fitted: single-thread embedding steps run alone, then as
-    ``world_size`` independent copies at once (they never communicate, so nothing waits);
-    ``contention`` is the median slowdown minus one, over probes of several kinds and rounds
-    (0.0-0.1 on the 2-core development VM)."""
+    ``world_size`` independent copies at once (they never communicate, so nothing waits).
+    Each probe's slowdown compares its least-disturbed times, the fastest round alone and the
+    fastest side by side: a shared machine's noise only ever adds time, and it hurts copies
+    that fill every core more than one that leaves a core spare, so a ratio of single rounds
+    read a noisy minute as contention (0.29 once, against 0.04-0.14 in quiet runs).
+    ``contention`` is the median slowdown over probes of several kinds, minus one (0.0-0.1 on
+    the 2-core development VM)."""
     probes = CONTENTION_PROBES[:1] if quick else CONTENTION_PROBES
     cases = []
     for set_name, kind in probes:
         plan, tables = _compute_plan(set_name, kind)
         cases.append((f"{set_name}/{kind}/B{batch}", plan, tables, synthetic_batches(tables, batch, 2, seed=batch)))
-    ratios = []
+    alone: dict[str, list[float]] = {name: [] for name, *_ in cases}
+    together: dict[str, list[float]] = {name: [] for name, *_ in cases}
     for r in range(1 if quick else rounds):
         for name, plan, tables, gb in cases:
-            alone = time_plan_side_by_side(plan, tables, gb, 1, steps)  # the same kind of process, alone
-            together = time_plan_side_by_side(plan, tables, gb, world_size, steps)
-            ratios.append(together / alone)
+            alone[name].append(time_plan_side_by_side(plan, tables, gb, 1, steps))  # the same kind of process, alone
+            together[name].append(time_plan_side_by_side(plan, tables, gb, world_size, steps))
             if progress:
-                progress(f"round {r + 1}: {name}: {alone * 1e3:.2f} ms alone, {together * 1e3:.2f} ms with {world_size} at once")
+                progress(f"round {r + 1}: {name}: {alone[name][-1] * 1e3:.2f} ms alone, "
+                         f"{together[name][-1] * 1e3:.2f} ms with {world_size} at once")
+    ratios = [min(together[name]) / min(alone[name]) for name in alone]
     return max(0.0, statistics.median(ratios) - 1.0)
 
 
