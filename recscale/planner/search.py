@@ -87,9 +87,9 @@ class _Loads:
     def __init__(self, hw: Hardware, wl: Workload, collectives: bool = True) -> None:
         self.hw, self.wl = hw, wl
         # Whether the objective counts collectives. The first column shard or data-parallel
-        # group of a dim adds several to every rank, later ones none, so a search that sees them
-        # moves one table at a time is kept from plans whose fixed cost only many tables repay;
-        # the planner searches without them first, then with them (``plan_tables``).
+        # group of a dim adds several to every rank, later ones none: a search that counts them
+        # while moving one table at a time cannot reach plans whose fixed cost only many tables
+        # repay, so the planner searches without them first, then with them (``plan_tables``).
         self.collectives = collectives
         self.time = [0.0] * hw.world_size
         self.mem = [0.0] * hw.world_size
@@ -119,7 +119,7 @@ class _Loads:
         for s, c in zip(p.shards, p.costs):
             self.time[s.rank] += sign * c.time_s
             self.mem[s.rank] += sign * c.memory_bytes
-        self.exchange += sign * self._exchange_of(p)
+        self.exchange += sign * self.exchange_of(p)
         self._count(p, int(sign))
 
     def common_of(self, p: Placement) -> float:
@@ -128,14 +128,15 @@ class _Loads:
         self._count(p, 1)
         after = self._latency()
         self._count(p, -1)
-        return self._exchange_of(p) + after - before
+        return self.exchange_of(p) + after - before
 
     def total_of(self, p: Placement) -> float:
         """The work placing ``p`` (not placed yet) adds over all ranks, what each pays alike
         included."""
         return sum(c.time_s for c in p.costs) + len(self.time) * self.common_of(p)
 
-    def _exchange_of(self, p: Placement) -> float:
+    def exchange_of(self, p: Placement) -> float:
+        """``p``'s link time and packing, paid by every rank."""
         link = sum(c.source_bytes for c in p.costs) * self.link_per_source_byte
         return link if p.sharding_type == "data_parallel" else link + packing_s(p.spec, self.hw, self.wl)
 
@@ -465,11 +466,11 @@ def _exchange_pass(by_name, placements, loads: _Loads, hw, wl, allowed, deadline
     can add less to it than the exchange it saves every rank, a move the search of the
     slowest rank's tables never tries."""
     improved = False
-    for name in sorted(placements, key=lambda n: (-loads.common_of(placements[n]), n)):
+    for name in sorted(placements, key=lambda n: (-loads.exchange_of(placements[n]), n)):
         if time.perf_counter() > deadline:
             break
         old = placements[name]
-        if loads.common_of(old) <= 0.0:
+        if loads.exchange_of(old) <= 0.0:
             break
         current = max(loads.time) + loads.common
         loads.apply(old, -1.0)
