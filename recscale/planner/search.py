@@ -41,7 +41,6 @@ class Placement:
     sharding_type: str
     shards: list[Shard]
     costs: list[ShardCost]
-    dense_dp: bool = False  # a data-parallel table whose gradients the runtime reduces densely
 
     @property
     def table(self) -> str:
@@ -103,6 +102,7 @@ class _Loads:
         # shards, table-row-wise tables, and per dim the [gathered, dense] data-parallel tables.
         self.distributed = self.column_wise = self.table_row_wise = 0
         self.groups: dict[int, list[int]] = {}
+        self._dense: dict[str, bool] = {}  # data-parallel tables whose gradients the runtime reduces densely
         # Options that keep every touched rank under ``floor`` (a lower bound on the final
         # slowest rank) are equally good for the maximum, so the cheapest in total wins:
         # tables are not split over ranks before the load requires it.
@@ -122,18 +122,15 @@ class _Loads:
         self.exchange += sign * self.exchange_of(p)
         self._count(p, int(sign))
 
-    def common_of(self, p: Placement) -> float:
-        """What placing ``p`` (not placed yet) adds to every rank."""
+    def added(self, p: Placement) -> tuple[float, float]:
+        """What placing ``p`` (not placed yet) adds to every rank, and the work it adds over all
+        ranks, what each pays alike included."""
         before = self._latency()
         self._count(p, 1)
         after = self._latency()
         self._count(p, -1)
-        return self.exchange_of(p) + after - before
-
-    def total_of(self, p: Placement) -> float:
-        """The work placing ``p`` (not placed yet) adds over all ranks, what each pays alike
-        included."""
-        return sum(c.time_s for c in p.costs) + len(self.time) * self.common_of(p)
+        common = self.exchange_of(p) + after - before
+        return common, sum(c.time_s for c in p.costs) + len(self.time) * common
 
     def exchange_of(self, p: Placement) -> float:
         """``p``'s link time and packing, paid by every rank."""
@@ -142,8 +139,10 @@ class _Loads:
 
     def _count(self, p: Placement, sign: int) -> None:
         if p.sharding_type == "data_parallel":
-            group = self.groups.setdefault(p.spec.dim, [0, 0])
-            group[int(p.dense_dp)] += sign
+            dense = self._dense.get(p.table)
+            if dense is None:
+                dense = self._dense[p.table] = dp_reduces_dense(p.spec, self.hw, self.wl)
+            self.groups.setdefault(p.spec.dim, [0, 0])[int(dense)] += sign
             return
         self.distributed += sign
         self.column_wise += sign * (p.sharding_type == "column_wise")
@@ -218,7 +217,7 @@ def _place(t: TableSpec, kind: str, rects, hw: Hardware, wl: Workload, loads: _L
     if not all(loads.fits(rk, c.memory_bytes) for rk, c in zip(ranks, costs)):
         return None
     shards = [Shard(rk, ro, rows, co, cols) for rk, (ro, rows, co, cols) in zip(ranks, rects)]
-    return Placement(t, kind, shards, costs, kind == "data_parallel" and dp_reduces_dense(t, hw, wl))
+    return Placement(t, kind, shards, costs)
 
 
 def _score(p: Placement, loads: _Loads, current_max: float) -> tuple[float, float]:
@@ -226,7 +225,8 @@ def _score(p: Placement, loads: _Loads, current_max: float) -> tuple[float, floa
     touched: dict[int, float] = {}
     for s, c in zip(p.shards, p.costs):
         touched[s.rank] = touched.get(s.rank, loads.time[s.rank]) + c.time_s
-    return max(current_max, max(touched.values())) + loads.common_of(p), loads.total_of(p)
+    common, total = loads.added(p)
+    return max(current_max, max(touched.values())) + common, total
 
 
 def _best_option(t: TableSpec, hw: Hardware, wl: Workload, loads: _Loads, allowed: set[str] | None,
@@ -310,8 +310,7 @@ def score_plan(plan: ShardingPlan, tables: list[TableSpec], hw: Hardware, wl: Wo
     for tp in plan.tables:
         t = by_name[tp.table]
         costs = [shard_cost(t, tp.sharding_type, s.num_rows, s.num_cols, hw, wl) for s in tp.shards]
-        dense = tp.sharding_type == "data_parallel" and dp_reduces_dense(t, hw, wl)
-        placements[tp.table] = Placement(t, tp.sharding_type, list(tp.shards), costs, dense)
+        placements[tp.table] = Placement(t, tp.sharding_type, list(tp.shards), costs)
     return _result(method, placements, tables, hw, wl, time.perf_counter())
 
 
@@ -443,7 +442,7 @@ def _local_search(tables, placements, loads: _Loads, hw, wl, allowed, deadline: 
             loads.apply(old, -1.0)
             new = _best_option(by_name[name], hw, wl, loads, allowed)
             if new is not None:
-                less_work = loads.total_of(new) < loads.total_of(old) * (1 - 1e-9)
+                less_work = loads.added(new)[1] < loads.added(old)[1] * (1 - 1e-9)
                 loads.apply(new)
                 new_max = max(loads.time) + loads.common
                 # Lower the maximum, or keep it and do less work in total (e.g. merge a split
