@@ -47,3 +47,43 @@ def test_bad_limit_is_refused():
 
     with pytest.raises(ValueError, match="limit_bytes"):
         retain_freed_memory(0)
+
+
+def _huge_kib(t) -> int:
+    """AnonHugePages (KiB) of the mappings that hold ``t``'s bytes (/proc/self/smaps)."""
+    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                a, b = (int(x, 16) for x in head.split("-"))
+                inside = a < hi and b > lo
+            elif inside and head == "AnonHugePages:":
+                total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are a Linux feature")
+def test_embedding_weights_and_state_sit_on_huge_pages_when_the_kernel_offers_them():
+    import torch
+
+    from recscale.embedding import Adagrad, TableConfig
+    from recscale.embedding.table_batched import TableBatchedEmbeddingBags
+    from recscale.host_memory import advise_huge_pages, huge_pages_available
+
+    if not huge_pages_available():
+        pytest.skip("transparent huge pages are off on this kernel")
+    small = torch.empty(1000)
+    assert not advise_huge_pages(small)  # below the size worth a huge page: left alone
+    emb = TableBatchedEmbeddingBags([TableConfig("big", 200_000, 64), TableConfig("tiny", 10, 64)], Adagrad(lr=0.1))
+    storage = emb.groups[0].storage
+    weight, state = storage.weight, next(iter(storage._state.values()))
+    # 51 MB each: all but the unaligned ends (and pages the kernel could not make huge) are huge
+    assert _huge_kib(weight) * 1024 > 0.5 * weight.numel() * 4
+    assert _huge_kib(state) * 1024 > 0.5 * state.numel() * 4
+    # the values are the same as without the advice
+    from recscale.embedding.table_batched import init_rows
+
+    assert torch.equal(weight[:200_000], init_rows(TableConfig("big", 200_000, 64), 0))
+    assert torch.count_nonzero(state) == 0

@@ -14,6 +14,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from recscale.host_memory import advise_huge_pages
+
 
 class RowStorage(ABC):
     """Rows of one group of same-dim tables, addressed by group-global row id."""
@@ -49,6 +51,14 @@ class RowStorage(ABC):
         self.scatter(slots, w, state)
 
 
+def _zeros(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """Optimizer state, on huge pages where the host offers them (it is read and written at
+    the same random rows as the weights)."""
+    out = torch.empty(rows, cols, dtype=torch.float32, device=device)
+    advise_huge_pages(out)
+    return out.zero_()
+
+
 class DenseRowStorage(RowStorage):
     """All rows in one buffer on one device; optimizer state alongside, in float32."""
 
@@ -61,10 +71,7 @@ class DenseRowStorage(RowStorage):
             raise ValueError(f"weight must be 2-D [rows, dim], got shape {tuple(weight.shape)}")
         self.num_rows, self.dim = weight.shape
         self._weight = weight
-        self._state = {
-            name: torch.zeros(self.num_rows, cols, dtype=torch.float32, device=weight.device)
-            for name, cols in state_columns.items()
-        }
+        self._state = {name: _zeros(self.num_rows, cols, weight.device) for name, cols in state_columns.items()}
 
     @property
     def weight(self) -> torch.Tensor:

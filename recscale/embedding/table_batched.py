@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recscale.embedding import native
+from recscale.host_memory import advise_huge_pages
 from recscale.embedding.config import TableConfig, check_tables
 from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.storage import DenseRowStorage, RowStorage
@@ -183,6 +184,7 @@ class TableBatchedEmbeddingBags(nn.Module):
             rows += t.num_rows
         # One buffer filled table by table: a concatenation would hold every table twice at peak.
         weight = torch.empty(rows, dim, dtype=dtype, device=self.device)
+        advise_huge_pages(weight)  # before the first write: random rows, fewer TLB misses
         for t, off in zip(tables, offsets):
             weight[off : off + t.num_rows].copy_(self._init_fn(t))
         storage = DenseRowStorage(weight, self.optimizer.state_columns(dim))
