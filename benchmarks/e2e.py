@@ -178,6 +178,9 @@ class Worker:
         while not self.store.check(keys):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.error = f"worker exited with status {self.proc.poll()} (see its log {self.log.name})"
+                self.log.flush()
+                tail = Path(self.log.name).read_text(errors="replace")[-4000:]
+                print(f"[{self.system}] {self.error}; its log ends:\n{tail}", file=sys.stderr)
                 return None
             time.sleep(0.005)
         results = [json.loads(self.store.get(k)) for k in keys]

@@ -21,7 +21,7 @@ def test_e2e_quick_runs_and_prints_the_table(tmp_path: Path) -> None:
         [sys.executable, "benchmarks/e2e.py", "--quick", "--systems", "recscale,plain", "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-5000:] + proc.stdout[-3000:]  # a failed worker's log tail is on stderr
     header = next(line for line in proc.stdout.splitlines() if line.startswith("config"))
     for col in ("system", "samples/s median (min-max)", "vs torchrec", "peak RSS GiB", "embeddings", "mlp", "comm",
                 "of roofline"):

@@ -335,3 +335,26 @@ def test_the_planner_is_never_worse_than_replicating_the_small_tables():
     ours = plan_tables(tables, hw, wl, time_budget_s=5)
     _check_memory(ours, hw)
     assert ours.max_rank_s <= reference.max_rank_s
+
+
+@pytest.mark.parametrize("kind", ["table_wise", "data_parallel", "column_wise"])
+def test_rows_beyond_the_cache_cost_cold_bytes_and_rows_within_it_do_not(kind):
+    from dataclasses import replace
+
+    from recscale.planner.hardware import LOCAL_CPU
+
+    warm_hw = replace(LOCAL_CPU, cache_bytes=16 * 2**20, cold_byte_s=0.0)
+    cold_hw = replace(warm_hw, cold_byte_s=0.1e-9)
+    wl = Workload(batch_size=4096)
+    small = TableSpec("small", 20_000, 64, 2.0, 0.3)  # 5 MB: fits in the cache
+    big = TableSpec("big", 2_000_000, 64, 2.0, 0.3)  # 520 MB: 97% of it does not
+    cols = 32 if kind == "column_wise" else 64
+    assert shard_cost(small, kind, small.rows, cols, cold_hw, wl).compute_s == shard_cost(small, kind, small.rows, cols, warm_hw, wl).compute_s
+    extra = shard_cost(big, kind, big.rows, cols, cold_hw, wl).compute_s - shard_cost(big, kind, big.rows, cols, warm_hw, wl).compute_s
+    if kind == "data_parallel":  # a replica looks up its own rows and updates every replica's
+        assert extra > 0
+        return
+    row_bytes = cols * 4 + 4
+    touched = 2 * 4096 * 2.0 * 0.3  # each unique row looked up and updated, its bytes from DRAM
+    fraction = 1 - 16 * 2**20 / (big.rows * row_bytes)
+    assert extra == pytest.approx(touched * row_bytes * fraction * 0.1e-9, rel=1e-9)

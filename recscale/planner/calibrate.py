@@ -44,7 +44,7 @@ from recscale.comm.collectives import all_to_all
 from recscale.comm.process_group import Topology
 from recscale.comm.shared_memory import enable_shared_memory, shared_memory_wanted
 from recscale.embedding import TableConfig
-from recscale.planner.cost_model import TableSpec, Workload
+from recscale.planner.cost_model import TableSpec, Workload, cold_fraction
 from recscale.planner.hardware import Hardware
 from recscale.planner.measure import _free_port, shard_loads, synthetic_batches, time_plan, time_plan_side_by_side
 from recscale.sharding.default_plan import TableSharding, default_plan, single_rank_plan
@@ -58,8 +58,23 @@ PROBE_SETS: dict[str, list[tuple[int, int, float]]] = {
     "narrow": [(1_000_000, 8, 12)],
 }
 PROBE_TYPES = ("table_wise", "row_wise", "data_parallel", "column_wise")
-FIT_TERMS = ("bytes", "id_s", "row_s", "bag_s", "kernel_overhead_s", "route_id_s", "column_stat_id_s", "feature_s",
-             "dist_id_s", "dist_value_s", "step_overhead_s")
+FIT_TERMS = ("bytes", "id_s", "row_s", "cold_byte_s", "bag_s", "kernel_overhead_s", "route_id_s", "column_stat_id_s",
+             "feature_s", "dist_id_s", "dist_value_s", "step_overhead_s")
+
+
+def last_level_cache_bytes() -> float:
+    """The largest CPU cache of this host (Linux sysfs), 0 where it cannot be read."""
+    best = 0.0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, float(int(digits) * unit))
+    return best
 
 
 @dataclass(frozen=True)
@@ -69,8 +84,10 @@ class Probe:
     measured_s: float
 
 
-def probe_terms(plan: ShardingPlan, tables: list[TableSpec], batch, backward_factor: float) -> dict[str, float]:
-    """The cost model's terms for one step of ``plan`` on ``batch``, counted from its ids."""
+def probe_terms(plan: ShardingPlan, tables: list[TableSpec], batch, backward_factor: float,
+                cache_bytes: float = 0.0) -> dict[str, float]:
+    """The cost model's terms for one step of ``plan`` on ``batch``, counted from its ids
+    (``cache_bytes``: the rank's share of the last-level cache, for ``cold_byte_s``)."""
     loads = shard_loads(plan, batch)
     by_dim = {t.name: t.dim for t in tables}
     rank_of_max: dict[int, dict[str, float]] = {}
@@ -83,6 +100,7 @@ def probe_terms(plan: ShardingPlan, tables: list[TableSpec], batch, backward_fac
             r["id_s"] += sl.unique * plan.world_size
             r["bytes"] += sl.unique * plan.world_size * sl.cols * 8
         r["row_s"] += sl.unique
+        r["cold_byte_s"] += 2 * sl.unique * (sl.cols * e + state) * cold_fraction(sl.rows * (sl.cols * e + state), cache_bytes)
         r["bag_s"] += sl.bags
         r["kernel_overhead_s"] += 2
         r["route_id_s"] += sl.routed
@@ -159,7 +177,8 @@ def _compute_plan(set_name: str, kind: str) -> tuple[ShardingPlan, list[TableSpe
 
 def measure_compute(world_size: int, batches: tuple[int, ...] = (1024, 4096), steps: int = 5,
                     progress=None, quick: bool = False, rounds: int = 3,
-                    between_rounds: Callable[[], None] | None = None) -> tuple[dict[str, float], float, float, list[Probe]]:
+                    between_rounds: Callable[[], None] | None = None,
+                    cache_bytes: float = 0.0) -> tuple[dict[str, float], float, float, list[Probe]]:
     """Stage 1: fit the compute constants for one of ``world_size`` local ranks. Every probe
     is timed in each of ``rounds`` rounds over all probes and its median kept, so a burst of
     load on a shared machine moves one round, not one probe's figure (and with it a constant)."""
@@ -190,7 +209,7 @@ def measure_compute(world_size: int, batches: tuple[int, ...] = (1024, 4096), st
     # formed from its bag's gradient and scattered): backward factor 1, not a free parameter.
     # (An isolated gather of uniformly random rows runs far slower than the skewed, partly
     # cache-resident gathers of real steps, so the byte term is fitted, not measured alone.)
-    by_bf = {1.0: [Probe(n, probe_terms(p, tb, g, 1.0), t) for n, p, tb, g, t in measured]}
+    by_bf = {1.0: [Probe(n, probe_terms(p, tb, g, 1.0, cache_bytes), t) for n, p, tb, g, t in measured]}
     coef, bf, err = fit(by_bf)
     return coef, bf, err, by_bf[bf]
 
@@ -354,8 +373,9 @@ def calibrate(world_size: int = 2, memory_fraction: float = 0.6, progress=None, 
     plans see the same mix of machine states (a shared VM's speed drifts 1.5-2x over minutes)."""
     batches = (512, 2048) if quick else (1024, 4096)
     steps = 3 if quick else 5
+    cache = last_level_cache_bytes() / world_size  # the ranks of a host share its cache
     coef, bf, err, _ = measure_compute(world_size, batches, steps, progress=progress, quick=quick,
-                                       between_rounds=between_rounds)
+                                       between_rounds=between_rounds, cache_bytes=cache)
     if progress:
         progress(f"compute fit: median error {100 * err:.1f}%, backward factor {bf}")
     comm = measure_all_to_all(world_size) if world_size > 1 else {"intra_host_bw": 1e12, "latency_s": 0.0}
@@ -373,6 +393,8 @@ def calibrate(world_size: int = 2, memory_fraction: float = 0.6, progress=None, 
         backward_factor=bf,
         id_s=coef["id_s"],
         row_s=coef["row_s"],
+        cache_bytes=cache,
+        cold_byte_s=coef["cold_byte_s"],
         bag_s=coef["bag_s"],
         route_id_s=coef["route_id_s"],
         feature_s=coef["feature_s"],

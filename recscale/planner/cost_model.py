@@ -12,6 +12,9 @@ table with ``rows_t`` rows, dim ``d``, pooling factor P and unique fraction u:
   bytes moved               (n max(cols e, min_row_read_bytes) + m cols 4)(1 + backward_factor)
                             + 2 U (cols e + state)
   compute                   bytes / memory_bw + n id_s + U row_s + m bag_s + 2 kernel_overhead_s
+                            + 2 U row bytes cold_byte_s x the shard's share beyond the
+                            rank's cache (``cold_fraction``: those rows come from DRAM, looked
+                            up and then updated)
                             (+ B P / W route_id_s for row-split shards: the source bucketizes;
                             + n column_stat_id_s for column shards of a row-wise optimizer;
                             data-parallel: + a second pass over the W U gathered row gradients,
@@ -165,6 +168,11 @@ def unique_rows(rows: int, unique_fraction: float, batch_ids: float, ids: float)
     return min(float(rows), _zipf_unique(rows, alpha, ids) * target / max(_zipf_unique(rows, alpha, batch_ids), 1e-9))
 
 
+def cold_fraction(shard_bytes: float, cache_bytes: float) -> float:
+    """The share of a shard's rows that cannot stay in the rank's share of the cache."""
+    return max(0.0, 1.0 - cache_bytes / shard_bytes) if shard_bytes > 0 else 0.0
+
+
 def shard_cost(t: TableSpec, sharding_type: str, rows: int, cols: int, hw: Hardware, wl: Workload) -> ShardCost:
     b, w = wl.batch_size, hw.world_size
     row_bytes = cols * (t.element_bytes + t.state_bytes_per_element) + t.state_bytes_per_row
@@ -181,6 +189,8 @@ def shard_cost(t: TableSpec, sharding_type: str, rows: int, cols: int, hw: Hardw
     read = max(cols * t.element_bytes, hw.min_row_read_bytes)
     nbytes = (n * read + m * cols * 4) * (1 + hw.backward_factor) + 2 * updated * row_bytes
     compute = nbytes / hw.memory_bw + n * hw.id_s + updated * hw.row_s + m * hw.bag_s + 2 * hw.kernel_overhead_s
+    if hw.cold_byte_s:
+        compute += (unique + updated) * row_bytes * cold_fraction(memory, hw.cache_bytes) * hw.cold_byte_s
     if sharding_type != "data_parallel":  # ordering the ids it receives, packing its outputs
         compute += n * hw.dist_id_s + m * cols * hw.dist_value_s
     if routes:

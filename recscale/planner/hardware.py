@@ -55,6 +55,14 @@ class Hardware:
     # other rank of its host (min of the two computes, averaged over the others). Measured by
     # running single-thread steps side by side. 0 on GPUs (own HBM).
     contention: float = 0.0
+    # Rows of a shard larger than the rank's share of the last-level cache come from DRAM: each
+    # byte of a unique row touched (looked up, then updated: row and optimizer state) costs
+    # ``cold_byte_s`` more, times the share of the shard that does not fit
+    # (``cost_model.cold_fraction``). On a CPU this is most of a big table's cost: at 2 ranks,
+    # a data-parallel table of 2M x 64 costs 1.1-1.4 ms a step more per table, one of 5k x 64
+    # only 0.45 ms. 0 on the GPU presets (their gathers are bandwidth-bound).
+    cache_bytes: float = 0.0
+    cold_byte_s: float = 0.0
     # Bytes a random row read moves at least: a GPU reads whole 128-byte lines, so a shard 4
     # columns wide costs as much per id as one 32 columns wide (0: reads are exactly the row).
     min_row_read_bytes: float = 0.0
@@ -69,7 +77,7 @@ class Hardware:
                 raise ValueError(f"hardware '{self.name}': {key} must be > 0")
         for key in ("latency_s", "kernel_overhead_s", "backward_factor", "id_s", "row_s", "bag_s", "route_id_s",
                     "column_stat_id_s", "feature_s", "dist_id_s", "dist_value_s", "step_overhead_s", "replica_byte_s", "contention",
-                    "min_row_read_bytes"):
+                    "min_row_read_bytes", "cache_bytes", "cold_byte_s"):
             if getattr(self, key) < 0:
                 raise ValueError(f"hardware '{self.name}': {key} must be >= 0")
 
