@@ -131,3 +131,25 @@ def test_skipped_bad_rows_are_reported_with_a_held_out_eval(tmp_path, capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "1 bad rows skipped, e.g. clicks.tsv:41: expected 40 tab-separated columns" in out
+
+
+def test_bf16_mlps_on_a_cpu_without_bf16_matmuls_warn(tmp_path, monkeypatch):
+    import recscale.train.loop as loop
+
+    with_bf16 = tmp_path / "a"
+    with_bf16.write_text("processor : 0\nflags : fpu sse2 avx2 avx512f avx512_bf16\n")
+    without = tmp_path / "b"
+    without.write_text("processor : 0\nflags : fpu sse2 avx2\n")
+    assert loop.cpu_multiplies_bf16(with_bf16) and not loop.cpu_multiplies_bf16(without)
+    assert loop.cpu_multiplies_bf16(tmp_path / "missing")  # unknown: no false alarm
+    cfg = load_config(None, TINY_SYNTHETIC + ["model.mlp_precision=bf16"])
+    names = tuple(f"c{i}" for i in range(3))
+    monkeypatch.setattr(loop, "cpu_multiplies_bf16", lambda: False)
+    with pytest.warns(UserWarning, match="mlp_precision = 'bf16' on a CPU without"):
+        build_model(cfg, names, 13, torch.device("cpu"))
+    monkeypatch.setattr(loop, "cpu_multiplies_bf16", lambda: True)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_model(cfg, names, 13, torch.device("cpu"))

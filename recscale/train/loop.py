@@ -6,6 +6,7 @@ import hashlib
 import json
 import random
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,9 +133,24 @@ def build_model(
             tables, optimizer, plan, groups, cfg.train.seed, precision, stats, kernel=cfg.model.embedding_kernel
         )
     model = DLRM(embeddings, num_dense, cfg.model.bottom_mlp, cfg.model.top_mlp, cfg.model.mlp_precision)  # type: ignore[arg-type]
+    if cfg.model.mlp_precision == "bf16" and device.type == "cpu" and not cpu_multiplies_bf16():
+        warnings.warn(
+            "model.mlp_precision = 'bf16' on a CPU without AVX-512 BF16 or AMX: its bf16 matmuls are emulated "
+            "and run many times slower than fp32 (a CI machine: 1 against 174 GFLOP/s); set it to 'fp32' here",
+            stacklevel=2,
+        )
     if device.type == "cpu" and model.interaction.native:
         interaction_kernels()  # a first-use compile happens now, not inside the first (timed) step
     return model.to(device)
+
+
+def cpu_multiplies_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has bf16 matmul instructions (unknown counts as yes: no false alarm)."""
+    try:
+        flags = Path(cpuinfo).read_text()
+    except OSError:
+        return True
+    return "flags" not in flags or any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
 
 
 def build_dense_optimizer(cfg: Config, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
