@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from recscale.embedding import native
-from recscale.host_memory import advise_huge_pages
 from recscale.embedding.config import TableConfig, check_tables
 from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.storage import DenseRowStorage, RowStorage
+from recscale.host_memory import advise_huge_pages
 from recscale.sparse import JaggedBatch, SparseInputError, permute_bags
 
 
