@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,11 @@ _M_MMAP_THRESHOLD = -3
 DEFAULT_LIMIT = 1 << 30
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
 def retain_freed_memory(limit_bytes: int = DEFAULT_LIMIT) -> bool:
     """Make glibc keep freed blocks under ``limit_bytes`` for reuse (process-wide; calling it
     again sets the same thresholds again, or the new limit).
@@ -42,8 +48,7 @@ def retain_freed_memory(limit_bytes: int = DEFAULT_LIMIT) -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = _libc().mallopt
     except (OSError, AttributeError):  # musl and others have no mallopt
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
@@ -87,8 +92,7 @@ def advise_huge_pages(t: torch.Tensor, min_bytes: int = 8 * HUGE_PAGE_BYTES) -> 
     if end <= start:
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        madvise = libc.madvise
+        madvise = _libc().madvise
     except (OSError, AttributeError):
         return False
     madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int

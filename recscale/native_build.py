@@ -70,6 +70,13 @@ def cpu_signature() -> str:
         return platform.processor() or platform.machine()
 
 
+def cpu_multiplies_bf16() -> bool:
+    """Whether this CPU has bf16 matmul instructions (AVX-512 BF16 or AMX); where its flags
+    cannot be read, yes (no false alarm)."""
+    signature = cpu_signature()
+    return "flags" not in signature or any(f in signature.split() for f in ("avx512_bf16", "amx_bf16"))
+
+
 def build_name(prefix: str, source: Path, flags: FlagSet) -> str:
     h = hashlib.sha256()
     # torch's installation path too: the build files it writes name that environment's include

@@ -133,15 +133,15 @@ def test_skipped_bad_rows_are_reported_with_a_held_out_eval(tmp_path, capsys):
     assert "1 bad rows skipped, e.g. clicks.tsv:41: expected 40 tab-separated columns" in out
 
 
-def test_bf16_mlps_on_a_cpu_without_bf16_matmuls_warn(tmp_path, monkeypatch):
+def test_bf16_mlps_on_a_cpu_without_bf16_matmuls_warn(monkeypatch):
+    import recscale.native_build as native_build
     import recscale.train.loop as loop
 
-    with_bf16 = tmp_path / "a"
-    with_bf16.write_text("processor : 0\nflags : fpu sse2 avx2 avx512f avx512_bf16\n")
-    without = tmp_path / "b"
-    without.write_text("processor : 0\nflags : fpu sse2 avx2\n")
-    assert loop.cpu_multiplies_bf16(with_bf16) and not loop.cpu_multiplies_bf16(without)
-    assert loop.cpu_multiplies_bf16(tmp_path / "missing")  # unknown: no false alarm
+    for signature, native in (("model name : X\nflags : fpu sse2 avx2 avx512f avx512_bf16\n", True),
+                              ("model name : X\nflags : fpu sse2 avx2\n", False),
+                              ("x86_64", True)):  # no /proc/cpuinfo: unknown, so no false alarm
+        monkeypatch.setattr(native_build, "cpu_signature", lambda s=signature: s)
+        assert native_build.cpu_multiplies_bf16() is native
     cfg = load_config(None, TINY_SYNTHETIC + ["model.mlp_precision=bf16"])
     names = tuple(f"c{i}" for i in range(3))
     monkeypatch.setattr(loop, "cpu_multiplies_bf16", lambda: False)

@@ -94,13 +94,14 @@ def probe_terms(plan: ShardingPlan, tables: list[TableSpec], batch, backward_fac
     for sl in loads:
         r = rank_of_max.setdefault(sl.rank, dict.fromkeys(FIT_TERMS, 0.0))
         e, state = 4, 4  # fp32 rows, row-wise Adagrad
-        r["bytes"] += (sl.ids * sl.cols * e + sl.bags * sl.cols * 4) * (1 + backward_factor) + 2 * sl.unique * (sl.cols * e + state)
+        row_bytes = sl.cols * e + state
+        r["bytes"] += (sl.ids * sl.cols * e + sl.bags * sl.cols * 4) * (1 + backward_factor) + 2 * sl.unique * row_bytes
         r["id_s"] += sl.ids
         if sl.sharding_type == "data_parallel":  # second pass over every replica's unique rows
             r["id_s"] += sl.unique * plan.world_size
             r["bytes"] += sl.unique * plan.world_size * sl.cols * 8
         r["row_s"] += sl.unique
-        r["cold_byte_s"] += 2 * sl.unique * (sl.cols * e + state) * cold_fraction(sl.rows * (sl.cols * e + state), cache_bytes)
+        r["cold_byte_s"] += 2 * sl.unique * row_bytes * cold_fraction(sl.rows * row_bytes, cache_bytes)
         r["bag_s"] += sl.bags
         r["kernel_overhead_s"] += 2
         r["route_id_s"] += sl.routed

@@ -25,6 +25,7 @@ from recscale.embedding import TableBatchedEmbeddingBags, TableConfig, make_opti
 from recscale.host_memory import retain_freed_memory
 from recscale.model import DLRM
 from recscale.model.native import interaction_kernels
+from recscale.native_build import cpu_multiplies_bf16
 from recscale.sharding.collection import CommPrecision, ShardedEmbeddingCollection
 from recscale.sharding.default_plan import TableSharding, default_plan
 from recscale.sharding.plan import PlanError, ShardingPlan
@@ -142,15 +143,6 @@ def build_model(
     if device.type == "cpu" and model.interaction.native:
         interaction_kernels()  # a first-use compile happens now, not inside the first (timed) step
     return model.to(device)
-
-
-def cpu_multiplies_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
-    """Whether this CPU has bf16 matmul instructions (unknown counts as yes: no false alarm)."""
-    try:
-        flags = Path(cpuinfo).read_text()
-    except OSError:
-        return True
-    return "flags" not in flags or any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
 
 
 def build_dense_optimizer(cfg: Config, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
