@@ -119,14 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     # A calibration made now times its plans after each of its own rounds of probes, so the
     # constants and the measured plans see the same mix of machine states (this VM's speed
     # drifts 1.5-2x over minutes); with a topology file, plans are timed ``--repeats`` rounds.
-    hws = {}
+    hws, measurements = {}, {}
     for w, path in ((1, args.topology_1), (2, args.topology_2)):
         if path:
             hws[w] = resolve_hardware(path, w, w)
             for _ in range(args.repeats):
                 time_round(w)
         else:
-            hws[w] = calibrate(w, between_rounds=lambda w=w: time_round(w))
+            measurements[w] = {}
+            hws[w] = calibrate(w, quick=args.quick, between_rounds=lambda w=w: time_round(w), record=measurements[w])
     # The planner's plan needs the 2-rank constants, so it is timed after them (unless it is
     # one of the fixed plans: the same plan twice would only compare noise with noise).
     chosen = plan_tables(tables, hws[2], wl, time_budget_s=5).plan
@@ -172,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
               f"contention {hw.contention:.2f}")
     if args.json:
         write_json(args.json, {"environment": environment(), "args": vars(args), "results": records, "summary": summary,
-                               "planner_chose": planner_is or "2: recscale planner",
-                               "hardware": {w: vars(hw) for w, hw in hws.items()}})
+                               "planner_chose": planner_is or "2: recscale planner", "planner_plan": chosen.to_dict(),
+                               "hardware": {w: vars(hw) for w, hw in hws.items()},
+                               "calibration_measurements": measurements})
     return 0
 
 

@@ -179,10 +179,12 @@ def _compute_plan(set_name: str, kind: str) -> tuple[ShardingPlan, list[TableSpe
 def measure_compute(world_size: int, batches: tuple[int, ...] = (1024, 4096), steps: int = 5,
                     progress=None, quick: bool = False, rounds: int = 3,
                     between_rounds: Callable[[], None] | None = None,
-                    cache_bytes: float = 0.0) -> tuple[dict[str, float], float, float, list[Probe]]:
+                    cache_bytes: float = 0.0, record: dict | None = None) -> tuple[dict[str, float], float, float, list[Probe]]:
     """Stage 1: fit the compute constants for one of ``world_size`` local ranks. Every probe
     is timed in each of ``rounds`` rounds over all probes and its median kept, so a burst of
-    load on a shared machine moves one round, not one probe's figure (and with it a constant)."""
+    load on a shared machine moves one round, not one probe's figure (and with it a constant).
+    ``record``, when given, receives every probe's round times (``"compute"``), so a fit can be
+    studied afterwards on the same measurements."""
     threads = max(1, (os.cpu_count() or 1) // world_size)
     cases: list[tuple[str, ShardingPlan, list[TableSpec], list]] = []
     for set_name in PROBE_SETS:
@@ -205,6 +207,8 @@ def measure_compute(world_size: int, batches: tuple[int, ...] = (1024, 4096), st
                 progress(f"round {r + 1}: {name}: {times[i][-1] * 1e3:.2f} ms")
         if between_rounds is not None:
             between_rounds()
+    if record is not None:
+        record["compute"] = {name: ts for (name, *_), ts in zip(cases, times)}
     measured = [(name, plan, tables, gb[0], statistics.median(ts)) for (name, plan, tables, gb), ts in zip(cases, times)]
     # The backward pass moves what the forward moved once more (each id's row gradient is
     # formed from its bag's gradient and scattered): backward factor 1, not a free parameter.
@@ -286,7 +290,8 @@ def measure_all_to_all(world: int = 2) -> dict[str, float]:
 
 def measure_collection(hw: Hardware, batches: tuple[int, ...] = (1024, 4096), steps: int = 5,
                        progress=None, sets: tuple[str, ...] = ("mixed", "large", "many_small"),
-                       rounds: int = 3, between_rounds: Callable[[], None] | None = None) -> dict[str, float]:
+                       rounds: int = 3, between_rounds: Callable[[], None] | None = None,
+                       record: dict | None = None) -> dict[str, float]:
     """Stage 4 (more than one rank): the real collection on ``hw.world_size`` local processes.
 
     Steps of balanced plans (table-wise, row-wise, data-parallel, column shards over every rank)
@@ -330,6 +335,8 @@ def measure_collection(hw: Hardware, batches: tuple[int, ...] = (1024, 4096), st
                 progress(f"{w} ranks, round {r + 1}: {name}: {times[i][-1] * 1e3:.2f} ms")
         if between_rounds is not None:
             between_rounds()
+    if record is not None:
+        record["collection"] = {name: ts for (name, *_), ts in zip(cases, times)}
     return fit_collection(hw, [(plan, tables, gb[0].batch_size, statistics.median(ts)) for (_, plan, tables, gb), ts in zip(cases, times)])
 
 
@@ -367,19 +374,23 @@ def physical_memory_bytes() -> float:
 
 
 def calibrate(world_size: int = 2, memory_fraction: float = 0.6, progress=None, quick: bool = False,
-              between_rounds: Callable[[], None] | None = None) -> Hardware:
+              between_rounds: Callable[[], None] | None = None, record: dict | None = None) -> Hardware:
     """This machine as a Hardware description for ``world_size`` local ranks (``quick``: fewer,
     smaller probes, for smoke tests; the constants are rougher). ``between_rounds`` runs after
     each round of probes: a validation times its plans there, so that the constants and the
-    plans see the same mix of machine states (a shared VM's speed drifts 1.5-2x over minutes)."""
+    plans see the same mix of machine states (a shared VM's speed drifts 1.5-2x over minutes).
+    ``record``, when given, receives every raw measurement (probe round times, contention,
+    all-to-all), from which the constants can be fitted again offline."""
     batches = (512, 2048) if quick else (1024, 4096)
     steps = 3 if quick else 5
     cache = last_level_cache_bytes() / world_size  # the ranks of a host share its cache
     coef, bf, err, _ = measure_compute(world_size, batches, steps, progress=progress, quick=quick,
-                                       between_rounds=between_rounds, cache_bytes=cache)
+                                       between_rounds=between_rounds, cache_bytes=cache, record=record)
     if progress:
         progress(f"compute fit: median error {100 * err:.1f}%, backward factor {bf}")
     comm = measure_all_to_all(world_size) if world_size > 1 else {"intra_host_bw": 1e12, "latency_s": 0.0}
+    if record is not None:
+        record["all_to_all"] = comm
     hw = Hardware(
         name=f"local-{world_size}",
         world_size=world_size,
@@ -406,9 +417,11 @@ def calibrate(world_size: int = 2, memory_fraction: float = 0.6, progress=None, 
     if world_size > 1:
         contention = measure_contention(world_size, batches[-1], steps, progress=progress, quick=quick)
         hw = replace(hw, contention=contention)
+        if record is not None:
+            record["contention"] = contention
         fitted = measure_collection(hw, batches[-1:] if quick else batches, steps, progress=progress,
                                     sets=("mixed",) if quick else ("mixed", "large", "many_small"), rounds=1 if quick else 3,
-                                    between_rounds=between_rounds)
+                                    between_rounds=between_rounds, record=record)
         if progress:
             progress(f"contention {contention:.2f} (compute x{1 + contention:.2f} while every rank is busy); "
                      f"isolated all-to-all: {comm['latency_s'] * 1e6:.0f} us, {comm['intra_host_bw'] / 1e9:.2f} GB/s; "
