@@ -11,6 +11,12 @@ whether the model ranks the plans of each world size in the measured order.
     python benchmarks/planner_validation.py                 # calibrate, then validate (~10-12 min)
     python benchmarks/planner_validation.py --quick --json out/validation.json
     python benchmarks/planner_validation.py --topology-1 local1.json --topology-2 local2.json
+    python benchmarks/planner_validation.py --refit out/validation.json   # seconds: no measuring
+
+``--json`` keeps every raw measurement (the calibration's probes and the plans' rounds);
+``--refit`` fits and scores them again with the current code, so a change to the cost model or
+its fit is compared with the old one on the same measurements, not on a new draw of this VM's
+noise (the planner's plan stays the one that was measured).
 
 Run it alone on the machine (e.g. under ``flock -x /tmp/recscale-cpu.lock``): it times things.
 """
@@ -18,8 +24,10 @@ Run it alone on the machine (e.g. under ``flock -x /tmp/recscale-cpu.lock``): it
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -28,7 +36,7 @@ from _common import environment, format_table, write_json  # noqa: E402
 
 from recscale.comm.process_group import Topology  # noqa: E402
 from recscale.embedding import TableConfig  # noqa: E402
-from recscale.planner.calibrate import calibrate  # noqa: E402
+from recscale.planner.calibrate import Measurements, fit_hardware, measure  # noqa: E402
 from recscale.planner.cost_model import TableSpec, Workload  # noqa: E402
 from recscale.planner.hardware import resolve_hardware  # noqa: E402
 from recscale.planner.measure import synthetic_batches, time_plan, unique_fractions  # noqa: E402
@@ -77,6 +85,21 @@ def fixed_two_rank_plans(cfgs: list[TableConfig]) -> list[tuple[str, ShardingPla
     ]
 
 
+def _recorded_measurements(recorded: dict, w: int) -> Measurements:
+    m = dict(recorded["calibration_measurements"][str(w)])
+    # The first recordings (e57e177) kept only the probe times: the rest is this machine's.
+    hw = recorded["hardware"][str(w)]
+    m.setdefault("world_size", w)
+    m.setdefault("quick", recorded["args"]["quick"])
+    m.setdefault("cache_bytes", hw["cache_bytes"] * w)
+    m.setdefault("physical_memory_bytes", hw["memory_bytes"] * w / 0.6)
+    return Measurements(**m)
+
+
+def _recorded_rounds(recorded: dict, plan: str) -> list[float]:
+    return [t / 1e3 for r in recorded["results"] if r["plan"] == plan for t in r["measured_rounds_ms"]]
+
+
 def _order(records: list[dict], key: str) -> list[str]:
     return [r["plan"] for r in sorted(records, key=lambda r: r[key])]
 
@@ -98,8 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topology-1", metavar="FILE", help="calibration for 1 rank (default: calibrate now)")
     p.add_argument("--topology-2", metavar="FILE", help="calibration for 2 ranks (default: calibrate now)")
     p.add_argument("--quick", action="store_true", help="tables 10x smaller, 3 steps (a smoke run)")
+    p.add_argument("--refit", metavar="JSON", help="no measuring: fit and score again what a --json run recorded")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
+    recorded = None
+    if args.refit:
+        recorded = json.loads(Path(args.refit).read_text())
+        if "calibration_measurements" not in recorded:
+            raise SystemExit(f"{args.refit}: no 'calibration_measurements' (written by --json since stop 22; "
+                             "runs with topology files record none)")
+        args.batch_size, args.quick = recorded["args"]["batch_size"], recorded["args"]["quick"]
     if args.quick:
         args.steps, args.repeats = 3, 1
     raw = model_tables(args.quick)
@@ -121,23 +152,34 @@ def main(argv: list[str] | None = None) -> int:
     # drifts 1.5-2x over minutes); with a topology file, plans are timed ``--repeats`` rounds.
     hws, measurements = {}, {}
     for w, path in ((1, args.topology_1), (2, args.topology_2)):
-        if path:
+        if recorded is not None:
+            measurements[w] = _recorded_measurements(recorded, w)
+            hws[w] = fit_hardware(measurements[w])
+            for i, (cw, name, _) in enumerate(cases):
+                if cw == w:
+                    timings[i] = _recorded_rounds(recorded, name)
+        elif path:
             hws[w] = resolve_hardware(path, w, w)
             for _ in range(args.repeats):
                 time_round(w)
         else:
-            measurements[w] = {}
-            hws[w] = calibrate(w, quick=args.quick, between_rounds=lambda w=w: time_round(w), record=measurements[w])
+            measurements[w] = measure(w, quick=args.quick, between_rounds=lambda w=w: time_round(w))
+            hws[w] = fit_hardware(measurements[w])
     # The planner's plan needs the 2-rank constants, so it is timed after them (unless it is
     # one of the fixed plans: the same plan twice would only compare noise with noise).
-    chosen = plan_tables(tables, hws[2], wl, time_budget_s=5).plan
-    same = [name for w, name, plan in cases if w == 2 and plan == chosen]
-    planner_is = same[0] if same else None
+    if recorded is not None:  # the plan that was measured, whatever the new fit would choose
+        chosen = ShardingPlan.from_dict(recorded["planner_plan"])
+        planner_is = None if recorded["planner_chose"] == "2: recscale planner" else recorded["planner_chose"]
+    else:
+        chosen = plan_tables(tables, hws[2], wl, time_budget_s=5).plan
+        same = [name for w, name, plan in cases if w == 2 and plan == chosen]
+        planner_is = same[0] if same else None
     if planner_is:
         print(f"the recscale planner chose the plan '{planner_is}'")
     else:
         cases.append((2, "2: recscale planner", chosen))
-        timings[len(cases) - 1] = [time_plan(chosen, tables, batches, args.steps) for _ in range(args.repeats)]
+        timings[len(cases) - 1] = (_recorded_rounds(recorded, "2: recscale planner") if recorded is not None else
+                                   [time_plan(chosen, tables, batches, args.steps) for _ in range(args.repeats)])
     rows, records = [], []
     for i, (world, name, plan) in enumerate(cases):
         pred = score_plan(plan, tables, hws[world], wl).max_rank_s
@@ -175,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.json, {"environment": environment(), "args": vars(args), "results": records, "summary": summary,
                                "planner_chose": planner_is or "2: recscale planner", "planner_plan": chosen.to_dict(),
                                "hardware": {w: vars(hw) for w, hw in hws.items()},
-                               "calibration_measurements": measurements})
+                               "calibration_measurements": {w: asdict(m) for w, m in measurements.items()}})
     return 0
 
 

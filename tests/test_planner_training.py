@@ -111,6 +111,36 @@ def test_calibration_fit_recovers_the_constants_of_a_known_machine():
         assert coef[k] == pytest.approx(truth[k], rel=1e-3), k
 
 
+def test_recorded_measurements_fit_again_to_the_same_machine_after_a_json_round_trip():
+    # Calibration keeps what it measured apart from what it fits, so a benchmark can record the
+    # measurements and fit them again later: the probes must be matched back by name, and
+    # times made by the cost model's formula must fit back to a machine that predicts them.
+    from dataclasses import asdict, replace
+
+    from recscale.planner.calibrate import Measurements, collection_cases, compute_cases, fit_hardware, probe_terms
+
+    truth = {"bytes": 1 / 20e9, "id_s": 10e-9, "row_s": 50e-9, "cold_byte_s": 0.3e-9, "bag_s": 3e-9,
+             "kernel_overhead_s": 5e-6, "route_id_s": 20e-9, "column_stat_id_s": 40e-9, "feature_s": 2e-6,
+             "dist_id_s": 4e-9, "dist_value_s": 1e-9, "step_overhead_s": 5e-4}
+    m = Measurements(world_size=2, quick=True, cache_bytes=32 << 20, physical_memory_bytes=8e9, compute={},
+                     all_to_all={"intra_host_bw": 3e9, "latency_s": 50e-6}, contention=0.05)
+    expected = {}
+    for name, plan, tables, gb in compute_cases(m.batches, quick=True):
+        terms = probe_terms(plan, tables, gb[0], 1.0, m.cache_bytes / 2)
+        expected[name] = sum(truth[k] * terms[k] for k in FIT_TERMS)
+        m.compute[name] = [expected[name] * f for f in (0.98, 1.0, 1.05)]  # rounds; the median is the formula's
+    link = replace(LOCAL_CPU, world_size=2, ranks_per_host=2, latency_s=80e-6, intra_host_bw=2.5e9, cross_host_bw=2.5e9)
+    m.collection = {name: [score_plan(plan, tables, link, Workload(gb[0].batch_size)).max_rank_s]
+                    for name, plan, tables, gb in collection_cases(2, m.collection_batches, m.collection_sets)}
+    hw = fit_hardware(m)
+    again = fit_hardware(Measurements(**json.loads(json.dumps(asdict(m)))))
+    assert again == hw
+    assert hw.cache_bytes == 16 << 20 and hw.contention == 0.05 and hw.memory_bytes == pytest.approx(8e9 * 0.6 / 2)
+    fitted = {"bytes": 1 / hw.memory_bw, **{k: getattr(hw, k) for k in FIT_TERMS if k != "bytes"}}
+    for name, plan, tables, gb in compute_cases(m.batches, quick=True):
+        terms = probe_terms(plan, tables, gb[0], 1.0, hw.cache_bytes)
+        assert sum(fitted[k] * terms[k] for k in FIT_TERMS) == pytest.approx(expected[name], rel=1e-3), name
+    assert hw.latency_s >= m.all_to_all["latency_s"]  # never below the isolated collective
 
 
 def test_collection_fit_recovers_latency_bandwidth_and_replica_cost():

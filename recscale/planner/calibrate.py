@@ -32,7 +32,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -176,17 +176,10 @@ def _compute_plan(set_name: str, kind: str) -> tuple[ShardingPlan, list[TableSpe
     return default_plan(cfgs, Topology(1, 0, 1), "table_wise" if kind == "column_wise" else kind, overrides), tables
 
 
-def measure_compute(world_size: int, batches: tuple[int, ...] = (1024, 4096), steps: int = 5,
-                    progress=None, quick: bool = False, rounds: int = 3,
-                    between_rounds: Callable[[], None] | None = None,
-                    cache_bytes: float = 0.0, record: dict | None = None) -> tuple[dict[str, float], float, float, list[Probe]]:
-    """Stage 1: fit the compute constants for one of ``world_size`` local ranks. Every probe
-    is timed in each of ``rounds`` rounds over all probes and its median kept, so a burst of
-    load on a shared machine moves one round, not one probe's figure (and with it a constant).
-    ``record``, when given, receives every probe's round times (``"compute"``), so a fit can be
-    studied afterwards on the same measurements."""
-    threads = max(1, (os.cpu_count() or 1) // world_size)
-    cases: list[tuple[str, ShardingPlan, list[TableSpec], list]] = []
+def compute_cases(batches: tuple[int, ...], quick: bool = False) -> list[tuple[str, ShardingPlan, list[TableSpec], list]]:
+    """Stage 1's probes, each (name, plan, tables, batches): built the same way every time, so
+    recorded times can be matched to them again by name."""
+    cases = []
     for set_name in PROBE_SETS:
         if quick and set_name in ("large", "narrow"):
             continue
@@ -199,17 +192,33 @@ def measure_compute(world_size: int, batches: tuple[int, ...] = (1024, 4096), st
             plan, tables = _compute_plan(set_name, kind)
             for b in batches:
                 cases.append((f"{set_name}/{kind}/B{b}", plan, tables, synthetic_batches(tables, b, 2, seed=b)))
-    times: list[list[float]] = [[] for _ in cases]
+    return cases
+
+
+def measure_compute(world_size: int, batches: tuple[int, ...] = (1024, 4096), steps: int = 5,
+                    progress=None, quick: bool = False, rounds: int = 3,
+                    between_rounds: Callable[[], None] | None = None) -> dict[str, list[float]]:
+    """Stage 1's measurements: each probe's step time in every round, by probe name, for one of
+    ``world_size`` local ranks. Every probe is timed once per round over all probes, so a burst
+    of load on a shared machine moves one round, not one probe's figure (and with it a constant)."""
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    cases = compute_cases(batches, quick)
+    times: dict[str, list[float]] = {name: [] for name, *_ in cases}
     for r in range(1 if quick else rounds):
-        for i, (name, plan, tables, gb) in enumerate(cases):
-            times[i].append(time_plan(plan, tables, gb, steps, threads=threads))
+        for name, plan, tables, gb in cases:
+            times[name].append(time_plan(plan, tables, gb, steps, threads=threads))
             if progress:
-                progress(f"round {r + 1}: {name}: {times[i][-1] * 1e3:.2f} ms")
+                progress(f"round {r + 1}: {name}: {times[name][-1] * 1e3:.2f} ms")
         if between_rounds is not None:
             between_rounds()
-    if record is not None:
-        record["compute"] = {name: ts for (name, *_), ts in zip(cases, times)}
-    measured = [(name, plan, tables, gb[0], statistics.median(ts)) for (name, plan, tables, gb), ts in zip(cases, times)]
+    return times
+
+
+def fit_compute(times: dict[str, list[float]], batches: tuple[int, ...], quick: bool = False,
+                cache_bytes: float = 0.0) -> tuple[dict[str, float], float, float, list[Probe]]:
+    """Stage 1's fit: the compute constants from each probe's median time, with its terms
+    counted from its real batch (``cache_bytes``: the rank's share of the last-level cache)."""
+    measured = [(name, plan, tables, gb[0], statistics.median(times[name])) for name, plan, tables, gb in compute_cases(batches, quick)]
     # The backward pass moves what the forward moved once more (each id's row gradient is
     # formed from its bag's gradient and scattered): backward factor 1, not a free parameter.
     # (An isolated gather of uniformly random rows runs far slower than the skewed, partly
@@ -288,29 +297,11 @@ def measure_all_to_all(world: int = 2) -> dict[str, float]:
     return {"intra_host_bw": moved / max(big - small, 1e-9), "latency_s": small}
 
 
-def measure_collection(hw: Hardware, batches: tuple[int, ...] = (1024, 4096), steps: int = 5,
-                       progress=None, sets: tuple[str, ...] = ("mixed", "large", "many_small"),
-                       rounds: int = 3, between_rounds: Callable[[], None] | None = None,
-                       record: dict | None = None) -> dict[str, float]:
-    """Stage 4 (more than one rank): the real collection on ``hw.world_size`` local processes.
-
-    Steps of balanced plans (table-wise, row-wise, data-parallel, column shards over every rank)
-    and of every table on rank 0 (the others only exchange) are fitted as ``compute + latency x
-    collectives + bytes / bandwidth + replica bytes x replica_byte_s``, with compute as stage 1
-    predicts it for one rank plus the measured ``hw.contention`` (``search.apply_contention``).
-    Latency and bandwidth are what a collective costs inside a step, which on shared cores is
-    more than an isolated all-to-all suggests (the ranks' threads must wake each other up).
-    ``replica_byte_s`` is what data-parallel replicas pay per byte of row gradients they combine,
-    beyond one rank's work: the copies, the second pass over every replica's rows, and the waits
-    at the three collectives of each operator group, where each replica meets the others
-    mid-backward (per byte rather than per row: wide rows measured dearer).
-    (Fitting a contention factor here instead, as before, charged every plan for the waits
-    these replicas do: column shards, whose ranks do the same work and rarely wait, came out
-    25-35% too slow and data-parallel plans 15-25% too fast.)"""
+def collection_cases(world_size: int, batches: tuple[int, ...], sets: tuple[str, ...]) -> list[tuple[str, ShardingPlan, list[TableSpec], list]]:
+    """Stage 4's probes, each (name, plan, tables, batches), built the same way every time."""
     from recscale.planner.measure import unique_fractions
 
-    w = hw.world_size
-    topo = Topology(w, 0, w)
+    topo = Topology(world_size, 0, world_size)
     cases = []
     for set_name in sets:
         raw = [TableSpec(f"{set_name}{i}", r, d, p) for i, (r, d, p) in enumerate(PROBE_SETS[set_name])]
@@ -325,24 +316,47 @@ def measure_collection(hw: Hardware, batches: tuple[int, ...] = (1024, 4096), st
                 # on_rank_0: the other ranks idle, so no contention, only the exchanges
                 plan = single_rank_plan(cfgs, topo) if kind == "on_rank_0" else default_plan(cfgs, topo, kind)
                 cases.append((f"{set_name}/{kind}/B{batch}", plan, tables, gb))
+    return cases
+
+
+def measure_collection(world_size: int, batches: tuple[int, ...] = (1024, 4096), steps: int = 5,
+                       progress=None, sets: tuple[str, ...] = ("mixed", "large", "many_small"),
+                       rounds: int = 3, between_rounds: Callable[[], None] | None = None) -> dict[str, list[float]]:
+    """Stage 4's measurements (more than one rank): steps of the real collection on
+    ``world_size`` local processes for balanced plans (table-wise, row-wise, data-parallel,
+    column shards over every rank) and for every table on rank 0 (the others only exchange),
+    each probe's time in every round, by name. ``fit_collection`` turns them into what a
+    collective costs inside a step and what data-parallel replicas pay per byte."""
+    cases = collection_cases(world_size, batches, sets)
     # Round-robin over the probes, as in stage 1: a burst of load lasting longer than one probe
     # moves one round of several probes, not every round of one.
-    times: list[list[float]] = [[] for _ in cases]
+    times: dict[str, list[float]] = {name: [] for name, *_ in cases}
     for r in range(rounds):
-        for i, (name, plan, tables, gb) in enumerate(cases):
-            times[i].append(time_plan(plan, tables, gb, steps))
+        for name, plan, tables, gb in cases:
+            times[name].append(time_plan(plan, tables, gb, steps))
             if progress:
-                progress(f"{w} ranks, round {r + 1}: {name}: {times[i][-1] * 1e3:.2f} ms")
+                progress(f"{world_size} ranks, round {r + 1}: {name}: {times[name][-1] * 1e3:.2f} ms")
         if between_rounds is not None:
             between_rounds()
-    if record is not None:
-        record["collection"] = {name: ts for (name, *_), ts in zip(cases, times)}
-    return fit_collection(hw, [(plan, tables, gb[0].batch_size, statistics.median(ts)) for (_, plan, tables, gb), ts in zip(cases, times)])
+    return times
+
 
 
 def fit_collection(hw: Hardware, measured: list[tuple[ShardingPlan, list[TableSpec], int, float]]) -> dict[str, float]:
     """Stage 4's fit: latency, bandwidth and ``replica_byte_s`` from (plan, tables, global batch,
-    measured seconds), given ``hw``'s compute constants and contention (relative error weighted)."""
+    measured seconds), given ``hw``'s compute constants and contention (relative error weighted).
+
+    Each step is fitted as ``compute + latency x collectives + bytes / bandwidth + replica
+    bytes x replica_byte_s``, with compute as stage 1 predicts it for one rank plus the measured
+    ``hw.contention`` (``search.apply_contention``). Latency and bandwidth are what a collective
+    costs inside a step, which on shared cores is more than an isolated all-to-all suggests (the
+    ranks' threads must wake each other up). ``replica_byte_s`` is what data-parallel replicas
+    pay per byte of row gradients they combine, beyond one rank's work: the copies, the second
+    pass over every replica's rows, and the waits at the three collectives of each operator
+    group, where each replica meets the others mid-backward (per byte rather than per row: wide
+    rows measured dearer). (Fitting a contention factor here instead, as before, charged every
+    plan for the waits these replicas do: column shards, whose ranks do the same work and rarely
+    wait, came out 25-35% too slow and data-parallel plans 15-25% too fast.)"""
     from recscale.planner.search import score_plan
 
     fast = replace(hw, intra_host_bw=1e30, cross_host_bw=1e30, latency_s=0.0, replica_byte_s=0.0)
@@ -373,29 +387,63 @@ def physical_memory_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def calibrate(world_size: int = 2, memory_fraction: float = 0.6, progress=None, quick: bool = False,
-              between_rounds: Callable[[], None] | None = None, record: dict | None = None) -> Hardware:
-    """This machine as a Hardware description for ``world_size`` local ranks (``quick``: fewer,
-    smaller probes, for smoke tests; the constants are rougher). ``between_rounds`` runs after
-    each round of probes: a validation times its plans there, so that the constants and the
-    plans see the same mix of machine states (a shared VM's speed drifts 1.5-2x over minutes).
-    ``record``, when given, receives every raw measurement (probe round times, contention,
-    all-to-all), from which the constants can be fitted again offline."""
-    batches = (512, 2048) if quick else (1024, 4096)
+@dataclass
+class Measurements:
+    """Everything a calibration measures, kept apart from the constants fitted to it
+    (``fit_hardware``), so a fit can be re-run and compared on the same measurements."""
+
+    world_size: int
+    quick: bool
+    cache_bytes: float  # the host's last-level cache
+    physical_memory_bytes: float
+    compute: dict[str, list[float]]  # stage 1: probe name -> step seconds per round
+    all_to_all: dict[str, float]  # stage 2: isolated latency and bandwidth
+    contention: float = 0.0  # stage 3
+    collection: dict[str, list[float]] = field(default_factory=dict)  # stage 4: probe name -> seconds per round
+
+    @property
+    def batches(self) -> tuple[int, ...]:
+        return (512, 2048) if self.quick else (1024, 4096)
+
+    @property
+    def collection_batches(self) -> tuple[int, ...]:
+        return self.batches[-1:] if self.quick else self.batches
+
+    @property
+    def collection_sets(self) -> tuple[str, ...]:
+        return ("mixed",) if self.quick else ("mixed", "large", "many_small")
+
+
+def measure(world_size: int = 2, progress=None, quick: bool = False,
+            between_rounds: Callable[[], None] | None = None) -> Measurements:
+    """Run every calibration stage on this machine (``quick``: fewer, smaller probes, for smoke
+    tests). ``between_rounds`` runs after each round of probes: a validation times its plans
+    there, so that the constants and the plans see the same mix of machine states (a shared
+    VM's speed drifts 1.5-2x over minutes)."""
+    m = Measurements(world_size, quick, last_level_cache_bytes(), physical_memory_bytes(), {}, {})
     steps = 3 if quick else 5
-    cache = last_level_cache_bytes() / world_size  # the ranks of a host share its cache
-    coef, bf, err, _ = measure_compute(world_size, batches, steps, progress=progress, quick=quick,
-                                       between_rounds=between_rounds, cache_bytes=cache, record=record)
+    m.compute = measure_compute(world_size, m.batches, steps, progress=progress, quick=quick, between_rounds=between_rounds)
+    m.all_to_all = measure_all_to_all(world_size) if world_size > 1 else {"intra_host_bw": 1e12, "latency_s": 0.0}
+    if world_size > 1:
+        m.contention = measure_contention(world_size, m.batches[-1], steps, progress=progress, quick=quick)
+        m.collection = measure_collection(world_size, m.collection_batches, steps, progress=progress, sets=m.collection_sets,
+                                          rounds=1 if quick else 3, between_rounds=between_rounds)
+    return m
+
+
+def fit_hardware(m: Measurements, memory_fraction: float = 0.6, progress=None) -> Hardware:
+    """This machine as a Hardware description for ``m.world_size`` local ranks, fitted to ``m``."""
+    world_size = m.world_size
+    cache = m.cache_bytes / world_size  # the ranks of a host share its cache
+    coef, bf, err, _ = fit_compute(m.compute, m.batches, m.quick, cache_bytes=cache)
     if progress:
         progress(f"compute fit: median error {100 * err:.1f}%, backward factor {bf}")
-    comm = measure_all_to_all(world_size) if world_size > 1 else {"intra_host_bw": 1e12, "latency_s": 0.0}
-    if record is not None:
-        record["all_to_all"] = comm
+    comm = m.all_to_all
     hw = Hardware(
         name=f"local-{world_size}",
         world_size=world_size,
         ranks_per_host=world_size,
-        memory_bytes=physical_memory_bytes() * memory_fraction / world_size,
+        memory_bytes=m.physical_memory_bytes * memory_fraction / world_size,
         memory_bw=1.0 / coef["bytes"] if coef["bytes"] > 0 else 1e15,
         intra_host_bw=comm["intra_host_bw"],
         cross_host_bw=comm["intra_host_bw"],  # one host: no cross-host link measured
@@ -415,15 +463,12 @@ def calibrate(world_size: int = 2, memory_fraction: float = 0.6, progress=None, 
         step_overhead_s=coef["step_overhead_s"],
     )
     if world_size > 1:
-        contention = measure_contention(world_size, batches[-1], steps, progress=progress, quick=quick)
-        hw = replace(hw, contention=contention)
-        if record is not None:
-            record["contention"] = contention
-        fitted = measure_collection(hw, batches[-1:] if quick else batches, steps, progress=progress,
-                                    sets=("mixed",) if quick else ("mixed", "large", "many_small"), rounds=1 if quick else 3,
-                                    between_rounds=between_rounds, record=record)
+        hw = replace(hw, contention=m.contention)
+        measured = [(plan, tables, gb[0].batch_size, statistics.median(m.collection[name]))
+                    for name, plan, tables, gb in collection_cases(world_size, m.collection_batches, m.collection_sets)]
+        fitted = fit_collection(hw, measured)
         if progress:
-            progress(f"contention {contention:.2f} (compute x{1 + contention:.2f} while every rank is busy); "
+            progress(f"contention {m.contention:.2f} (compute x{1 + m.contention:.2f} while every rank is busy); "
                      f"isolated all-to-all: {comm['latency_s'] * 1e6:.0f} us, {comm['intra_host_bw'] / 1e9:.2f} GB/s; "
                      f"in the collection: {fitted['latency_s'] * 1e6:.0f} us, {fitted['intra_host_bw'] / 1e9:.2f} GB/s, "
                      f"data-parallel replicas combine rows at {_rate(fitted['replica_byte_s'])}")
@@ -432,3 +477,9 @@ def calibrate(world_size: int = 2, memory_fraction: float = 0.6, progress=None, 
         hw = replace(hw, latency_s=max(fitted["latency_s"], comm["latency_s"]), intra_host_bw=fitted["intra_host_bw"],
                      cross_host_bw=fitted["intra_host_bw"], replica_byte_s=fitted["replica_byte_s"])
     return hw
+
+
+def calibrate(world_size: int = 2, memory_fraction: float = 0.6, progress=None, quick: bool = False) -> Hardware:
+    """Measure this machine and fit the cost model's constants to it (``measure``, then
+    ``fit_hardware``)."""
+    return fit_hardware(measure(world_size, progress, quick), memory_fraction, progress)
