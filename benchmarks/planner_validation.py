@@ -127,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     recorded = None
     if args.refit:
         recorded = json.loads(Path(args.refit).read_text())
-        if "calibration_measurements" not in recorded:
-            raise SystemExit(f"{args.refit}: no 'calibration_measurements' (written by --json since stop 22; "
-                             "runs with topology files record none)")
+        if sorted(recorded.get("calibration_measurements", {})) != ["1", "2"]:
+            raise SystemExit(f"{args.refit}: no calibration measurements for 1 and 2 ranks (--json records them since "
+                             "stop 22, and only when it calibrates: not with --topology files)")
         args.batch_size, args.quick = recorded["args"]["batch_size"], recorded["args"]["quick"]
     if args.quick:
         args.steps, args.repeats = 3, 1

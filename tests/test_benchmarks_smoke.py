@@ -91,3 +91,26 @@ def test_collectives_benchmark_quick_runs(tmp_path):
     data = json.loads(out.read_text())
     assert {r["transport"] for r in data["results"]} == {"shared memory", "gloo"}
     assert all(r["all_to_all"] > 0 and r["all_gather"] > 0 for r in data["results"])
+
+
+def test_planner_validation_quick_runs_and_its_recording_refits_to_the_same_predictions(tmp_path):
+    # --json keeps the raw calibration measurements; --refit must rebuild every probe by name
+    # and give back the run's own constants, so its predictions match exactly.
+    out, again = tmp_path / "validation.json", tmp_path / "refit.json"
+    proc = proc_utils.run(
+        [sys.executable, "benchmarks/planner_validation.py", "--quick", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "predicted ms" in proc.stdout and "Kendall tau" in proc.stdout
+    proc = proc_utils.run(
+        [sys.executable, "benchmarks/planner_validation.py", "--refit", str(out), "--json", str(again)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    first, second = json.loads(out.read_text()), json.loads(again.read_text())
+    assert len(first["results"]) == len(second["results"]) >= 11
+    for a, b in zip(first["results"], second["results"]):
+        assert a["plan"] == b["plan"] and a["measured_ms"] == b["measured_ms"]
+        assert b["predicted_ms"] == pytest.approx(a["predicted_ms"], rel=1e-9), a["plan"]
+    assert second["hardware"] == first["hardware"]
