@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
               f"per shard {2 * hw.kernel_overhead_s * 1e6:.0f} us, per feature {hw.feature_s * 1e6:.0f} us, "
               f"per distributed id {hw.dist_id_s * 1e9:.1f} ns and value {hw.dist_value_s * 1e9:.2f} ns, "
               f"per step {hw.step_overhead_s * 1e6:.0f} us, all-to-all {hw.intra_host_bw / 1e9:.2f} GB/s, "
-              f"latency {hw.latency_s * 1e6:.0f} us, replicas combine rows at "
+              f"latency {hw.latency_s * 1e6:.0f} us (replica groups' {hw.replica_collective_latency_s * 1e6:.0f} us), replicas combine rows at "
               f"{1e-9 / hw.replica_byte_s if hw.replica_byte_s > 0 else float('inf'):.2f} GB/s, "
               f"contention {hw.contention:.2f}")
     if args.json:

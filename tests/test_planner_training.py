@@ -145,15 +145,16 @@ def test_recorded_measurements_fit_again_to_the_same_machine_after_a_json_round_
 
 def test_collection_fit_recovers_latency_bandwidth_and_replica_cost():
     # Steps of a known 2-rank machine, priced by the cost model itself: stage 4's fit must give
-    # back its latency, link bandwidth and per-replica-byte cost, given its compute and contention.
+    # back its exchanges' latency, its replica groups' latency, link bandwidth and
+    # per-replica-byte cost, given its compute and contention.
     from dataclasses import replace
 
     from recscale.comm.process_group import Topology
     from recscale.embedding import TableConfig
     from recscale.sharding.default_plan import default_plan, single_rank_plan
 
-    truth = replace(LOCAL_CPU, latency_s=80e-6, intra_host_bw=2.5e9, cross_host_bw=2.5e9, replica_byte_s=0.3e-9,
-                    contention=0.05)
+    truth = replace(LOCAL_CPU, latency_s=80e-6, replica_latency_s=30e-6, intra_host_bw=2.5e9, cross_host_bw=2.5e9,
+                    replica_byte_s=0.3e-9, contention=0.05)
     topo = Topology(2, 0, 2)
     measured = []
     for rows in ([(200_000, 32, 8.0), (50_000, 16, 20.0), (100_000, 64, 2.0), (5_000, 128, 1.0)],
@@ -165,9 +166,11 @@ def test_collection_fit_recovers_latency_bandwidth_and_replica_cost():
                 single_rank_plan(cfgs, topo)
             ]:
                 measured.append((plan, tables, batch, score_plan(plan, tables, truth, Workload(batch)).max_rank_s))
-    got = fit_collection(replace(truth, latency_s=0.0, intra_host_bw=1e12, cross_host_bw=1e12, replica_byte_s=0.0), measured)
+    got = fit_collection(replace(truth, latency_s=0.0, replica_latency_s=None, intra_host_bw=1e12, cross_host_bw=1e12,
+                                 replica_byte_s=0.0), measured)
     # (within 1%: the non-negative least squares is iterative)
     assert got["latency_s"] == pytest.approx(truth.latency_s, rel=1e-2)
+    assert got["replica_latency_s"] == pytest.approx(truth.replica_latency_s, rel=1e-2)
     assert got["intra_host_bw"] == pytest.approx(truth.intra_host_bw, rel=1e-2)
     assert got["replica_byte_s"] == pytest.approx(truth.replica_byte_s, rel=1e-2)
 

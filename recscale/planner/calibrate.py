@@ -359,7 +359,7 @@ def fit_collection(hw: Hardware, measured: list[tuple[ShardingPlan, list[TableSp
     wait, came out 25-35% too slow and data-parallel plans 15-25% too fast.)"""
     from recscale.planner.search import score_plan
 
-    fast = replace(hw, intra_host_bw=1e30, cross_host_bw=1e30, latency_s=0.0, replica_byte_s=0.0)
+    fast = replace(hw, intra_host_bw=1e30, cross_host_bw=1e30, latency_s=0.0, replica_latency_s=None, replica_byte_s=0.0)
     ys, rows_a = [], []
     for plan, tables, batch, meas in measured:
         wl = Workload(batch_size=batch)
@@ -369,14 +369,15 @@ def fit_collection(hw: Hardware, measured: list[tuple[ShardingPlan, list[TableSp
 
         base = score_plan(plan, tables, fast, wl).max_rank_s  # every rank computing, no exchange
         ys.append((meas - base) / meas)
-        rows_a.append([extra(latency_s=1e-3) / 1e-3 / meas, extra(intra_host_bw=1e9, cross_host_bw=1e9) * 1e9 / meas,
-                       extra(replica_byte_s=1e-9) * 1e9 / meas])
+        exchange = extra(latency_s=1e-3, replica_latency_s=0.0)
+        rows_a.append([exchange / 1e-3 / meas, extra(replica_latency_s=1e-3) / 1e-3 / meas,
+                       extra(intra_host_bw=1e9, cross_host_bw=1e9) * 1e9 / meas, extra(replica_byte_s=1e-9) * 1e9 / meas])
     a = np.array(rows_a)
     scale = a.max(0)
     scale[scale == 0] = 1.0
-    latency, per_byte, replica_byte = _nnls(a / scale, np.array(ys)) / scale
-    return {"latency_s": float(latency), "intra_host_bw": float(1.0 / per_byte) if per_byte > 0 else 1e12,
-            "replica_byte_s": float(replica_byte)}
+    latency, replica_latency, per_byte, replica_byte = _nnls(a / scale, np.array(ys)) / scale
+    return {"latency_s": float(latency), "replica_latency_s": float(replica_latency),
+            "intra_host_bw": float(1.0 / per_byte) if per_byte > 0 else 1e12, "replica_byte_s": float(replica_byte)}
 
 
 def _rate(seconds_per_byte: float) -> str:
@@ -475,7 +476,8 @@ def fit_hardware(m: Measurements, memory_fraction: float = 0.6, progress=None) -
         # A collective inside a step costs at least what it costs alone; the fit, whose other
         # terms can absorb a small latency, may not go below the isolated measurement.
         hw = replace(hw, latency_s=max(fitted["latency_s"], comm["latency_s"]), intra_host_bw=fitted["intra_host_bw"],
-                     cross_host_bw=fitted["intra_host_bw"], replica_byte_s=fitted["replica_byte_s"])
+                     cross_host_bw=fitted["intra_host_bw"], replica_byte_s=fitted["replica_byte_s"],
+                     replica_latency_s=fitted["replica_latency_s"])
     return hw
 
 

@@ -270,6 +270,16 @@ def collective_count(distributed: bool, dp_groups: Iterable[tuple[bool, bool]], 
     return n + 4 * int(column_wise) + 2 * int(hierarchical)
 
 
+def replica_collectives(kinds: dict[str, str], dims: dict[str, int], dense_dp: frozenset[str] = frozenset()) -> int:
+    """The data-parallel operator groups' part of ``collectives_per_step``."""
+    groups: dict[int, tuple[bool, bool]] = {}
+    for t, k in kinds.items():
+        if k == "data_parallel":
+            gathered, dense = groups.get(dims[t], (False, False))
+            groups[dims[t]] = (gathered or t not in dense_dp, dense or t in dense_dp)
+    return sum(1 + 2 * int(g) + 2 * int(d) for g, d in groups.values())
+
+
 def collectives_per_step(kinds: dict[str, str], dims: dict[str, int], weighted: bool = False, hosts: int = 1,
                          dense_dp: frozenset[str] = frozenset()) -> int:
     """``collective_count`` of a plan given as table -> sharding type (``dense_dp``: the
@@ -284,9 +294,11 @@ def collectives_per_step(kinds: dict[str, str], dims: dict[str, int], weighted: 
                             hosts > 1 and "table_row_wise" in kinds.values(), weighted)
 
 
-def collective_s(hw: Hardware) -> float:
-    """The latency one collective adds to every rank (a log2(W)-step algorithm)."""
-    return hw.latency_s * math.log2(max(hw.world_size, 2)) if hw.world_size > 1 else 0.0
+def collective_s(hw: Hardware, replica: bool = False) -> float:
+    """The latency one collective adds to every rank (a log2(W)-step algorithm); ``replica``:
+    one of a data-parallel operator group's."""
+    latency = hw.replica_collective_latency_s if replica else hw.latency_s
+    return latency * math.log2(max(hw.world_size, 2)) if hw.world_size > 1 else 0.0
 
 
 def packing_s(t: TableSpec, hw: Hardware, wl: Workload) -> float:
@@ -302,10 +314,13 @@ def source_cost(tables: list[TableSpec], hw: Hardware, wl: Workload, kinds: dict
     ``source_bytes`` is the sum of the plan's shards' ``ShardCost.source_bytes``."""
     packing = sum(packing_s(t, hw, wl) for t in tables if kinds.get(t.name) != "data_parallel")
     dense = frozenset(t.name for t in tables if kinds.get(t.name) == "data_parallel" and dp_reduces_dense(t, hw, wl))
-    coll = collectives_per_step(kinds, {t.name: t.dim for t in tables}, hosts=hw.num_hosts, dense_dp=dense)
+    dims = {t.name: t.dim for t in tables}
+    coll = collectives_per_step(kinds, dims, hosts=hw.num_hosts, dense_dp=dense)
+    replica = replica_collectives(kinds, dims, dense)
     return (
         _others_link_time(source_bytes, hw)  # as if every shard were elsewhere; owners get their share back
-        + coll * collective_s(hw)
+        + (coll - replica) * collective_s(hw)
+        + replica * collective_s(hw, replica=True)
         + len(tables) * hw.feature_s
         + packing
         + hw.step_overhead_s

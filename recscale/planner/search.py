@@ -97,6 +97,7 @@ class _Loads:
         # load shows.
         self.link_per_source_byte = source_link_s(1.0, hw)
         self.per_collective = collective_s(hw)
+        self.per_replica_collective = collective_s(hw, replica=True)
         self.exchange = 0.0  # link time and packing of the placed tables
         # What decides the number of collectives: tables that are not data-parallel, column
         # shards, table-row-wise tables, and per dim the [gathered, dense] data-parallel tables.
@@ -149,14 +150,15 @@ class _Loads:
         self.table_row_wise += sign * (p.sharding_type == "table_row_wise")
 
     def _latency(self) -> float:
-        if self.per_collective == 0.0 or not self.collectives:
+        if (self.per_collective == 0.0 and self.per_replica_collective == 0.0) or not self.collectives:
             return 0.0
         groups = [(g > 0, d > 0) for g, d in self.groups.values() if g or d]
         if not self.distributed and not groups:
             return 0.0
         n = collective_count(self.distributed > 0, groups, self.column_wise > 0,
                              self.hw.num_hosts > 1 and self.table_row_wise > 0)
-        return n * self.per_collective
+        replica = collective_count(False, groups, False, False) - 1  # the groups' own collectives
+        return (n - replica) * self.per_collective + replica * self.per_replica_collective
 
 
 def _templates(t: TableSpec, hw: Hardware) -> list[tuple[str, list[tuple[int, int, int, int]]]]:
