@@ -265,32 +265,31 @@ def collective_count(distributed: bool, dp_groups: Iterable[tuple[bool, bool]], 
     table-row-wise tables on several hosts add the reduce-scatter and the all-gather inside
     the host."""
     n = 5 + int(weighted) if distributed else 1
-    for gathered, dense in dp_groups:
-        n += 1 + 2 * int(gathered) + 2 * int(dense)
-    return n + 4 * int(column_wise) + 2 * int(hierarchical)
+    return n + group_collectives(dp_groups) + 4 * int(column_wise) + 2 * int(hierarchical)
 
 
-def replica_collectives(kinds: dict[str, str], dims: dict[str, int], dense_dp: frozenset[str] = frozenset()) -> int:
-    """The data-parallel operator groups' part of ``collectives_per_step``."""
+def group_collectives(dp_groups: Iterable[tuple[bool, bool]]) -> int:
+    """The data-parallel operator groups' part of ``collective_count`` (they have their own
+    latency, ``Hardware.replica_latency_s``)."""
+    return sum(1 + 2 * int(gathered) + 2 * int(dense) for gathered, dense in dp_groups)
+
+
+def dp_group_flags(kinds: dict[str, str], dims: dict[str, int], dense_dp: frozenset[str] = frozenset()) -> list[tuple[bool, bool]]:
+    """Per dim of data-parallel tables: whether any is gathered, whether any is reduced densely."""
     groups: dict[int, tuple[bool, bool]] = {}
     for t, k in kinds.items():
         if k == "data_parallel":
             gathered, dense = groups.get(dims[t], (False, False))
             groups[dims[t]] = (gathered or t not in dense_dp, dense or t in dense_dp)
-    return sum(1 + 2 * int(g) + 2 * int(d) for g, d in groups.values())
+    return list(groups.values())
 
 
 def collectives_per_step(kinds: dict[str, str], dims: dict[str, int], weighted: bool = False, hosts: int = 1,
                          dense_dp: frozenset[str] = frozenset()) -> int:
     """``collective_count`` of a plan given as table -> sharding type (``dense_dp``: the
     data-parallel tables reduced densely)."""
-    groups: dict[int, tuple[bool, bool]] = {}
-    for t, k in kinds.items():
-        if k == "data_parallel":
-            gathered, dense = groups.get(dims[t], (False, False))
-            groups[dims[t]] = (gathered or t not in dense_dp, dense or t in dense_dp)
     distributed = not kinds or any(k != "data_parallel" for k in kinds.values())
-    return collective_count(distributed, groups.values(), "column_wise" in kinds.values(),
+    return collective_count(distributed, dp_group_flags(kinds, dims, dense_dp), "column_wise" in kinds.values(),
                             hosts > 1 and "table_row_wise" in kinds.values(), weighted)
 
 
@@ -316,7 +315,7 @@ def source_cost(tables: list[TableSpec], hw: Hardware, wl: Workload, kinds: dict
     dense = frozenset(t.name for t in tables if kinds.get(t.name) == "data_parallel" and dp_reduces_dense(t, hw, wl))
     dims = {t.name: t.dim for t in tables}
     coll = collectives_per_step(kinds, dims, hosts=hw.num_hosts, dense_dp=dense)
-    replica = replica_collectives(kinds, dims, dense)
+    replica = group_collectives(dp_group_flags(kinds, dims, dense))
     return (
         _others_link_time(source_bytes, hw)  # as if every shard were elsewhere; owners get their share back
         + (coll - replica) * collective_s(hw)

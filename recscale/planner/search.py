@@ -25,6 +25,7 @@ from recscale.planner.cost_model import (
     collective_count,
     collective_s,
     dp_reduces_dense,
+    group_collectives,
     packing_s,
     shard_cost,
     source_cost,
@@ -157,7 +158,7 @@ class _Loads:
             return 0.0
         n = collective_count(self.distributed > 0, groups, self.column_wise > 0,
                              self.hw.num_hosts > 1 and self.table_row_wise > 0)
-        replica = collective_count(False, groups, False, False) - 1  # the groups' own collectives
+        replica = group_collectives(groups)
         return (n - replica) * self.per_collective + replica * self.per_replica_collective
 
 
