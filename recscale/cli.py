@@ -62,7 +62,7 @@ def _ckpt(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from recscale.planner.hardware import resolve_hardware
     from recscale.planner.report import rank_table, write_html_report
-    from recscale.planner.search import BASELINES, baseline_plan, plan_tables
+    from recscale.planner.search import BASELINES, REPLICA_ERROR, baseline_plan, plan_tables
     from recscale.sharding.plan import PlanError
     from recscale.train.config import ConfigError, load_config
     from recscale.train.planning import table_specs, workload
@@ -73,9 +73,12 @@ def _plan(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     tables, wl = table_specs(cfg), workload(cfg)
-    result = plan_tables(tables, hw, wl, time_budget_s=args.time_budget)
+    result = plan_tables(tables, hw, wl, time_budget_s=args.time_budget,
+                         replica_error=REPLICA_ERROR if args.replica_error is None else args.replica_error)
     print(f"{len(tables)} tables on {hw.world_size} ranks ({hw.ranks_per_host} per host) of '{hw.name}', global batch {wl.batch_size}")
     print(rank_table(result))
+    if result.note:
+        print(f"note: {result.note}")
     lines = []
     for method in BASELINES:
         try:
@@ -191,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--ranks-per-host", type=int, help="ranks per host (default: the topology's)")
     q.add_argument("--topology", default="zionex", help="preset (zionex, torchrec-defaults, local-cpu) or a calibrated JSON file")
     q.add_argument("--time-budget", type=float, default=20.0, help="seconds of local search at most")
+    q.add_argument("--replica-error", type=float, default=None,
+                   help="replicate tables only where the plan stays faster with the replicas costing this fraction "
+                        "more than predicted (default 0.2; 0: trust the prediction)")
     q.add_argument("--out", metavar="PLAN_JSON", help="write the plan (readable by `recscale train --set sharding.plan=...`)")
     q.add_argument("--report", metavar="HTML", help="write an HTML report with a per-rank load chart")
     q.set_defaults(func=_plan)

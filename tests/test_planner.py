@@ -8,20 +8,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recscale.planner.cost_model import TableSpec, Workload, collectives_per_step, dp_reduces_dense, shard_cost
+from recscale.planner.cost_model import TableSpec, Workload, collectives_per_step, dp_reduces_dense, replica_s, shard_cost
 from recscale.planner.hardware import ZIONEX, Hardware
-from recscale.planner.search import BASELINES, baseline_plan, plan_tables
+from recscale.planner.search import BASELINES, REPLICA_ERROR, baseline_plan, plan_tables
 from recscale.sharding.plan import PlanError
 
 
-def production_like(n: int, seed: int, max_log_rows: float = 8.0) -> list[TableSpec]:
-    """Hundreds of tables, dims 4-384, pooling 1-100, rows 1e2-1e8, skewed sizes."""
+def production_like(n: int, seed: int, max_log_rows: float = 8.0, skewed_ids: bool = False) -> list[TableSpec]:
+    """Hundreds of tables, dims 4-384, pooling 1-100, rows 1e2-1e8, skewed sizes (and with
+    ``skewed_ids``, unique fractions 0.2-0.8 instead of 0.5)."""
     rng = np.random.default_rng(seed)
     dims = [4, 8, 16, 32, 64, 128, 256, 384]
     out = []
     for i in range(n):
         rows = int(10 ** rng.uniform(2, max_log_rows))
-        out.append(TableSpec(f"t{i}", rows, int(rng.choice(dims)), float(min(100, max(1, round(rng.lognormal(1.0, 1.2)))))))
+        dim, pooling = int(rng.choice(dims)), float(min(100, max(1, round(rng.lognormal(1.0, 1.2)))))
+        unique = float(rng.uniform(0.2, 0.8)) if skewed_ids else 0.5
+        out.append(TableSpec(f"t{i}", rows, dim, pooling, unique))
     return out
 
 
@@ -44,6 +47,31 @@ def test_plan_fits_memory_and_is_never_worse_than_a_baseline(world):
             continue
         _check_memory(base, hw)
         assert ours.max_rank_s <= base.max_rank_s * (1 + 1e-9), method
+
+
+def _replicated(result) -> int:
+    return sum(tp.sharding_type == "data_parallel" for tp in result.plan.tables)
+
+
+def test_replicas_must_win_even_if_they_cost_more_than_predicted():
+    """80 tables on 8 ranks: replicating 12 small ones predicts a 0.4% faster step, a gain
+    that vanishes if the replicas cost 1.4% more than predicted. With the default allowance
+    (20%) the planner keeps the plan without replicas and says why; with an allowance below
+    the break-even it replicates. (The search converges within its budget: deterministic.)"""
+    tables = production_like(80, seed=0, max_log_rows=6.0, skewed_ids=True)
+    hw, wl = ZIONEX.with_world(8), Workload(batch_size=65536)
+    fastest = plan_tables(tables, hw, wl, time_budget_s=3, replica_error=0.0)
+    assert _replicated(fastest) > 0 and fastest.note == ""
+    kept = plan_tables(tables, hw, wl, time_budget_s=3)
+    replicas = replica_s(tables, hw, wl, {tp.table: tp.sharding_type for tp in fastest.plan.tables})
+    break_even = (kept.max_rank_s - fastest.max_rank_s) / replicas
+    assert _replicated(kept) == 0 and 0 < break_even <= REPLICA_ERROR
+    assert "not if its replicas cost 20% more than predicted" in kept.note
+    below = plan_tables(tables, hw, wl, time_budget_s=3, replica_error=break_even / 2)
+    assert _replicated(below) > 0 and below.max_rank_s == pytest.approx(fastest.max_rank_s) and below.note == ""
+    for bad in (-0.1, 10.0):
+        with pytest.raises(ValueError, match="replica_error"):
+            plan_tables(tables, hw, wl, replica_error=bad)
 
 
 def test_every_shard_of_the_plan_is_a_valid_rectangle():

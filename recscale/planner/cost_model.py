@@ -324,3 +324,14 @@ def source_cost(tables: list[TableSpec], hw: Hardware, wl: Workload, kinds: dict
         + packing
         + hw.step_overhead_s
     )
+
+
+def replica_s(tables: list[TableSpec], hw: Hardware, wl: Workload, kinds: dict[str, str]) -> float:
+    """What every rank spends on a plan's data-parallel tables: one replica's lookup, gradient
+    combination and update of each, and their operator groups' collectives."""
+    replicated = [t for t in tables if kinds.get(t.name) == "data_parallel"]
+    if not replicated:
+        return 0.0
+    dense = frozenset(t.name for t in replicated if dp_reduces_dense(t, hw, wl))
+    groups = group_collectives(dp_group_flags(kinds, {t.name: t.dim for t in tables}, dense))
+    return sum(shard_cost(t, "data_parallel", t.rows, t.dim, hw, wl).time_s for t in replicated) + groups * collective_s(hw, replica=True)

@@ -71,9 +71,10 @@ def write_html_report(path: str, result: PlanResult, title: str = "recscale plan
         + "</td></tr>"
         for t in result.plan.tables
     )
+    note = f"<p>{html.escape(result.note)}</p>" if result.note else ""
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 6px;font-size:12px}}</style>
-</head><body><h1>{html.escape(title)}</h1><p>{html.escape(summary_line(result))}</p>{extra}
+</head><body><h1>{html.escape(title)}</h1><p>{html.escape(summary_line(result))}</p>{note}{extra}
 {_svg_bars(result)}
 <h2>Ranks</h2><table><tr><th>rank</th><th>tables</th><th>memory GB</th><th>compute ms</th><th>comm ms</th><th>tables held</th></tr>
 {rows}</table>
