@@ -334,9 +334,9 @@ def plan_tables(
     collectives, then counting them; the best plan seen wins. Starting from every baseline means
     the result is never worse than any table-wise one.
 
-    Replicated (data-parallel) tables are where the model errs most, on the fast side: measured
-    against real steps on this machine (``benchmarks/planner_validation.py``), replicated tables
-    cost 2-30% more than predicted. So the best plan with replicas wins over the best plan
+    Replicated (data-parallel) tables are where the model errs most, mostly on the fast side:
+    measured against real steps on this machine (``benchmarks/planner_validation.py``), plans
+    that replicate tables took up to 30% longer than predicted. So the best plan with replicas wins over the best plan
     without only if it is still faster with its replicas' cost raised by ``replica_error``
     (0.2: 20%); 0 takes the fastest prediction as it is."""
     if not 0.0 <= replica_error < 10.0:
