@@ -34,8 +34,6 @@ def _toml_str(text: str) -> str:
 
 
 def _ckpt(args: argparse.Namespace) -> int:
-    import json
-
     from recscale.checkpoint import tools
 
     if args.ckpt_command == "list":
