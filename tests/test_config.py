@@ -42,6 +42,8 @@ def test_shipped_configs_parse(monkeypatch):
         ("[data]\nsource = 'criteo_tsv'\n", "'data.train_path': required"),
         ("[data]\nsource = 'criteo_tsv'\ntrain_path = 'no/such.tsv'\n", "'data.train_path': file 'no/such.tsv' does not exist"),
         ("[train\n", "is not valid TOML"),
+        ("[dense_optimizer]\neps = 0\n", "'dense_optimizer.eps': expected a value > 0"),
+        ("[dense_optimizer]\ninitial_accumulator_value = -1\n", "'dense_optimizer.initial_accumulator_value': expected a value >= 0"),
     ],
 )
 def test_bad_config_gets_one_clear_error(tmp_path, text, fragment):
@@ -60,6 +62,22 @@ def test_set_overrides_parse_toml_values(tmp_path):
     assert cfg.model.top_mlp == [8, 1]
     assert cfg.data.source == "synthetic"
     assert cfg.train.progress is False
+
+
+def test_dense_adagrad_settings_reach_the_optimizer(tmp_path):
+    import torch
+
+    from recscale.train.loop import build_dense_optimizer
+
+    cfg = load_config(write(tmp_path, "[dense_optimizer]\nname = 'adagrad'\ninitial_accumulator_value = 0.1\neps = 1e-6\n"))
+    w = torch.nn.Parameter(torch.zeros(3))
+    opt = build_dense_optimizer(cfg, [w])
+    w.grad = torch.full((3,), 1e-4)
+    opt.step()
+    # The first step is lr * g / (sqrt(0.1 + g^2) + 1e-6), not torch's default full step of lr.
+    expected = -cfg.dense_optimizer.lr * 1e-4 / ((0.1 + 1e-8) ** 0.5 + 1e-6)
+    torch.testing.assert_close(w.detach(), torch.full((3,), expected))
+    assert opt.state[w]["sum"][0].item() == pytest.approx(0.1 + 1e-8)
 
 
 def test_set_with_bad_syntax():

@@ -94,6 +94,11 @@ class DenseOptimizerConfig:
     name: Literal["sgd", "adagrad", "adam"] = "adagrad"
     lr: float = 0.01
     weight_decay: float = 0.0
+    # Adagrad only. torch's defaults (0 and 1e-10) make the first gradient a weight ever gets,
+    # however small, a full learning-rate step; a positive start (Keras uses 0.1) keeps tiny
+    # gradients small steps, so training does not jump when a unit first turns on.
+    initial_accumulator_value: float = 0.0
+    eps: float = 1e-10
 
 
 @dataclass
@@ -290,6 +295,8 @@ def validate(cfg: Config) -> None:
     _positive("model.embedding_dim", m.embedding_dim)
     _positive("embedding_optimizer.lr", cfg.embedding_optimizer.lr)
     _positive("dense_optimizer.lr", cfg.dense_optimizer.lr)
+    _non_negative("dense_optimizer.initial_accumulator_value", cfg.dense_optimizer.initial_accumulator_value)
+    _positive("dense_optimizer.eps", cfg.dense_optimizer.eps)
     if not m.table_rows or any(r <= 0 for r in m.table_rows):
         raise ConfigError("config key 'model.table_rows': expected positive row counts, one per sparse feature")
     for key in ("bottom_mlp", "top_mlp"):

@@ -150,7 +150,10 @@ def build_dense_optimizer(cfg: Config, params: list[torch.nn.Parameter]) -> torc
     if d.name == "sgd":
         return torch.optim.SGD(params, lr=d.lr, weight_decay=d.weight_decay)
     if d.name == "adagrad":
-        return torch.optim.Adagrad(params, lr=d.lr, weight_decay=d.weight_decay)
+        return torch.optim.Adagrad(
+            params, lr=d.lr, weight_decay=d.weight_decay,
+            initial_accumulator_value=d.initial_accumulator_value, eps=d.eps,
+        )
     return torch.optim.Adam(params, lr=d.lr, weight_decay=d.weight_decay)
 
 
