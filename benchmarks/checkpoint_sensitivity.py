@@ -11,7 +11,7 @@ dense optimizer state), and reports each final eval logloss against the uninterr
 updated rows, of the rows themselves and of their change since initialisation, against noise of
 1e-6 and 1e-5, to show how much of a single figure is chance.
 
-    python benchmarks/checkpoint_sensitivity.py [--quick] [--json results/checkpoint_sensitivity.json]  # ~5 min
+    python benchmarks/checkpoint_sensitivity.py [--quick] [--set KEY=VALUE ...] [--json results/checkpoint_sensitivity.json]  # ~5 min
 """
 
 from __future__ import annotations
@@ -129,11 +129,13 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=2, help="noise draws per size")
     ap.add_argument("--codec-steps", default="40,60,70,78,90,100,120",
                     help="restore steps for the 8-bit codec comparison ('' to skip)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every run, e.g. dense_optimizer.name=sgd (repeatable)")
     args = ap.parse_args()
     apply_train_config_args(args)
 
     def summary(overrides: list[str]) -> dict:
-        return train_quietly(args.config, overrides)
+        return train_quietly(args.config, args.set + overrides)
 
     def run(overrides: list[str]) -> float:
         return summary(overrides)["eval_logloss"]
@@ -179,12 +181,13 @@ def main() -> int:
             experiment("noise 1e-6 on emb rows (updated)", k, dk, noise("emb", "updated", 1e-6, 0))
             experiment("noise 1e-5 on emb rows (updated)", k, dk, noise("emb", "updated", 1e-5, 0))
 
-    print(f"uninterrupted: eval logloss {base!r}; the same run with 1 and 2 threads: {floor[0]!r}, {floor[1]!r}")
+    print(f"uninterrupted: eval logloss {base!r}, AUC {first['eval_auc']:.5f}; the same run with 1 and 2 threads: {floor[0]!r}, {floor[1]!r}")
     rows = [[r["experiment"], str(r["restore_step"]), f"{r['eval_logloss']:.6f}", f"{100 * r['logloss_rel_diff']:+.4f}%",
              f"{r['quant_rel_rms_error']:.2e}" if r["quant_rel_rms_error"] is not None else ""] for r in results]
     print(format_table(["perturbation at the restore", "step", "eval logloss", "vs uninterrupted", "rel rms err"], rows))
     if args.json:
-        write_json(args.json, {"environment": environment(), "config": args.config, "uninterrupted": base,
+        write_json(args.json, {"environment": environment(), "config": args.config, "overrides": args.set,
+                               "uninterrupted": base, "uninterrupted_auc": first["eval_auc"],
                                "threads_1_2": list(floor), "results": results})
     return 0
 
