@@ -153,8 +153,11 @@ def main() -> int:
         results.append({"experiment": label, "restore_step": mid, "eval_logloss": ll,
                         "logloss_rel_diff": (ll - base) / base, "quant_rel_rms_error": RMS.get("last")})
 
+    # Every checkpoint goes under one folder, removed when the script ends (also on an error).
+    work = tempfile.TemporaryDirectory(prefix="recscale-sens-")
+
     def checkpoint_at(mid: int) -> str:
-        d = tempfile.mkdtemp(prefix="recscale-sens-")
+        d = tempfile.mkdtemp(prefix="ckpt-", dir=work.name)
         run([f"checkpoint.dir='{d}'", f"train.max_steps={mid}", f"checkpoint.interval_steps={mid}"])
         return d
 

@@ -70,15 +70,25 @@ def measure_machine(threads: int, quick: bool) -> dict[str, float]:
         best = min(_timed(lambda: b.copy_(a)) for _ in range(5))
         bw = 2 * n * 4 / best
         out = {"mem_bw_gbs": bw / 1e9}
-        m = 1024 if quick else 2048
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            x, y = torch.randn(m, m).to(dtype), torch.randn(m, m).to(dtype)
-            x @ y
-            best = min(_timed(lambda: x @ y) for _ in range(5))
-            out[f"{name}_gflops"] = 2 * m**3 / best / 1e9
+            # A small probe first: without bf16 instructions a bf16 matmul runs at about 1 GFLOP/s,
+            # and the full-size one would take minutes to say so.
+            m = 256
+            rate = _matmul_gflops(m, dtype, 1)
+            if not (name == "bf16" and rate < out["fp32_gflops"] / 10):
+                m = 1024 if quick else 2048
+                rate = _matmul_gflops(m, dtype, 5)
+            out[f"{name}_gflops"] = rate
         return out
     finally:
         torch.set_num_threads(old)
+
+
+def _matmul_gflops(m: int, dtype: torch.dtype, repeats: int) -> float:
+    x, y = torch.randn(m, m).to(dtype), torch.randn(m, m).to(dtype)
+    x @ y
+    best = min(_timed(lambda: x @ y) for _ in range(repeats))
+    return 2 * m**3 / best / 1e9
 
 
 def _timed(fn) -> float:
