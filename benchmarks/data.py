@@ -23,7 +23,6 @@ reports rows/s and the peak, and deletes the file and the output.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys

@@ -6,7 +6,6 @@ No timing assertions: only that the script works end to end in its --quick mode.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 

@@ -6,7 +6,6 @@ do not restore exactly)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 

@@ -4,7 +4,6 @@ writes its JSON (no timing assertions)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 

@@ -5,7 +5,6 @@ assertions."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 

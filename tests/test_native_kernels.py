@@ -15,7 +15,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from recscale.embedding import SGD, Adagrad, Adam, RowWiseAdagrad, TableBatchedEmbeddingBags, TableConfig, native
-from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.table_batched import row_gradients
 from recscale.sparse import JaggedBatch, SparseInputError
 
@@ -271,7 +270,6 @@ def test_same_result_on_one_and_two_threads():
 def test_embedding_op_benchmark_multi_hot_quick(tmp_path):
     """The benchmark's multi-hot case runs, times native and torch kernels, writes its JSON."""
     import json
-    import subprocess
     import sys
     from pathlib import Path
 
