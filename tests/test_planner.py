@@ -63,7 +63,7 @@ def test_replicas_must_win_even_if_they_cost_more_than_predicted():
     fastest = plan_tables(tables, hw, wl, time_budget_s=3, replica_error=0.0)
     assert _replicated(fastest) > 0 and fastest.note == ""
     kept = plan_tables(tables, hw, wl, time_budget_s=3)
-    replicas = replica_s(tables, hw, wl, {tp.table: tp.sharding_type for tp in fastest.plan.tables})
+    replicas = replica_s(tables, hw, wl, fastest.plan.sharding_types())
     break_even = (kept.max_rank_s - fastest.max_rank_s) / replicas
     assert _replicated(kept) == 0 and 0 < break_even <= REPLICA_ERROR
     assert "not if replicas cost 20% more than predicted" in kept.note and "(0 replicated)" in kept.note

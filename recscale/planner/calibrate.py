@@ -111,7 +111,7 @@ def probe_terms(plan: ShardingPlan, tables: list[TableSpec], batch, backward_fac
             r["dist_id_s"] += sl.ids
             r["dist_value_s"] += sl.bags * sl.cols
     terms = rank_of_max.setdefault(0, dict.fromkeys(FIT_TERMS, 0.0))
-    kinds = {tp.table: tp.sharding_type for tp in plan.tables}
+    kinds = plan.sharding_types()
     b_local = batch.batch_size / plan.world_size
     for name in batch.keys:  # the source's side: its own samples' ids and pooled values
         if kinds.get(name, "data_parallel") != "data_parallel":

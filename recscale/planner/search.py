@@ -418,12 +418,13 @@ def _allowing_for_replicas(candidates: list[PlanResult], tables: list[TableSpec]
     fastest = min(candidates, key=lambda r: r.max_rank_s)
 
     def risk(r: PlanResult) -> float:
-        return replica_error * replica_s(tables, hw, wl, {tp.table: tp.sharding_type for tp in r.plan.tables})
+        return replica_error * replica_s(tables, hw, wl, r.plan.sharding_types())
 
     bound = fastest.max_rank_s + risk(fastest)
     chosen, chosen_score = fastest, bound
     for r in candidates:
-        if r.max_rank_s < chosen_score:  # a plan no faster than that cannot win, whatever its replicas
+        # A plan no faster than the chosen one's score cannot win, whatever its replicas.
+        if r is not fastest and r.max_rank_s < chosen_score:
             score = r.max_rank_s + risk(r)
             if score < chosen_score:
                 chosen, chosen_score = r, score

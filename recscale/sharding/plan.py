@@ -66,6 +66,10 @@ class ShardingPlan:
                 return t
         raise PlanError(f"the plan has no table '{name}'")
 
+    def sharding_types(self) -> dict[str, str]:
+        """Table name -> sharding type: what the cost model's plan-wide terms depend on."""
+        return {t.table: t.sharding_type for t in self.tables}
+
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict:
         return {
