@@ -6,9 +6,9 @@ the rows) measures the *embedding step* (the part of a training step the planner
 distribution, pooled lookup, output distribution, backward with the fused row-wise Adagrad
 update) of several plans on 1 rank and on 2 ranks (gloo, one thread each), and prints each
 plan's predicted and measured time (median over steps of the slowest rank), the error, and
-whether the model ranks the plans of each world size in the measured order. The 2-rank plans,
-the planner's among them, are compared on ``--repeats`` round-robin rounds timed after the
-calibration (their rounds during it are kept and shown beside).
+whether the model ranks the plans of each world size in the measured order. Plans are timed
+between the calibration's own rounds; the planner's plan too, as the 2-rank measurements so
+far choose it, once every stage has a round.
 
     python benchmarks/planner_validation.py                 # calibrate, then validate (~10-12 min)
     python benchmarks/planner_validation.py --quick --json out/validation.json
@@ -98,6 +98,14 @@ def _recorded_measurements(recorded: dict, w: int) -> Measurements:
     return Measurements(**m)
 
 
+def _rank_free(plan: ShardingPlan) -> tuple:
+    """The plan with its ranks renamed in order of first use: plans that differ only in which
+    of a host's identical ranks holds what compare equal."""
+    names: dict[int, int] = {}
+    return tuple((tp.table, tp.sharding_type, tuple((names.setdefault(s.rank, len(names)), s.row_offset, s.num_rows,
+                                                     s.col_offset, s.num_cols) for s in tp.shards)) for tp in plan.tables)
+
+
 def _recorded_rounds(recorded: dict, plan: str) -> list[float]:
     return [t / 1e3 for r in recorded["results"] if r["plan"] == plan for t in r["measured_rounds_ms"]]
 
@@ -120,8 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=4096, help="global batch")
     p.add_argument("--steps", type=int, default=9, help="timed steps per plan (the median is kept)")
     p.add_argument("--repeats", type=int, default=5,
-                   help="rounds of every 2-rank plan after the calibration, the planner's among them, and of every 1-rank plan "
-                        "with a topology file (median kept)")
+                   help="rounds of every plan with topology files, the planner's among them (median kept)")
     p.add_argument("--topology-1", metavar="FILE", help="calibration for 1 rank (default: calibrate now)")
     p.add_argument("--topology-2", metavar="FILE", help="calibration for 2 ranks (default: calibrate now)")
     p.add_argument("--quick", action="store_true", help="tables 10x smaller, 3 steps (a smoke run)")
@@ -151,14 +158,22 @@ def main(argv: list[str] | None = None) -> int:
             if w == world:
                 timings[i].append(time_plan(plan, tables, batches, args.steps))
 
-    # Rounds of the fixed 2-rank plans timed during the calibration; the plans are compared on
-    # rounds timed after it, interleaved with the planner's plan (below).
-    calibration_rounds: dict[int, list[float]] = {}
+    # The planner's plan as the 2-rank measurements so far choose it, timed in the same round as
+    # the fixed plans: every plan, the planner's included, is then timed in the period whose
+    # constants predict it (timed after the calibration, it once measured 1.4 ms behind
+    # data-parallel where its own rounds and data-parallel's overlapped).
+    provisional: list[tuple[ShardingPlan, float]] = []
+
+    def between_rounds(m: Measurements, w: int) -> None:
+        time_round(w)
+        if w == 2 and m.complete:
+            plan = plan_tables(tables, fit_hardware(m), wl, time_budget_s=5).plan
+            provisional.append((plan, time_plan(plan, tables, batches, args.steps)))
 
     # A calibration made now times its plans after each of its own rounds of probes, so the
     # constants and the measured plans see the same mix of machine states (this VM's speed
-    # drifts 1.5-2x over minutes); with a topology file, 1-rank plans are timed ``--repeats``
-    # rounds. The 2-rank plans are measured once more after the fit, with the planner's plan.
+    # drifts 1.5-2x over minutes); with a topology file, plans are timed ``--repeats`` rounds
+    # (the 2-rank ones with the planner's).
     hws, measurements = {}, {}
     for w, path in ((1, args.topology_1), (2, args.topology_2)):
         if recorded is not None:
@@ -169,53 +184,44 @@ def main(argv: list[str] | None = None) -> int:
                     timings[i] = _recorded_rounds(recorded, name)
         elif path:
             hws[w] = resolve_hardware(path, w, w)
-            if w == 1:  # 2-rank plans are timed with the planner's, below
+            if w == 1:
                 for _ in range(args.repeats):
                     time_round(w)
         else:
-            measurements[w] = measure(w, quick=args.quick, between_rounds=lambda w=w: time_round(w))
+            measurements[w] = measure(w, quick=args.quick, between_rounds=lambda m, w=w: between_rounds(m, w))
             hws[w] = fit_hardware(measurements[w])
-    # The planner's plan needs the 2-rank constants, so it is timed after them (unless it is
-    # one of the fixed plans: the same plan twice would only compare noise with noise).
     if recorded is not None:  # the plan that was measured, whatever the new fit would choose
         chosen = ShardingPlan.from_dict(recorded["planner_plan"])
         planner_is = None if recorded["planner_chose"] == "2: recscale planner" else recorded["planner_chose"]
     else:
-        chosen = plan_tables(tables, hws[2], wl, time_budget_s=5).plan
-        same = [name for w, name, plan in cases if w == 2 and plan == chosen]
+        # After the last round the measurements are complete: its plan is the final fit's.
+        chosen = provisional[-1][0] if provisional else plan_tables(tables, hws[2], wl, time_budget_s=5).plan
+        same = [name for w, name, plan in cases if w == 2 and _rank_free(plan) == _rank_free(chosen)]
         planner_is = same[0] if same else None
-    if planner_is:
+    if planner_is:  # the same plan twice would only compare noise with noise
         print(f"the recscale planner chose the plan '{planner_is}'")
     else:
         cases.append((2, "2: recscale planner", chosen))
-        timings[len(cases) - 1] = _recorded_rounds(recorded, "2: recscale planner") if recorded is not None else []
-    if recorded is None:
-        # Every 2-rank plan, the planner's included, timed round-robin in the same rounds: plans
-        # compared in one period of this VM's drifting speed (timing the planner's plan alone
-        # after the others once put it 1.4 ms behind data-parallel, within both plans' spread).
-        for i, (w, _, _) in enumerate(cases):
-            if w == 2 and timings[i]:
-                calibration_rounds[i], timings[i] = timings[i], []
-        for _ in range(args.repeats):
-            time_round(2)
-    else:
-        for i, (w, name, _) in enumerate(cases):
-            during = [r.get("calibration_rounds_ms") for r in recorded["results"] if r["plan"] == name]
-            if during and during[0]:
-                calibration_rounds[i] = [t / 1e3 for t in during[0]]
+        i = len(cases) - 1
+        if recorded is not None:
+            timings[i] = _recorded_rounds(recorded, "2: recscale planner")
+        elif provisional:
+            timings[i] = [t for plan, t in provisional if _rank_free(plan) == _rank_free(chosen)]
+            print(f"the planner's plan was timed in {len(timings[i])} of the {len(provisional)} rounds of the 2-rank "
+                  "calibration that it could follow (in the others, the measurements so far chose another plan)")
+        else:
+            for _ in range(args.repeats):
+                time_round(2)
     rows, records = [], []
     for i, (world, name, plan) in enumerate(cases):
         pred = score_plan(plan, tables, hws[world], wl).max_rank_s
         meas = statistics.median(timings[i])
         err = 100 * (pred - meas) / meas
-        during = calibration_rounds.get(i, [])
         records.append({"world_size": world, "plan": name, "predicted_ms": pred * 1e3, "measured_ms": meas * 1e3, "error_pct": err,
-                        "measured_rounds_ms": [t * 1e3 for t in timings[i]], "calibration_rounds_ms": [t * 1e3 for t in during]})
+                        "measured_rounds_ms": [t * 1e3 for t in timings[i]]})
         rows.append([name, f"{pred * 1e3:.1f}", f"{meas * 1e3:.1f}", f"{err:+.1f}%",
-                     " ".join(f"{t * 1e3:.1f}" for t in timings[i]),
-                     f"{statistics.median(during) * 1e3:.1f}" if during else "-"])
-    print(format_table(["plan", "predicted ms", "measured ms", "error", "rounds ms", "during calibration ms"], rows,
-                       right_align_from=1))
+                     " ".join(f"{t * 1e3:.1f}" for t in timings[i])])
+    print(format_table(["plan", "predicted ms", "measured ms", "error", "rounds ms"], rows, right_align_from=1))
     summary = {}
     for world in (1, 2):
         rec = [r for r in records if r["world_size"] == world]
@@ -242,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_json(args.json, {"environment": environment(), "args": vars(args), "results": records, "summary": summary,
                                "planner_chose": planner_is or "2: recscale planner", "planner_plan": chosen.to_dict(),
+                               "planner_provisional_ms": [[t * 1e3, _rank_free(plan) == _rank_free(chosen)] for plan, t in provisional],
                                "hardware": {w: vars(hw) for w, hw in hws.items()},
                                "calibration_measurements": {w: asdict(m) for w, m in measurements.items()}})
     return 0

@@ -197,13 +197,16 @@ def compute_cases(batches: tuple[int, ...], quick: bool = False) -> list[tuple[s
 
 def measure_compute(world_size: int, batches: tuple[int, ...] = (1024, 4096), steps: int = 5,
                     progress=None, quick: bool = False, rounds: int = 3,
-                    between_rounds: Callable[[], None] | None = None) -> dict[str, list[float]]:
+                    between_rounds: Callable[[], None] | None = None,
+                    into: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
     """Stage 1's measurements: each probe's step time in every round, by probe name, for one of
     ``world_size`` local ranks. Every probe is timed once per round over all probes, so a burst
-    of load on a shared machine moves one round, not one probe's figure (and with it a constant)."""
+    of load on a shared machine moves one round, not one probe's figure (and with it a constant).
+    ``into``: the dict to fill, round by round (``between_rounds`` can read it)."""
     threads = max(1, (os.cpu_count() or 1) // world_size)
     cases = compute_cases(batches, quick)
-    times: dict[str, list[float]] = {name: [] for name, *_ in cases}
+    times = into if into is not None else {}
+    times.update({name: [] for name, *_ in cases})
     for r in range(1 if quick else rounds):
         for name, plan, tables, gb in cases:
             times[name].append(time_plan(plan, tables, gb, steps, threads=threads))
@@ -321,16 +324,19 @@ def collection_cases(world_size: int, batches: tuple[int, ...], sets: tuple[str,
 
 def measure_collection(world_size: int, batches: tuple[int, ...] = (1024, 4096), steps: int = 5,
                        progress=None, sets: tuple[str, ...] = ("mixed", "large", "many_small"),
-                       rounds: int = 3, between_rounds: Callable[[], None] | None = None) -> dict[str, list[float]]:
+                       rounds: int = 3, between_rounds: Callable[[], None] | None = None,
+                       into: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
     """Stage 4's measurements (more than one rank): steps of the real collection on
     ``world_size`` local processes for balanced plans (table-wise, row-wise, data-parallel,
     column shards over every rank) and for every table on rank 0 (the others only exchange),
     each probe's time in every round, by name. ``fit_collection`` turns them into what a
-    collective costs inside a step and what data-parallel replicas pay per byte."""
+    collective costs inside a step and what data-parallel replicas pay per byte. ``into``: the
+    dict to fill, round by round (``between_rounds`` can read it)."""
     cases = collection_cases(world_size, batches, sets)
     # Round-robin over the probes, as in stage 1: a burst of load lasting longer than one probe
     # moves one round of several probes, not every round of one.
-    times: dict[str, list[float]] = {name: [] for name, *_ in cases}
+    times = into if into is not None else {}
+    times.update({name: [] for name, *_ in cases})
     for r in range(rounds):
         for name, plan, tables, gb in cases:
             times[name].append(time_plan(plan, tables, gb, steps))
@@ -407,6 +413,12 @@ class Measurements:
         return (512, 2048) if self.quick else (1024, 4096)
 
     @property
+    def complete(self) -> bool:
+        """Whether every stage has at least one round: enough for ``fit_hardware``."""
+        rounds = list(self.compute.values()) + (list(self.collection.values()) if self.world_size > 1 else [])
+        return bool(self.compute) and bool(self.all_to_all) and (self.world_size == 1 or bool(self.collection)) and all(rounds)
+
+    @property
     def collection_batches(self) -> tuple[int, ...]:
         return self.batches[-1:] if self.quick else self.batches
 
@@ -416,19 +428,21 @@ class Measurements:
 
 
 def measure(world_size: int = 2, progress=None, quick: bool = False,
-            between_rounds: Callable[[], None] | None = None) -> Measurements:
+            between_rounds: Callable[[Measurements], None] | None = None) -> Measurements:
     """Run every calibration stage on this machine (``quick``: fewer, smaller probes, for smoke
-    tests). ``between_rounds`` runs after each round of probes: a validation times its plans
-    there, so that the constants and the plans see the same mix of machine states (a shared
-    VM's speed drifts 1.5-2x over minutes)."""
+    tests). ``between_rounds`` runs after each round of probes, given the measurements so far:
+    a validation times its plans there, so that the constants and the plans see the same mix of
+    machine states (a shared VM's speed drifts 1.5-2x over minutes); once every stage has a
+    round (``Measurements.complete``), it can fit them and time the plan they choose too."""
     m = Measurements(world_size, quick, last_level_cache_bytes(), physical_memory_bytes(), {}, {})
     steps = 3 if quick else 5
-    m.compute = measure_compute(world_size, m.batches, steps, progress=progress, quick=quick, between_rounds=between_rounds)
+    hook = None if between_rounds is None else (lambda: between_rounds(m))
+    measure_compute(world_size, m.batches, steps, progress=progress, quick=quick, between_rounds=hook, into=m.compute)
     m.all_to_all = measure_all_to_all(world_size) if world_size > 1 else {"intra_host_bw": 1e12, "latency_s": 0.0}
     if world_size > 1:
         m.contention = measure_contention(world_size, m.batches[-1], steps, progress=progress, quick=quick)
-        m.collection = measure_collection(world_size, m.collection_batches, steps, progress=progress, sets=m.collection_sets,
-                                          rounds=1 if quick else 3, between_rounds=between_rounds)
+        measure_collection(world_size, m.collection_batches, steps, progress=progress, sets=m.collection_sets,
+                           rounds=1 if quick else 3, between_rounds=hook, into=m.collection)
     return m
 
 
