@@ -209,6 +209,13 @@ def main(argv: list[str] | None = None) -> int:
             timings[i] = [t for plan, t in provisional if _rank_free(plan) == _rank_free(chosen)]
             print(f"the planner's plan was timed in {len(timings[i])} of the {len(provisional)} rounds of the 2-rank "
                   "calibration that it could follow (in the others, the measurements so far chose another plan)")
+            # Fewer rounds than the calibration has: every 2-rank plan gets more rounds after it,
+            # so no plan's figure rests on one round of a slow minute.
+            extra = len(provisional) - len(timings[i])
+            if extra:
+                print(f"timing every 2-rank plan in {extra} more round(s)")
+            for _ in range(extra):
+                time_round(2)
         else:
             for _ in range(args.repeats):
                 time_round(2)
