@@ -208,12 +208,13 @@ def main(argv: list[str] | None = None) -> int:
         elif provisional:
             timings[i] = [t for plan, t in provisional if _rank_free(plan) == _rank_free(chosen)]
             print(f"the planner's plan was timed in {len(timings[i])} of the {len(provisional)} rounds of the 2-rank "
-                  "calibration that it could follow (in the others, the measurements so far chose another plan)")
+                  "calibration that it could follow")
             # Fewer rounds than the calibration has: every 2-rank plan gets more rounds after it,
             # so no plan's figure rests on one round of a slow minute.
             extra = len(provisional) - len(timings[i])
             if extra:
-                print(f"timing every 2-rank plan in {extra} more round(s)")
+                print(f"(in the others, the measurements so far chose another plan): timing every 2-rank plan in {extra} "
+                      "more round(s)")
             for _ in range(extra):
                 time_round(2)
         else:
@@ -255,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_json(args.json, {"environment": environment(), "args": vars(args), "results": records, "summary": summary,
                                "planner_chose": planner_is or "2: recscale planner", "planner_plan": chosen.to_dict(),
-                               "planner_provisional_ms": [[t * 1e3, _rank_free(plan) == _rank_free(chosen)] for plan, t in provisional],
+                               "planner_provisional": [{"ms": t * 1e3, "final": _rank_free(plan) == _rank_free(chosen), "plan": plan.to_dict()}
+                                                       for plan, t in provisional],
                                "hardware": {w: vars(hw) for w, hw in hws.items()},
                                "calibration_measurements": {w: asdict(m) for w, m in measurements.items()}})
     return 0
