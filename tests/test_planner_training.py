@@ -130,8 +130,14 @@ def test_recorded_measurements_fit_again_to_the_same_machine_after_a_json_round_
         expected[name] = sum(truth[k] * terms[k] for k in FIT_TERMS)
         m.compute[name] = [expected[name] * f for f in (0.98, 1.0, 1.05)]  # rounds; the median is the formula's
     link = replace(LOCAL_CPU, world_size=2, ranks_per_host=2, latency_s=80e-6, intra_host_bw=2.5e9, cross_host_bw=2.5e9)
+    assert not m.complete  # no stage-4 round yet: nothing to fit collectives to
+    cases = collection_cases(2, m.collection_batches, m.collection_sets)
+    m.collection = {name: [] for name, *_ in cases}
+    m.collection[cases[0][0]] = [1e-3]
+    assert not m.complete  # a round under way
     m.collection = {name: [score_plan(plan, tables, link, Workload(gb[0].batch_size)).max_rank_s]
-                    for name, plan, tables, gb in collection_cases(2, m.collection_batches, m.collection_sets)}
+                    for name, plan, tables, gb in cases}
+    assert m.complete
     hw = fit_hardware(m)
     again = fit_hardware(Measurements(**json.loads(json.dumps(asdict(m)))))
     assert again == hw
