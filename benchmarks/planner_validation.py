@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         chosen = provisional[-1][0] if provisional else plan_tables(tables, hws[2], wl, time_budget_s=5).plan
         same = [name for w, name, plan in cases if w == 2 and _rank_free(plan) == _rank_free(chosen)]
         planner_is = same[0] if same else None
+    final = [_rank_free(plan) == _rank_free(chosen) for plan, _ in provisional]  # rounds that timed the final plan
     if planner_is:  # the same plan twice would only compare noise with noise
         print(f"the recscale planner chose the plan '{planner_is}'")
     else:
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         if recorded is not None:
             timings[i] = _recorded_rounds(recorded, "2: recscale planner")
         elif provisional:
-            timings[i] = [t for plan, t in provisional if _rank_free(plan) == _rank_free(chosen)]
+            timings[i] = [t for (_, t), is_final in zip(provisional, final) if is_final]
             print(f"the planner's plan was timed in {len(timings[i])} of the {len(provisional)} rounds of the 2-rank "
                   "calibration that it could follow")
             # Fewer rounds than the calibration has: every 2-rank plan gets more rounds after it,
@@ -217,9 +218,9 @@ def main(argv: list[str] | None = None) -> int:
                       "more round(s)")
             for _ in range(extra):
                 time_round(2)
-        else:
-            for _ in range(args.repeats):
-                time_round(2)
+    if recorded is None and not provisional:  # a 2-rank topology file: every 2-rank plan, the planner's among them
+        for _ in range(args.repeats):
+            time_round(2)
     rows, records = [], []
     for i, (world, name, plan) in enumerate(cases):
         pred = score_plan(plan, tables, hws[world], wl).max_rank_s
@@ -256,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_json(args.json, {"environment": environment(), "args": vars(args), "results": records, "summary": summary,
                                "planner_chose": planner_is or "2: recscale planner", "planner_plan": chosen.to_dict(),
-                               "planner_provisional": [{"ms": t * 1e3, "final": _rank_free(plan) == _rank_free(chosen), "plan": plan.to_dict()}
-                                                       for plan, t in provisional],
+                               "planner_provisional": [{"ms": t * 1e3, "final": is_final, "plan": plan.to_dict()}
+                                                       for (plan, t), is_final in zip(provisional, final)],
                                "hardware": {w: vars(hw) for w, hw in hws.items()},
                                "calibration_measurements": {w: asdict(m) for w, m in measurements.items()}})
     return 0
