@@ -10,7 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
+
+from recscale.comm.local_processes import start_local_processes
 
 
 def free_port() -> int:
@@ -39,9 +40,10 @@ def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 120.0, allow_m
     """Run ``fn(rank, world, *args)`` in ``world`` processes; return each rank's result
     (``None`` for a rank that exited without one, when ``allow_missing``)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(
-            _worker, args=(world, free_port(), fn, args, out_dir), nprocs=world, join=False, start_method="spawn"
-        )
+        # Forked from a server that imported torch and the sharded collection once: a spawned
+        # rank spends 2-3 s importing them, most of a small distributed test.
+        ctx = start_local_processes(_worker, (world, free_port(), fn, args, out_dir), world, join=False,
+                                    preload=("recscale.sharding.collection",))
         try:
             import time
 

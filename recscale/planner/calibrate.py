@@ -38,9 +38,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from recscale.comm.collectives import all_to_all
+from recscale.comm.local_processes import start_local_processes
 from recscale.comm.process_group import Topology
 from recscale.comm.shared_memory import enable_shared_memory, shared_memory_wanted
 from recscale.embedding import TableConfig
@@ -293,7 +293,7 @@ def measure_all_to_all(world: int = 2) -> dict[str, float]:
     """Per-collective latency and bandwidth counted as bytes sent plus received per second."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "a2a.pt")
-        mp.start_processes(_a2a_worker, args=(world, _free_port(), out), nprocs=world, start_method="spawn")
+        start_local_processes(_a2a_worker, (world, _free_port(), out), world)
         r = torch.load(out)
     small, big = r[256], r[4 << 20]
     moved = 2 * (4 << 20) * (world - 1)  # each rank sends and receives nbytes per peer

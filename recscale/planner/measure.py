@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.multiprocessing as mp
 
+from recscale.comm.local_processes import local_context, start_local_processes
 from recscale.comm.process_group import Topology, init_process_groups
 from recscale.data.synthetic import zipf_ranks
 from recscale.embedding import RowWiseAdagrad, TableConfig
@@ -146,11 +146,9 @@ def time_plan_side_by_side(plan: ShardingPlan, tables: list[TableSpec], batches:
     """Median step time of one rank's work (a 1-rank ``plan``, one thread) while ``copies``
     independent processes run it at once, one per core: what sharing the host's memory
     bandwidth and caches costs, without any waiting for each other (they never communicate)."""
-    ctx = mp.get_context("spawn")
-    start = ctx.Barrier(copies)
+    start = local_context([__name__]).Barrier(copies)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_copy_worker, args=(plan.to_dict(), tables, batches, steps, start, tmp), nprocs=copies,
-                           start_method="spawn")
+        start_local_processes(_copy_worker, (plan.to_dict(), tables, batches, steps, start, tmp), copies)
         per_copy = [torch.load(Path(tmp) / f"c{i}.pt") for i in range(copies)]
     return statistics.median(t for ts in per_copy for t in ts)
 
@@ -176,6 +174,6 @@ def time_plan(plan: ShardingPlan, tables: list[TableSpec], batches: list[JaggedB
             torch.set_num_threads(before)
     with tempfile.TemporaryDirectory() as tmp:
         args = (world, _free_port(), plan.to_dict(), tables, batches, steps, tmp)
-        mp.start_processes(_worker, args=args, nprocs=world, start_method="spawn")
+        start_local_processes(_worker, args, world)
         per_rank = [torch.load(Path(tmp) / f"r{r}.pt") for r in range(world)]
     return statistics.median(max(ts) for ts in zip(*per_rank))
