@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from recscale.comm.local_processes import free_port
 from recscale.data import Batch, ClickBatches, SyntheticClickData, SyntheticConfig
 
 TABLES_JSON = Path(__file__).resolve().parents[1].parent / "shared/data/tables/criteo_table_sizes.json"
@@ -345,7 +346,7 @@ class TorchRecSystem(System):
         torch.manual_seed(0)
         self.spec = spec
         if not dist.is_initialized():  # TorchRec shards over a process group even in one process
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         world = dist.get_world_size()
         self.keys = [f"s{i}" for i in range(spec.num_features)]
         configs = [
@@ -399,12 +400,6 @@ class TorchRecSystem(System):
         return [inner.dense_arch, inner.inter_arch, inner.over_arch]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 BUILDERS: dict[str, Callable[[ModelSpec], System]] = {

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import socket
 import statistics
 import sys
 import tempfile
@@ -29,14 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment, format_table, write_json  # noqa: E402
 
 from recscale.comm.collectives import all_gather_rows, all_to_all  # noqa: E402
+from recscale.comm.local_processes import free_port  # noqa: E402
 from recscale.comm.shared_memory import enable_shared_memory  # noqa: E402
 from recscale.host_memory import retain_freed_memory  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, sizes_mb: list[float], calls: int, out: str) -> None:
@@ -84,7 +78,7 @@ def main() -> None:
     calls = 3 if args.quick else args.calls
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rows.pt")
-        mp.start_processes(_worker, args=(args.ranks, _free_port(), sizes, calls, out), nprocs=args.ranks,
+        mp.start_processes(_worker, args=(args.ranks, free_port(), sizes, calls, out), nprocs=args.ranks,
                            start_method="spawn")
         rows = torch.load(out)
     by = {(r["mb"], r["transport"]): r for r in rows}

@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,15 +44,11 @@ from _e2e_systems import (  # noqa: E402
     torchrec_available,
 )
 
+from recscale.comm.local_processes import free_port  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 SETUPS = {"1proc": (1, 2), "2ranks": (2, 1)}  # name: (ranks, threads per rank)
 CATEGORIES = ("data", "embeddings", "mlp", "comm", "other")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- machine limits

@@ -198,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         chosen = provisional[-1][0] if provisional else plan_tables(tables, hws[2], wl, time_budget_s=5).plan
         same = [name for w, name, plan in cases if w == 2 and _rank_free(plan) == _rank_free(chosen)]
         planner_is = same[0] if same else None
-    final = [_rank_free(plan) == _rank_free(chosen) for plan, _ in provisional]  # rounds that timed the final plan
+    chosen_key = _rank_free(chosen)
+    final = [_rank_free(plan) == chosen_key for plan, _ in provisional]  # rounds that timed the final plan
     if planner_is:  # the same plan twice would only compare noise with noise
         print(f"the recscale planner chose the plan '{planner_is}'")
     else:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -11,13 +10,7 @@ from pathlib import Path
 
 import torch
 
-from recscale.comm.local_processes import start_local_processes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from recscale.comm.local_processes import free_port, start_local_processes
 
 
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:

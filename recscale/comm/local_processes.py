@@ -10,6 +10,7 @@ ones. Where there is no forkserver (Windows), ranks are spawned.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable, Sequence
 
 import torch.multiprocessing as mp
@@ -29,11 +30,17 @@ def _set_preload(modules: Sequence[str]) -> None:
         mp.get_context("forkserver").set_forkserver_preload(list(dict.fromkeys([*PRELOAD, *modules])))
 
 
-def local_context(preload: Sequence[str] = ()):
-    """A multiprocessing context whose processes start like ``start_local_processes``' ranks
-    (for helpers such as a ``Barrier`` shared with them)."""
-    _set_preload(preload)
+def local_context():
+    """The multiprocessing context of ``start_local_processes``' ranks (for helpers such as a
+    ``Barrier`` shared with them)."""
     return mp.get_context(start_method())
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now, for local ranks to meet on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def start_local_processes(fn: Callable, args: tuple, nprocs: int, join: bool = True, preload: Sequence[str] = ()):

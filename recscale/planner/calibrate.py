@@ -40,13 +40,13 @@ import torch
 import torch.distributed as dist
 
 from recscale.comm.collectives import all_to_all
-from recscale.comm.local_processes import start_local_processes
+from recscale.comm.local_processes import free_port, start_local_processes
 from recscale.comm.process_group import Topology
 from recscale.comm.shared_memory import enable_shared_memory, shared_memory_wanted
 from recscale.embedding import TableConfig
 from recscale.planner.cost_model import TableSpec, Workload, cold_fraction
 from recscale.planner.hardware import Hardware
-from recscale.planner.measure import _free_port, shard_loads, synthetic_batches, time_plan, time_plan_side_by_side
+from recscale.planner.measure import shard_loads, synthetic_batches, time_plan, time_plan_side_by_side
 from recscale.sharding.default_plan import TableSharding, default_plan, single_rank_plan
 from recscale.sharding.plan import ShardingPlan
 
@@ -293,7 +293,7 @@ def measure_all_to_all(world: int = 2) -> dict[str, float]:
     """Per-collective latency and bandwidth counted as bytes sent plus received per second."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "a2a.pt")
-        start_local_processes(_a2a_worker, (world, _free_port(), out), world)
+        start_local_processes(_a2a_worker, (world, free_port(), out), world)
         r = torch.load(out)
     small, big = r[256], r[4 << 20]
     moved = 2 * (4 << 20) * (world - 1)  # each rank sends and receives nbytes per peer

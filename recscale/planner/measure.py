@@ -12,7 +12,6 @@ host memory stays in the process, as in training (``recscale.host_memory``).
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from recscale.comm.local_processes import local_context, start_local_processes
+from recscale.comm.local_processes import free_port, local_context, start_local_processes
 from recscale.comm.process_group import Topology, init_process_groups
 from recscale.data.synthetic import zipf_ranks
 from recscale.embedding import RowWiseAdagrad, TableConfig
@@ -146,17 +145,11 @@ def time_plan_side_by_side(plan: ShardingPlan, tables: list[TableSpec], batches:
     """Median step time of one rank's work (a 1-rank ``plan``, one thread) while ``copies``
     independent processes run it at once, one per core: what sharing the host's memory
     bandwidth and caches costs, without any waiting for each other (they never communicate)."""
-    start = local_context([__name__]).Barrier(copies)
+    start = local_context().Barrier(copies)
     with tempfile.TemporaryDirectory() as tmp:
         start_local_processes(_copy_worker, (plan.to_dict(), tables, batches, steps, start, tmp), copies)
         per_copy = [torch.load(Path(tmp) / f"c{i}.pt") for i in range(copies)]
     return statistics.median(t for ts in per_copy for t in ts)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def time_plan(plan: ShardingPlan, tables: list[TableSpec], batches: list[JaggedBatch], steps: int = 7,
@@ -173,7 +166,7 @@ def time_plan(plan: ShardingPlan, tables: list[TableSpec], batches: list[JaggedB
         finally:
             torch.set_num_threads(before)
     with tempfile.TemporaryDirectory() as tmp:
-        args = (world, _free_port(), plan.to_dict(), tables, batches, steps, tmp)
+        args = (world, free_port(), plan.to_dict(), tables, batches, steps, tmp)
         start_local_processes(_worker, args, world)
         per_rank = [torch.load(Path(tmp) / f"r{r}.pt") for r in range(world)]
     return statistics.median(max(ts) for ts in zip(*per_rank))
