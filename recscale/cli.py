@@ -106,6 +106,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     print(
         f"this machine, {hw.world_size} local rank(s): row gathers {hw.memory_bw / 1e9:.1f} GB/s, "
         f"backward + update {hw.backward_factor:.2f} x forward, kernel overhead {hw.kernel_overhead_s * 1e6:.0f} us, "
+        f"per operator group {hw.group_s * 1e6:.0f} us, "
         f"all-to-all {hw.intra_host_bw / 1e9:.2f} GB/s per rank, latency {hw.latency_s * 1e6:.0f} us "
         f"(replica groups' {hw.replica_collective_latency_s * 1e6:.0f} us), "
         f"memory {hw.memory_bytes / 1e9:.1f} GB per rank"

@@ -316,7 +316,7 @@ def test_search_objective_is_the_models_step_time(seed, n, world, removed):
     from recscale.sharding.plan import ShardingPlan, TablePlan
 
     rng = np.random.default_rng(seed)
-    hw = replace(LOCAL_CPU, memory_bytes=1e12, feature_s=1e-6, replica_latency_s=30e-6).with_world(*world)
+    hw = replace(LOCAL_CPU, memory_bytes=1e12, feature_s=1e-6, replica_latency_s=30e-6, group_s=50e-6).with_world(*world)
     wl = Workload(batch_size=4096)
     tables = [TableSpec(f"t{i}", int(10 ** rng.uniform(1, 5)), int(rng.choice([4, 16, 64])), float(rng.integers(1, 5)),
                         float(rng.uniform(0.05, 0.9))) for i in range(n)]
@@ -386,3 +386,26 @@ def test_rows_beyond_the_cache_cost_cold_bytes_and_rows_within_it_do_not(kind):
     touched = 2 * 4096 * 2.0 * 0.3  # each unique row looked up and updated, its bytes from DRAM
     fraction = 1 - 16 * 2**20 / (big.rows * row_bytes)
     assert extra == pytest.approx(touched * row_bytes * fraction * 0.1e-9, rel=1e-9)
+
+
+def test_a_rank_pays_once_per_operator_group_and_every_rank_once_per_replicated_dim():
+    # Shards of one width share a buffer on their rank: one lookup, backward and update a step,
+    # so the rank pays ``group_s`` once for them, and once more for each other width; every
+    # rank runs each data-parallel dim's group.
+    from dataclasses import replace
+
+    from recscale.planner.hardware import LOCAL_CPU
+    from recscale.planner.search import score_plan
+    from recscale.sharding.plan import Shard, ShardingPlan, TablePlan
+
+    wl = Workload(batch_size=1024)
+    tables = [TableSpec("a", 1000, 16), TableSpec("b", 1000, 16), TableSpec("c", 1000, 32), TableSpec("d", 1000, 8)]
+    on0 = [TablePlan(t.name, "table_wise", (Shard(0, 0, t.rows, 0, t.dim),)) for t in tables[:3]]
+    plan = ShardingPlan(2, 2, (*on0, TablePlan("d", "data_parallel", tuple(Shard(r, 0, 1000, 0, 8) for r in range(2)))))
+    base = replace(LOCAL_CPU, contention=0.0).with_world(2)
+    priced = replace(base, group_s=1e-3)
+    without, with_groups = score_plan(plan, tables, base, wl), score_plan(plan, tables, priced, wl)
+    assert with_groups.ranks[0].compute_s - without.ranks[0].compute_s == pytest.approx(2e-3)  # widths 16 and 32
+    assert with_groups.ranks[1].compute_s == pytest.approx(without.ranks[1].compute_s)
+    assert with_groups.common_s - without.common_s == pytest.approx(1e-3)  # the replicated dim
+    assert replica_s(tables, priced, wl, plan.sharding_types()) - replica_s(tables, base, wl, plan.sharding_types()) == pytest.approx(1e-3)

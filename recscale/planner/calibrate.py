@@ -6,10 +6,12 @@ probes and its median kept, so a burst of load on a shared machine moves one rou
 
 1. *Compute* (one process, with the threads one of ``world_size`` local ranks gets): time full
    embedding steps of the sharded collection for probe models that stress one cost each (large
-   tables: bytes; many tiny tables: per-shard and per-feature overhead; high pooling: per id;
+   tables: bytes; many tiny tables of one dim: per-shard and per-feature overhead; tiny tables
+   of eight dims: per operator group; high pooling over few rows: per id apart from per row;
    row-wise: bucketizing; data-parallel; column shards), at two batch sizes, and count what each
-   step really did (ids, unique rows, bags, bytes). The per-item constants (``id_s``, ``row_s``,
-   ``bag_s``, ``route_id_s``, ``feature_s``, ``kernel_overhead_s``, ``step_overhead_s``) and the
+   step really did (ids, unique rows, bags, groups, bytes). The per-item constants (``id_s``,
+   ``row_s``, ``bag_s``, ``route_id_s``, ``feature_s``, ``kernel_overhead_s``, ``group_s``,
+   ``step_overhead_s``) and the
    bandwidth (``memory_bw``, with ``backward_factor``) are the non-negative least-squares fit of
    the cost model's own formula to those times (relative error weighted).
 2. *Communication* (``world_size`` local processes): all-to-all of a small and a large message;
@@ -44,7 +46,7 @@ from recscale.comm.local_processes import free_port, start_local_processes
 from recscale.comm.process_group import Topology
 from recscale.comm.shared_memory import enable_shared_memory, shared_memory_wanted
 from recscale.embedding import TableConfig
-from recscale.planner.cost_model import TableSpec, Workload, cold_fraction
+from recscale.planner.cost_model import TableSpec, Workload, cold_fraction, group_key
 from recscale.planner.hardware import Hardware
 from recscale.planner.measure import shard_loads, synthetic_batches, time_plan, time_plan_side_by_side
 from recscale.sharding.default_plan import TableSharding, default_plan, single_rank_plan
@@ -56,10 +58,15 @@ PROBE_SETS: dict[str, list[tuple[int, int, float]]] = {
     "mixed": [(200_000, 32, 8), (50_000, 16, 20), (100_000, 64, 2), (5_000, 128, 1)],
     "many_small": [(1_000, 16, 1)] * 32,
     "narrow": [(1_000_000, 8, 12)],
+    # 200k ids over 1,000 rows: the per-id work apart from the per-row work (in the sets above
+    # unique rows grow with ids, so a fit could trade one for the other)
+    "hot_rows": [(1_000, 8, 50)],
+    # eight tiny tables of eight dims: eight operator groups, against many_small's one
+    "many_dims": [(100, 8 * (i + 1), 1) for i in range(8)],
 }
 PROBE_TYPES = ("table_wise", "row_wise", "data_parallel", "column_wise")
-FIT_TERMS = ("bytes", "id_s", "row_s", "cold_byte_s", "bag_s", "kernel_overhead_s", "route_id_s", "column_stat_id_s",
-             "feature_s", "dist_id_s", "dist_value_s", "step_overhead_s")
+FIT_TERMS = ("bytes", "id_s", "row_s", "cold_byte_s", "bag_s", "kernel_overhead_s", "group_s", "route_id_s",
+             "column_stat_id_s", "feature_s", "dist_id_s", "dist_value_s", "step_overhead_s")
 
 
 def last_level_cache_bytes() -> float:
@@ -90,9 +97,15 @@ def probe_terms(plan: ShardingPlan, tables: list[TableSpec], batch, backward_fac
     (``cache_bytes``: the rank's share of the last-level cache, for ``cold_byte_s``)."""
     loads = shard_loads(plan, batch)
     by_dim = {t.name: t.dim for t in tables}
+    by_name = {t.name: t for t in tables}
     rank_of_max: dict[int, dict[str, float]] = {}
+    groups: dict[int, set] = {}  # per rank, its operator groups (data-parallel ones by dim)
     for sl in loads:
         r = rank_of_max.setdefault(sl.rank, dict.fromkeys(FIT_TERMS, 0.0))
+        t = by_name[sl.table]
+        groups.setdefault(sl.rank, set()).add(("dp", t.dim) if sl.sharding_type == "data_parallel"
+                                              else group_key(t, sl.sharding_type, sl.cols))
+        r["group_s"] = float(len(groups[sl.rank]))
         e, state = 4, 4  # fp32 rows, row-wise Adagrad
         row_bytes = sl.cols * e + state
         r["bytes"] += (sl.ids * sl.cols * e + sl.bags * sl.cols * 4) * (1 + backward_factor) + 2 * sl.unique * row_bytes
@@ -186,8 +199,8 @@ def compute_cases(batches: tuple[int, ...], quick: bool = False) -> list[tuple[s
         for kind in PROBE_TYPES:
             if set_name == "large" and kind == "data_parallel":
                 continue  # same bytes as table-wise; skip to keep calibration short
-            if set_name == "many_small" and kind == "column_wise":
-                continue  # planners never split 16-wide tiny tables; their row-statistic
+            if set_name in ("many_small", "many_dims") and kind == "column_wise":
+                continue  # planners never split tiny tables; their row-statistic
                 # bookkeeping grows with shards x shards and would distort the fit
             plan, tables = _compute_plan(set_name, kind)
             for b in batches:
@@ -220,8 +233,10 @@ def measure_compute(world_size: int, batches: tuple[int, ...] = (1024, 4096), st
 def fit_compute(times: dict[str, list[float]], batches: tuple[int, ...], quick: bool = False,
                 cache_bytes: float = 0.0) -> tuple[dict[str, float], float, float, list[Probe]]:
     """Stage 1's fit: the compute constants from each probe's median time, with its terms
-    counted from its real batch (``cache_bytes``: the rank's share of the last-level cache)."""
-    measured = [(name, plan, tables, gb[0], statistics.median(times[name])) for name, plan, tables, gb in compute_cases(batches, quick)]
+    counted from its real batch (``cache_bytes``: the rank's share of the last-level cache).
+    Probes ``times`` lacks are left out: a recording from before a probe existed fits again."""
+    measured = [(name, plan, tables, gb[0], statistics.median(times[name]))
+                for name, plan, tables, gb in compute_cases(batches, quick) if times.get(name)]
     # The backward pass moves what the forward moved once more (each id's row gradient is
     # formed from its bag's gradient and scattered): backward factor 1, not a free parameter.
     # (An isolated gather of uniformly random rows runs far slower than the skewed, partly
@@ -464,6 +479,7 @@ def fit_hardware(m: Measurements, memory_fraction: float = 0.6, progress=None) -
         cross_host_bw=comm["intra_host_bw"],  # one host: no cross-host link measured
         latency_s=comm["latency_s"],
         kernel_overhead_s=coef["kernel_overhead_s"],
+        group_s=coef["group_s"],
         column_stat_id_s=coef["column_stat_id_s"],
         backward_factor=bf,
         id_s=coef["id_s"],

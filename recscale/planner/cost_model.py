@@ -34,7 +34,8 @@ Every rank alike (``source_cost``): its own samples' ids out, pooled outputs in 
 out (link time for every shard as if it were on another rank: a row shard sends each source
 a partial output of its own; plus dist_id_s per id and dist_value_s per pooled value for
 tables that are not data-parallel), ``feature_s`` per feature, ``latency_s`` per collective,
-``step_overhead_s``. A shard's owner gets back the link time of its own samples' share of the
+``group_s`` per data-parallel operator group (one per dim), ``step_overhead_s``. Per rank, on
+top of its shards: ``group_s`` per operator group it runs (``group_key``: its shards' widths). A shard's owner gets back the link time of its own samples' share of the
 shard (1/W of its traffic), which never leaves the rank: so of two ranks, the one holding every
 table exchanges only the other rank's samples, as it does.
 The constants are hardware figures (``Hardware``): the GPU presets set only bandwidths, latency
@@ -171,6 +172,13 @@ def unique_rows(rows: int, unique_fraction: float, batch_ids: float, ids: float)
 def cold_fraction(shard_bytes: float, cache_bytes: float) -> float:
     """The share of a shard's rows that cannot stay in the rank's share of the cache."""
     return max(0.0, 1.0 - cache_bytes / shard_bytes) if shard_bytes > 0 else 0.0
+
+
+def group_key(t: TableSpec, sharding_type: str, cols: int) -> tuple[int, int, bool]:
+    """The operator group a shard joins on its rank (``embedding.table_batched.group_tables``):
+    shards of one width and element type share a buffer, so one lookup, backward and update;
+    column shards of a row-wise optimizer get groups apart (their update needs the whole row)."""
+    return cols, t.element_bytes, sharding_type == "column_wise" and cols < t.dim and t.state_bytes_per_row > 0
 
 
 def shard_cost(t: TableSpec, sharding_type: str, rows: int, cols: int, hw: Hardware, wl: Workload) -> ShardCost:
@@ -315,11 +323,13 @@ def source_cost(tables: list[TableSpec], hw: Hardware, wl: Workload, kinds: dict
     dense = frozenset(t.name for t in tables if kinds.get(t.name) == "data_parallel" and dp_reduces_dense(t, hw, wl))
     dims = {t.name: t.dim for t in tables}
     coll = collectives_per_step(kinds, dims, hosts=hw.num_hosts, dense_dp=dense)
-    replica = group_collectives(dp_group_flags(kinds, dims, dense))
+    dp_groups = dp_group_flags(kinds, dims, dense)
+    replica = group_collectives(dp_groups)
     return (
         _others_link_time(source_bytes, hw)  # as if every shard were elsewhere; owners get their share back
         + (coll - replica) * collective_s(hw)
         + replica * collective_s(hw, replica=True)
+        + len(dp_groups) * hw.group_s
         + len(tables) * hw.feature_s
         + packing
         + hw.step_overhead_s
@@ -333,5 +343,6 @@ def replica_s(tables: list[TableSpec], hw: Hardware, wl: Workload, kinds: dict[s
     if not replicated:
         return 0.0
     dense = frozenset(t.name for t in replicated if dp_reduces_dense(t, hw, wl))
-    groups = group_collectives(dp_group_flags(kinds, {t.name: t.dim for t in tables}, dense))
-    return sum(shard_cost(t, "data_parallel", t.rows, t.dim, hw, wl).time_s for t in replicated) + groups * collective_s(hw, replica=True)
+    groups = dp_group_flags(kinds, {t.name: t.dim for t in tables}, dense)
+    return (sum(shard_cost(t, "data_parallel", t.rows, t.dim, hw, wl).time_s for t in replicated)
+            + group_collectives(groups) * collective_s(hw, replica=True) + len(groups) * hw.group_s)

@@ -26,6 +26,12 @@ class Hardware:
     cross_host_bw: float  # all-to-all bandwidth per rank across hosts
     latency_s: float = 10e-6  # per collective
     kernel_overhead_s: float = 20e-6  # per lookup kernel launch / per shard
+    # Per operator group a rank runs per step (shards of one width share a buffer: one lookup,
+    # one backward, one update; every data-parallel dim is a group on every rank): the launch,
+    # Python and bookkeeping of each, whatever its size. On a CPU with few threads it is
+    # hundreds of microseconds, so a plan that spreads widths over ranks or replicates tables
+    # of several dims pays it many times; `recscale calibrate` measures it.
+    group_s: float = 0.0
     backward_factor: float = 2.0  # backward + fused update relative to forward bytes
     # Per-item costs beyond bytes moved. On a GPU they hide behind bandwidth (0 in the GPU
     # presets); on a CPU the index work (offsets, sorting ids, bucketizing, Python per feature)
@@ -81,7 +87,7 @@ class Hardware:
         for key in ("memory_bytes", "memory_bw", "intra_host_bw", "cross_host_bw"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"hardware '{self.name}': {key} must be > 0")
-        for key in ("latency_s", "kernel_overhead_s", "backward_factor", "id_s", "row_s", "bag_s", "route_id_s",
+        for key in ("latency_s", "kernel_overhead_s", "group_s", "backward_factor", "id_s", "row_s", "bag_s", "route_id_s",
                     "column_stat_id_s", "feature_s", "dist_id_s", "dist_value_s", "step_overhead_s", "replica_byte_s", "contention",
                     "min_row_read_bytes", "cache_bytes", "cold_byte_s"):
             if getattr(self, key) < 0:

@@ -26,6 +26,7 @@ from recscale.planner.cost_model import (
     collective_s,
     dp_reduces_dense,
     group_collectives,
+    group_key,
     packing_s,
     replica_s,
     shard_cost,
@@ -106,6 +107,9 @@ class _Loads:
         # shards, table-row-wise tables, and per dim the [gathered, dense] data-parallel tables.
         self.distributed = self.column_wise = self.table_row_wise = 0
         self.groups: dict[int, list[int]] = {}
+        # Per rank, its shards per operator group (``group_key``): a rank pays ``group_s`` for
+        # each group it runs, whatever the group holds, so it is in ``time`` once per group.
+        self.rank_groups: list[dict[tuple[int, int, bool], int]] = [{} for _ in range(hw.world_size)]
         self._dense: dict[str, bool] = {}  # data-parallel tables whose gradients the runtime reduces densely
         # Options that keep every touched rank under ``floor`` (a lower bound on the final
         # slowest rank) are equally good for the maximum, so the cheapest in total wins:
@@ -123,6 +127,12 @@ class _Loads:
         for s, c in zip(p.shards, p.costs):
             self.time[s.rank] += sign * c.time_s
             self.mem[s.rank] += sign * c.memory_bytes
+            if p.sharding_type != "data_parallel":
+                counts, key = self.rank_groups[s.rank], group_key(p.spec, p.sharding_type, s.num_cols)
+                before = counts.get(key, 0)
+                counts[key] = before + int(sign)
+                if (before == 0) != (counts[key] == 0):  # a group opened or closed
+                    self.time[s.rank] += sign * self.hw.group_s
         self.exchange += sign * self.exchange_of(p)
         self._count(p, int(sign))
 
@@ -141,6 +151,18 @@ class _Loads:
         link = sum(c.source_bytes for c in p.costs) * self.link_per_source_byte
         return link if p.sharding_type == "data_parallel" else link + packing_s(p.spec, self.hw, self.wl)
 
+    def new_groups_s(self, p: Placement) -> dict[int, float]:
+        """Per rank, the ``group_s`` that placing ``p`` (not placed yet) adds: its shards that
+        open a group there."""
+        if p.sharding_type == "data_parallel" or not self.hw.group_s:
+            return {}
+        opened = {(s.rank, group_key(p.spec, p.sharding_type, s.num_cols)) for s in p.shards}
+        out: dict[int, float] = {}
+        for rank, key in opened:
+            if not self.rank_groups[rank].get(key):
+                out[rank] = out.get(rank, 0.0) + self.hw.group_s
+        return out
+
     def _count(self, p: Placement, sign: int) -> None:
         if p.sharding_type == "data_parallel":
             dense = self._dense.get(p.table)
@@ -153,7 +175,9 @@ class _Loads:
         self.table_row_wise += sign * (p.sharding_type == "table_row_wise")
 
     def _latency(self) -> float:
-        if (self.per_collective == 0.0 and self.per_replica_collective == 0.0) or not self.collectives:
+        """The fixed costs every rank pays: one latency per collective, ``group_s`` per
+        data-parallel operator group."""
+        if not self.collectives:
             return 0.0
         groups = [(g > 0, d > 0) for g, d in self.groups.values() if g or d]
         if not self.distributed and not groups:
@@ -161,7 +185,7 @@ class _Loads:
         n = collective_count(self.distributed > 0, groups, self.column_wise > 0,
                              self.hw.num_hosts > 1 and self.table_row_wise > 0)
         replica = group_collectives(groups)
-        return (n - replica) * self.per_collective + replica * self.per_replica_collective
+        return (n - replica) * self.per_collective + replica * self.per_replica_collective + len(groups) * self.hw.group_s
 
 
 def _templates(t: TableSpec, hw: Hardware) -> list[tuple[str, list[tuple[int, int, int, int]]]]:
@@ -230,6 +254,8 @@ def _score(p: Placement, loads: _Loads, current_max: float) -> tuple[float, floa
     touched: dict[int, float] = {}
     for s, c in zip(p.shards, p.costs):
         touched[s.rank] = touched.get(s.rank, loads.time[s.rank]) + c.time_s
+    for rank, extra in loads.new_groups_s(p).items():
+        touched[rank] += extra
     common, total = loads.added(p)
     return max(current_max, max(touched.values())) + common, total
 
@@ -297,6 +323,11 @@ def _result(method: str, placements: dict[str, Placement], tables: list[TableSpe
             rl.memory_bytes += c.memory_bytes
             if p.table not in rl.tables:
                 rl.tables.append(p.table)
+    if hw.group_s:  # each rank's operator groups (data-parallel ones are in ``source_cost``)
+        opened = {(s.rank, group_key(p.spec, p.sharding_type, s.num_cols))
+                  for p in placements.values() if p.sharding_type != "data_parallel" for s in p.shards}
+        for rank, _ in opened:
+            ranks[rank].compute_s += hw.group_s
     apply_contention(ranks, hw)
     plan = ShardingPlan(
         hw.world_size,
