@@ -10,8 +10,8 @@ probes and its median kept, so a burst of load on a shared machine moves one rou
    of eight dims: per operator group; high pooling over few rows: per id apart from per row;
    row-wise: bucketizing; data-parallel; column shards), at two batch sizes, and count what each
    step really did (ids, unique rows, bags, groups, bytes). The per-item constants (``id_s``,
-   ``row_s``, ``bag_s``, ``route_id_s``, ``feature_s``, ``kernel_overhead_s``, ``group_s``,
-   ``step_overhead_s``) and the
+   ``row_s``, ``bag_s``, ``route_id_s``, ``column_stat_id_s``, ``column_stat_shard_s``,
+   ``feature_s``, ``kernel_overhead_s``, ``group_s``, ``step_overhead_s``) and the
    bandwidth (``memory_bw``, with ``backward_factor``) are the non-negative least-squares fit of
    the cost model's own formula to those times (relative error weighted).
 2. *Communication* (``world_size`` local processes): all-to-all of a small and a large message;
@@ -66,7 +66,7 @@ PROBE_SETS: dict[str, list[tuple[int, int, float]]] = {
 }
 PROBE_TYPES = ("table_wise", "row_wise", "data_parallel", "column_wise")
 FIT_TERMS = ("bytes", "id_s", "row_s", "cold_byte_s", "bag_s", "kernel_overhead_s", "group_s", "route_id_s",
-             "column_stat_id_s", "feature_s", "dist_id_s", "dist_value_s", "step_overhead_s")
+             "column_stat_id_s", "column_stat_shard_s", "feature_s", "dist_id_s", "dist_value_s", "step_overhead_s")
 
 
 def last_level_cache_bytes() -> float:
@@ -120,6 +120,7 @@ def probe_terms(plan: ShardingPlan, tables: list[TableSpec], batch, backward_fac
         r["route_id_s"] += sl.routed
         if sl.sharding_type == "column_wise" and sl.cols < by_dim[sl.table]:
             r["column_stat_id_s"] += sl.ids
+            r["column_stat_shard_s"] += 1
         if sl.sharding_type != "data_parallel":  # the owner's side of the distribution
             r["dist_id_s"] += sl.ids
             r["dist_value_s"] += sl.bags * sl.cols
@@ -481,6 +482,7 @@ def fit_hardware(m: Measurements, memory_fraction: float = 0.6, progress=None) -
         kernel_overhead_s=coef["kernel_overhead_s"],
         group_s=coef["group_s"],
         column_stat_id_s=coef["column_stat_id_s"],
+        column_stat_shard_s=coef["column_stat_shard_s"],
         backward_factor=bf,
         id_s=coef["id_s"],
         row_s=coef["row_s"],

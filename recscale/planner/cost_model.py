@@ -16,7 +16,8 @@ table with ``rows_t`` rows, dim ``d``, pooling factor P and unique fraction u:
                             rank's cache (``cold_fraction``: those rows come from DRAM, looked
                             up and then updated)
                             (+ B P / W route_id_s for row-split shards: the source bucketizes;
-                            + n column_stat_id_s for column shards of a row-wise optimizer;
+                            + n column_stat_id_s + column_stat_shard_s for column
+                            shards of a row-wise optimizer;
                             data-parallel: + a second pass over the W U gathered row gradients,
                             and replica_byte_s per byte combined across replicas (W U rows of
                             cols x 4 + 8 bytes gathered, or a dense reduce's buffer in and out);
@@ -204,7 +205,7 @@ def shard_cost(t: TableSpec, sharding_type: str, rows: int, cols: int, hw: Hardw
     if routes:
         compute += b * t.pooling / w * hw.route_id_s
     if sharding_type == "column_wise" and cols < t.dim and t.state_bytes_per_row > 0:
-        compute += n * hw.column_stat_id_s
+        compute += n * hw.column_stat_id_s + hw.column_stat_shard_s
     # One source's share: 1/W of the ids and outputs; every source gets a partial output from
     # each row shard, and from a hierarchical table-row-wise shard 1/R of its finished sums.
     hier = sharding_type == "table_row_wise" and hw.num_hosts > 1 and t.rows >= hw.ranks_per_host

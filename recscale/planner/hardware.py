@@ -43,6 +43,9 @@ class Hardware:
     # per id of a column shard whose optimizer keeps a whole-row statistic (row-wise Adagrad):
     # its row gradients are formed a second time to share the row's sum of squares
     column_stat_id_s: float = 0.0
+    # per such column shard: selecting its features' gradients, its second sort, its part of
+    # the statistic's gather (about a millisecond on this VM, whatever the shard's size)
+    column_stat_shard_s: float = 0.0
     feature_s: float = 0.0  # per feature per step at its source (input/output distribution)
     # The input and output distribution's own work, on top of the link time: per id (its
     # source packs it, its owner orders it for the operator) and per pooled value (the owner
@@ -88,7 +91,7 @@ class Hardware:
             if getattr(self, key) <= 0:
                 raise ValueError(f"hardware '{self.name}': {key} must be > 0")
         for key in ("latency_s", "kernel_overhead_s", "group_s", "backward_factor", "id_s", "row_s", "bag_s", "route_id_s",
-                    "column_stat_id_s", "feature_s", "dist_id_s", "dist_value_s", "step_overhead_s", "replica_byte_s", "contention",
+                    "column_stat_id_s", "column_stat_shard_s", "feature_s", "dist_id_s", "dist_value_s", "step_overhead_s", "replica_byte_s", "contention",
                     "min_row_read_bytes", "cache_bytes", "cold_byte_s"):
             if getattr(self, key) < 0:
                 raise ValueError(f"hardware '{self.name}': {key} must be >= 0")
