@@ -46,7 +46,7 @@ from recscale.comm.local_processes import free_port, start_local_processes
 from recscale.comm.process_group import Topology
 from recscale.comm.shared_memory import enable_shared_memory, shared_memory_wanted
 from recscale.embedding import TableConfig
-from recscale.planner.cost_model import TableSpec, Workload, cold_fraction, group_key
+from recscale.planner.cost_model import TableSpec, Workload, cold_fraction, groups_per_rank
 from recscale.planner.hardware import Hardware
 from recscale.planner.measure import shard_loads, synthetic_batches, time_plan, time_plan_side_by_side
 from recscale.sharding.default_plan import TableSharding, default_plan, single_rank_plan
@@ -99,13 +99,8 @@ def probe_terms(plan: ShardingPlan, tables: list[TableSpec], batch, backward_fac
     by_dim = {t.name: t.dim for t in tables}
     by_name = {t.name: t for t in tables}
     rank_of_max: dict[int, dict[str, float]] = {}
-    groups: dict[int, set] = {}  # per rank, its operator groups (data-parallel ones by dim)
     for sl in loads:
         r = rank_of_max.setdefault(sl.rank, dict.fromkeys(FIT_TERMS, 0.0))
-        t = by_name[sl.table]
-        groups.setdefault(sl.rank, set()).add(("dp", t.dim) if sl.sharding_type == "data_parallel"
-                                              else group_key(t, sl.sharding_type, sl.cols))
-        r["group_s"] = float(len(groups[sl.rank]))
         e, state = 4, 4  # fp32 rows, row-wise Adagrad
         row_bytes = sl.cols * e + state
         r["bytes"] += (sl.ids * sl.cols * e + sl.bags * sl.cols * 4) * (1 + backward_factor) + 2 * sl.unique * row_bytes
@@ -124,6 +119,8 @@ def probe_terms(plan: ShardingPlan, tables: list[TableSpec], batch, backward_fac
         if sl.sharding_type != "data_parallel":  # the owner's side of the distribution
             r["dist_id_s"] += sl.ids
             r["dist_value_s"] += sl.bags * sl.cols
+    for rank, n in groups_per_rank((sl.rank, by_name[sl.table], sl.sharding_type, sl.cols) for sl in loads).items():
+        rank_of_max[rank]["group_s"] = float(n)
     terms = rank_of_max.setdefault(0, dict.fromkeys(FIT_TERMS, 0.0))
     kinds = plan.sharding_types()
     b_local = batch.batch_size / plan.world_size

@@ -36,9 +36,10 @@ out (link time for every shard as if it were on another rank: a row shard sends 
 a partial output of its own; plus dist_id_s per id and dist_value_s per pooled value for
 tables that are not data-parallel), ``feature_s`` per feature, ``latency_s`` per collective,
 ``group_s`` per data-parallel operator group (one per dim), ``step_overhead_s``. Per rank, on
-top of its shards: ``group_s`` per operator group it runs (``group_key``: its shards' widths). A shard's owner gets back the link time of its own samples' share of the
-shard (1/W of its traffic), which never leaves the rank: so of two ranks, the one holding every
-table exchanges only the other rank's samples, as it does.
+top of its shards: ``group_s`` per operator group it runs (``group_key``: its shards' widths).
+A shard's owner gets back the link time of its own samples' share of the shard (1/W of its
+traffic), which never leaves the rank: so of two ranks, the one holding every table exchanges
+only the other rank's samples, as it does.
 The constants are hardware figures (``Hardware``): the GPU presets set only bandwidths, latency
 and kernel overhead; ``recscale calibrate`` measures all of them on this machine.
 """
@@ -180,6 +181,15 @@ def group_key(t: TableSpec, sharding_type: str, cols: int) -> tuple[int, int, bo
     shards of one width and element type share a buffer, so one lookup, backward and update;
     column shards of a row-wise optimizer get groups apart (their update needs the whole row)."""
     return cols, t.element_bytes, sharding_type == "column_wise" and cols < t.dim and t.state_bytes_per_row > 0
+
+
+def groups_per_rank(shards: Iterable[tuple[int, TableSpec, str, int]]) -> dict[int, int]:
+    """How many operator groups each rank runs for ``shards`` given as (rank, table, sharding
+    type, columns): one per ``group_key``, and one per dim of its data-parallel tables."""
+    keys: dict[int, set] = {}
+    for rank, t, kind, cols in shards:
+        keys.setdefault(rank, set()).add(("dp", t.dim) if kind == "data_parallel" else group_key(t, kind, cols))
+    return {rank: len(k) for rank, k in keys.items()}
 
 
 def shard_cost(t: TableSpec, sharding_type: str, rows: int, cols: int, hw: Hardware, wl: Workload) -> ShardCost:

@@ -27,6 +27,7 @@ from recscale.planner.cost_model import (
     dp_reduces_dense,
     group_collectives,
     group_key,
+    groups_per_rank,
     packing_s,
     replica_s,
     shard_cost,
@@ -324,10 +325,10 @@ def _result(method: str, placements: dict[str, Placement], tables: list[TableSpe
             if p.table not in rl.tables:
                 rl.tables.append(p.table)
     if hw.group_s:  # each rank's operator groups (data-parallel ones are in ``source_cost``)
-        opened = {(s.rank, group_key(p.spec, p.sharding_type, s.num_cols))
-                  for p in placements.values() if p.sharding_type != "data_parallel" for s in p.shards}
-        for rank, _ in opened:
-            ranks[rank].compute_s += hw.group_s
+        sharded = [(s.rank, p.spec, p.sharding_type, s.num_cols)
+                   for p in placements.values() if p.sharding_type != "data_parallel" for s in p.shards]
+        for rank, n in groups_per_rank(sharded).items():
+            ranks[rank].compute_s += n * hw.group_s
     apply_contention(ranks, hw)
     plan = ShardingPlan(
         hw.world_size,
