@@ -7,8 +7,8 @@ distribution, pooled lookup, output distribution, backward with the fused row-wi
 update) of several plans on 1 rank and on 2 ranks (gloo, one thread each), and prints each
 plan's predicted and measured time (median over steps of the slowest rank), the error, and
 whether the model ranks the plans of each world size in the measured order. Plans are timed
-between the calibration's own rounds; the planner's plan too, as the 2-rank measurements so
-far choose it, once every stage has a round.
+between the calibration's own rounds (each round times every probe of every stage); the
+planner's plan too, as the 2-rank measurements so far choose it.
 
     python benchmarks/planner_validation.py                 # calibrate, then validate (~10-12 min)
     python benchmarks/planner_validation.py --quick --json out/validation.json

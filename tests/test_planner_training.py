@@ -151,6 +151,30 @@ def test_recorded_measurements_fit_again_to_the_same_machine_after_a_json_round_
     assert hw.latency_s >= m.all_to_all["latency_s"]  # never below the isolated collective
 
 
+def test_each_calibration_round_times_both_stages_so_every_hook_sees_the_same_rounds(monkeypatch):
+    # The VM's speed drifts over minutes: stage 1's compute constants and stage 4's collective
+    # costs fitted on top of them must come from the same rounds, and a plan timed between
+    # rounds (the validation's) must see the same mix as the probes. Timers are faked: only
+    # the schedule is under test.
+    from recscale.planner import calibrate
+
+    clock = iter(range(1, 10_000))
+    monkeypatch.setattr(calibrate, "time_plan", lambda *a, **k: float(next(clock)))
+    monkeypatch.setattr(calibrate, "measure_contention", lambda *a, **k: 0.05)
+    monkeypatch.setattr(calibrate, "measure_all_to_all", lambda w: {"intra_host_bw": 1e9, "latency_s": 1e-4})
+    seen = []
+
+    def hook(m):
+        rounds = {len(t) for t in [*m.compute.values(), *m.collection.values()]}
+        last_compute = max(t[-1] for t in m.compute.values())
+        first_collection = min(t[-1] for t in m.collection.values())
+        seen.append((m.complete, rounds, last_compute < first_collection))
+
+    m = calibrate.measure(2, between_rounds=hook)
+    assert seen == [(True, {1}, True), (True, {2}, True), (True, {3}, True)]
+    assert m.complete and {len(t) for t in m.collection.values()} == {3}
+
+
 def test_collection_fit_recovers_latency_bandwidth_and_replica_cost():
     # Steps of a known 2-rank machine, priced by the cost model itself: stage 4's fit must give
     # back its exchanges' latency, its replica groups' latency, link bandwidth and

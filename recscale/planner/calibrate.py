@@ -1,8 +1,10 @@
 """Measure this machine for the planner: every constant of the cost model, from the real
 operator and the real sharded collection.
 
-Short stages (a few minutes in all; every probe is timed in three rounds over all
-probes and its median kept, so a burst of load on a shared machine moves one round):
+Short stages (a few minutes in all). Stages 2 and 3 come first; then three rounds, each
+timing every stage-1 probe and then every stage-4 probe, and each probe's median is kept: a
+burst of load on a shared machine moves one round, and the constants of both stages come
+from the same minutes:
 
 1. *Compute* (one process, with the threads one of ``world_size`` local ranks gets): time full
    embedding steps of the sharded collection for probe models that stress one cost each (large
@@ -213,16 +215,17 @@ def measure_compute(world_size: int, batches: tuple[int, ...] = (1024, 4096), st
     """Stage 1's measurements: each probe's step time in every round, by probe name, for one of
     ``world_size`` local ranks. Every probe is timed once per round over all probes, so a burst
     of load on a shared machine moves one round, not one probe's figure (and with it a constant).
-    ``into``: the dict to fill, round by round (``between_rounds`` can read it)."""
+    ``into``: the dict to add this call's rounds to (``between_rounds`` can read it)."""
     threads = max(1, (os.cpu_count() or 1) // world_size)
     cases = compute_cases(batches, quick)
     times = into if into is not None else {}
-    times.update({name: [] for name, *_ in cases})
-    for r in range(1 if quick else rounds):
+    for name, *_ in cases:
+        times.setdefault(name, [])
+    for _ in range(rounds):
         for name, plan, tables, gb in cases:
             times[name].append(time_plan(plan, tables, gb, steps, threads=threads))
             if progress:
-                progress(f"round {r + 1}: {name}: {times[name][-1] * 1e3:.2f} ms")
+                progress(f"round {len(times[name])}: {name}: {times[name][-1] * 1e3:.2f} ms")
         if between_rounds is not None:
             between_rounds()
     return times
@@ -344,17 +347,18 @@ def measure_collection(world_size: int, batches: tuple[int, ...] = (1024, 4096),
     column shards over every rank) and for every table on rank 0 (the others only exchange),
     each probe's time in every round, by name. ``fit_collection`` turns them into what a
     collective costs inside a step and what data-parallel replicas pay per byte. ``into``: the
-    dict to fill, round by round (``between_rounds`` can read it)."""
+    dict to add this call's rounds to (``between_rounds`` can read it)."""
     cases = collection_cases(world_size, batches, sets)
     # Round-robin over the probes, as in stage 1: a burst of load lasting longer than one probe
     # moves one round of several probes, not every round of one.
     times = into if into is not None else {}
-    times.update({name: [] for name, *_ in cases})
-    for r in range(rounds):
+    for name, *_ in cases:
+        times.setdefault(name, [])
+    for _ in range(rounds):
         for name, plan, tables, gb in cases:
             times[name].append(time_plan(plan, tables, gb, steps))
             if progress:
-                progress(f"{world_size} ranks, round {r + 1}: {name}: {times[name][-1] * 1e3:.2f} ms")
+                progress(f"{world_size} ranks, round {len(times[name])}: {name}: {times[name][-1] * 1e3:.2f} ms")
         if between_rounds is not None:
             between_rounds()
     return times
@@ -449,13 +453,21 @@ def measure(world_size: int = 2, progress=None, quick: bool = False,
     round (``Measurements.complete``), it can fit them and time the plan they choose too."""
     m = Measurements(world_size, quick, last_level_cache_bytes(), physical_memory_bytes(), {}, {})
     steps = 3 if quick else 5
-    hook = None if between_rounds is None else (lambda: between_rounds(m))
-    measure_compute(world_size, m.batches, steps, progress=progress, quick=quick, between_rounds=hook, into=m.compute)
     m.all_to_all = measure_all_to_all(world_size) if world_size > 1 else {"intra_host_bw": 1e12, "latency_s": 0.0}
     if world_size > 1:
         m.contention = measure_contention(world_size, m.batches[-1], steps, progress=progress, quick=quick)
-        measure_collection(world_size, m.collection_batches, steps, progress=progress, sets=m.collection_sets,
-                           rounds=1 if quick else 3, between_rounds=hook, into=m.collection)
+    # Each round times stage 1's probes and then stage 4's: the compute constants and the
+    # collectives fitted on top of them come from the same minutes. (Stage 1's three rounds
+    # used to come first: when the VM's speed drifted between them, stage 4's fit took the
+    # drift for collective costs, and a plan timed after stage 4's rounds was measured in the
+    # later, slower minutes only: up to 1.3x slower than in stage 1's.)
+    for _ in range(1 if quick else 3):
+        measure_compute(world_size, m.batches, steps, progress=progress, quick=quick, rounds=1, into=m.compute)
+        if world_size > 1:
+            measure_collection(world_size, m.collection_batches, steps, progress=progress, sets=m.collection_sets,
+                               rounds=1, into=m.collection)
+        if between_rounds is not None:
+            between_rounds(m)
     return m
 
 
