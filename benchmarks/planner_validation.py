@@ -7,10 +7,10 @@ distribution, pooled lookup, output distribution, backward with the fused row-wi
 update) of several plans on 1 rank and on 2 ranks (gloo, one thread each), and prints each
 plan's predicted and measured time (median over steps of the slowest rank), the error, and
 whether the model ranks the plans of each world size in the measured order. Plans are timed
-between the calibration's own rounds (each round times every probe of every stage); the
-planner's plan too, as the 2-rank measurements so far choose it.
+between the calibration's own rounds (``--repeats``, 5 by default; each round times every probe
+of every stage); the planner's plan too, as the 2-rank measurements so far choose it.
 
-    python benchmarks/planner_validation.py                 # calibrate, then validate (~10-12 min)
+    python benchmarks/planner_validation.py                 # calibrate, then validate (~18 min)
     python benchmarks/planner_validation.py --quick --json out/validation.json
     python benchmarks/planner_validation.py --topology-1 local1.json --topology-2 local2.json
     python benchmarks/planner_validation.py --refit out/validation.json   # seconds: no measuring
@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=4096, help="global batch")
     p.add_argument("--steps", type=int, default=9, help="timed steps per plan (the median is kept)")
     p.add_argument("--repeats", type=int, default=5,
-                   help="rounds of every plan with topology files, the planner's among them (median kept)")
+                   help="rounds of the calibration's probes and of every plan between them, or of every plan with "
+                        "topology files (the median of each is kept)")
     p.add_argument("--topology-1", metavar="FILE", help="calibration for 1 rank (default: calibrate now)")
     p.add_argument("--topology-2", metavar="FILE", help="calibration for 2 ranks (default: calibrate now)")
     p.add_argument("--quick", action="store_true", help="tables 10x smaller, 3 steps (a smoke run)")
@@ -188,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(args.repeats):
                     time_round(w)
         else:
-            measurements[w] = measure(w, quick=args.quick, between_rounds=lambda m, w=w: between_rounds(m, w))
+            measurements[w] = measure(w, quick=args.quick, between_rounds=lambda m, w=w: between_rounds(m, w),
+                                      rounds=args.repeats)
             hws[w] = fit_hardware(measurements[w])
     if recorded is not None:  # the plan that was measured, whatever the new fit would choose
         chosen = ShardingPlan.from_dict(recorded["planner_plan"])

@@ -445,9 +445,10 @@ class Measurements:
 
 
 def measure(world_size: int = 2, progress=None, quick: bool = False,
-            between_rounds: Callable[[Measurements], None] | None = None) -> Measurements:
-    """Run every calibration stage on this machine (``quick``: fewer, smaller probes, for smoke
-    tests). ``between_rounds`` runs after each round of probes, given the measurements so far:
+            between_rounds: Callable[[Measurements], None] | None = None, rounds: int = 3) -> Measurements:
+    """Run every calibration stage on this machine (``quick``: fewer, smaller probes and one
+    round, for smoke tests; ``rounds``: more make each probe's median steadier on a noisy
+    machine). ``between_rounds`` runs after each round of probes, given the measurements so far:
     a validation times its plans there, so that the constants and the plans see the same mix of
     machine states (a shared VM's speed drifts 1.5-2x over minutes); once every stage has a
     round (``Measurements.complete``), it can fit them and time the plan they choose too."""
@@ -461,7 +462,7 @@ def measure(world_size: int = 2, progress=None, quick: bool = False,
     # used to come first: when the VM's speed drifted between them, stage 4's fit took the
     # drift for collective costs, and a plan timed after stage 4's rounds was measured in the
     # later, slower minutes only: up to 1.3x slower than in stage 1's.)
-    for _ in range(1 if quick else 3):
+    for _ in range(1 if quick else rounds):
         measure_compute(world_size, m.batches, steps, progress=progress, quick=quick, rounds=1, into=m.compute)
         if world_size > 1:
             measure_collection(world_size, m.collection_batches, steps, progress=progress, sets=m.collection_sets,
