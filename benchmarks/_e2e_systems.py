@@ -400,8 +400,6 @@ class TorchRecSystem(System):
         return [inner.dense_arch, inner.inter_arch, inner.over_arch]
 
 
-
-
 BUILDERS: dict[str, Callable[[ModelSpec], System]] = {
     "recscale": lambda spec: RecscaleSystem(spec),
     "recscale-bf16": lambda spec: RecscaleSystem(spec, mlp_precision="bf16"),

@@ -210,12 +210,11 @@ def compute_cases(batches: tuple[int, ...], quick: bool = False) -> list[tuple[s
 
 def measure_compute(world_size: int, batches: tuple[int, ...] = (1024, 4096), steps: int = 5,
                     progress=None, quick: bool = False, rounds: int = 3,
-                    between_rounds: Callable[[], None] | None = None,
                     into: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
     """Stage 1's measurements: each probe's step time in every round, by probe name, for one of
     ``world_size`` local ranks. Every probe is timed once per round over all probes, so a burst
     of load on a shared machine moves one round, not one probe's figure (and with it a constant).
-    ``into``: the dict to add this call's rounds to (``between_rounds`` can read it)."""
+    ``into``: the dict to add this call's rounds to (``measure`` fills one round at a time)."""
     threads = max(1, (os.cpu_count() or 1) // world_size)
     cases = compute_cases(batches, quick)
     times = into if into is not None else {}
@@ -226,8 +225,6 @@ def measure_compute(world_size: int, batches: tuple[int, ...] = (1024, 4096), st
             times[name].append(time_plan(plan, tables, gb, steps, threads=threads))
             if progress:
                 progress(f"round {len(times[name])}: {name}: {times[name][-1] * 1e3:.2f} ms")
-        if between_rounds is not None:
-            between_rounds()
     return times
 
 
@@ -340,14 +337,13 @@ def collection_cases(world_size: int, batches: tuple[int, ...], sets: tuple[str,
 
 def measure_collection(world_size: int, batches: tuple[int, ...] = (1024, 4096), steps: int = 5,
                        progress=None, sets: tuple[str, ...] = ("mixed", "large", "many_small"),
-                       rounds: int = 3, between_rounds: Callable[[], None] | None = None,
-                       into: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+                       rounds: int = 3, into: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
     """Stage 4's measurements (more than one rank): steps of the real collection on
     ``world_size`` local processes for balanced plans (table-wise, row-wise, data-parallel,
     column shards over every rank) and for every table on rank 0 (the others only exchange),
     each probe's time in every round, by name. ``fit_collection`` turns them into what a
     collective costs inside a step and what data-parallel replicas pay per byte. ``into``: the
-    dict to add this call's rounds to (``between_rounds`` can read it)."""
+    dict to add this call's rounds to (``measure`` fills one round at a time)."""
     cases = collection_cases(world_size, batches, sets)
     # Round-robin over the probes, as in stage 1: a burst of load lasting longer than one probe
     # moves one round of several probes, not every round of one.
@@ -359,8 +355,6 @@ def measure_collection(world_size: int, batches: tuple[int, ...] = (1024, 4096),
             times[name].append(time_plan(plan, tables, gb, steps))
             if progress:
                 progress(f"{world_size} ranks, round {len(times[name])}: {name}: {times[name][-1] * 1e3:.2f} ms")
-        if between_rounds is not None:
-            between_rounds()
     return times
 
 
