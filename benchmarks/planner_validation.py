@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"constants, {w} rank(s): gathers {hw.memory_bw / 1e9:.2f} GB/s (backward x{hw.backward_factor}), "
               f"per id {hw.id_s * 1e9:.1f} ns, per unique row {hw.row_s * 1e9:.1f} ns "
               f"(+{hw.cold_byte_s * 1e12:.1f} ns per kB twice beyond {hw.cache_bytes / 2**20:.0f} MiB of cache), per bag {hw.bag_s * 1e9:.1f} ns, "
-              f"per routed id {hw.route_id_s * 1e9:.1f} ns, per column-stat id {hw.column_stat_id_s * 1e9:.1f} ns "
+              f"per routed id {hw.route_id_s * 1e9:.1f} ns and row-split table {hw.route_table_s * 1e6:.0f} us, per column-stat id {hw.column_stat_id_s * 1e9:.1f} ns "
               f"and shard {hw.column_stat_shard_s * 1e6:.0f} us, "
               f"per shard {2 * hw.kernel_overhead_s * 1e6:.0f} us, per operator group {hw.group_s * 1e6:.0f} us, per feature {hw.feature_s * 1e6:.0f} us, "
               f"per distributed id {hw.dist_id_s * 1e9:.1f} ns and value {hw.dist_value_s * 1e9:.2f} ns, "

@@ -113,7 +113,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     )
     print(f"per id {hw.id_s * 1e9:.1f} ns, per unique row {hw.row_s * 1e9:.1f} ns "
           f"(+{hw.cold_byte_s * 1e12:.1f} ns per kB twice beyond {hw.cache_bytes / 2**20:.0f} MiB of cache), per bag {hw.bag_s * 1e9:.1f} ns, "
-          f"per bucketized id {hw.route_id_s * 1e9:.1f} ns, per column-statistic id {hw.column_stat_id_s * 1e9:.1f} ns "
+          f"per bucketized id {hw.route_id_s * 1e9:.1f} ns and row-split table {hw.route_table_s * 1e6:.0f} us, per column-statistic id {hw.column_stat_id_s * 1e9:.1f} ns "
           f"and shard {hw.column_stat_shard_s * 1e6:.0f} us, "
           f"per distributed id {hw.dist_id_s * 1e9:.1f} ns, per distributed value {hw.dist_value_s * 1e9:.2f} ns, "
           f"per step {hw.step_overhead_s * 1e6:.0f} us")

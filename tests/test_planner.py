@@ -316,7 +316,7 @@ def test_search_objective_is_the_models_step_time(seed, n, world, removed):
     from recscale.sharding.plan import ShardingPlan, TablePlan
 
     rng = np.random.default_rng(seed)
-    hw = replace(LOCAL_CPU, memory_bytes=1e12, feature_s=1e-6, replica_latency_s=30e-6, group_s=50e-6).with_world(*world)
+    hw = replace(LOCAL_CPU, memory_bytes=1e12, feature_s=1e-6, route_table_s=40e-6, replica_latency_s=30e-6, group_s=50e-6).with_world(*world)
     wl = Workload(batch_size=4096)
     tables = [TableSpec(f"t{i}", int(10 ** rng.uniform(1, 5)), int(rng.choice([4, 16, 64])), float(rng.integers(1, 5)),
                         float(rng.uniform(0.05, 0.9))) for i in range(n)]

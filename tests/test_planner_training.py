@@ -93,7 +93,7 @@ def test_nnls_recovers_non_negative_constants():
 def test_calibration_fit_recovers_the_constants_of_a_known_machine():
     """Probe times made by the cost model's formula with known constants fit back to them."""
     truth = {"bytes": 1 / 20e9, "id_s": 10e-9, "row_s": 50e-9, "cold_byte_s": 0.3e-9, "bag_s": 3e-9, "kernel_overhead_s": 5e-6, "group_s": 300e-6,
-             "route_id_s": 20e-9, "column_stat_id_s": 40e-9, "column_stat_shard_s": 400e-6, "feature_s": 2e-6, "dist_id_s": 4e-9, "dist_value_s": 1e-9,
+             "route_id_s": 20e-9, "route_table_s": 60e-6, "column_stat_id_s": 40e-9, "column_stat_shard_s": 400e-6, "feature_s": 2e-6, "dist_id_s": 4e-9, "dist_value_s": 1e-9,
              "step_overhead_s": 5e-4}
     rng = np.random.default_rng(1)
     probes = []
@@ -102,7 +102,8 @@ def test_calibration_fit_recovers_the_constants_of_a_known_machine():
                  "cold_byte_s": rng.uniform(0, 5e7) * (i % 3 != 1),
                  "bag_s": rng.uniform(1e3, 1e5), "kernel_overhead_s": float(rng.integers(2, 100)),
                  "group_s": float(rng.integers(1, 9)),
-                 "route_id_s": rng.uniform(0, 1e5) * (i % 2), "column_stat_id_s": rng.uniform(0, 1e5) * (i % 3 == 0),
+                 "route_id_s": rng.uniform(0, 1e5) * (i % 2), "route_table_s": float(rng.integers(1, 40)) * (i % 2),
+                 "column_stat_id_s": rng.uniform(0, 1e5) * (i % 3 == 0),
                  "column_stat_shard_s": float(rng.integers(1, 20)) * (i % 4 == 2),
                  "feature_s": float(rng.integers(1, 50)), "dist_id_s": rng.uniform(0, 1e6) * (i % 4 != 1),
                  "dist_value_s": rng.uniform(0, 1e7) * (i % 5 != 2), "step_overhead_s": 1.0}
@@ -122,7 +123,7 @@ def test_recorded_measurements_fit_again_to_the_same_machine_after_a_json_round_
     from recscale.planner.calibrate import Measurements, collection_cases, compute_cases, fit_hardware, probe_terms
 
     truth = {"bytes": 1 / 20e9, "id_s": 10e-9, "row_s": 50e-9, "cold_byte_s": 0.3e-9, "bag_s": 3e-9,
-             "kernel_overhead_s": 5e-6, "group_s": 300e-6, "route_id_s": 20e-9, "column_stat_id_s": 40e-9, "column_stat_shard_s": 400e-6, "feature_s": 2e-6,
+             "kernel_overhead_s": 5e-6, "group_s": 300e-6, "route_id_s": 20e-9, "route_table_s": 60e-6, "column_stat_id_s": 40e-9, "column_stat_shard_s": 400e-6, "feature_s": 2e-6,
              "dist_id_s": 4e-9, "dist_value_s": 1e-9, "step_overhead_s": 5e-4}
     m = Measurements(world_size=2, quick=True, cache_bytes=32 << 20, physical_memory_bytes=8e9, compute={},
                      all_to_all={"intra_host_bw": 3e9, "latency_s": 50e-6}, contention=0.05)

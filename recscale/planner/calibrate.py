@@ -12,7 +12,7 @@ from the same minutes:
    of eight dims: per operator group; high pooling over few rows: per id apart from per row;
    row-wise: bucketizing; data-parallel; column shards), at two batch sizes, and count what each
    step really did (ids, unique rows, bags, groups, bytes). The per-item constants (``id_s``,
-   ``row_s``, ``bag_s``, ``route_id_s``, ``column_stat_id_s``, ``column_stat_shard_s``,
+   ``row_s``, ``bag_s``, ``route_id_s``, ``route_table_s``, ``column_stat_id_s``, ``column_stat_shard_s``,
    ``feature_s``, ``kernel_overhead_s``, ``group_s``, ``step_overhead_s``) and the
    bandwidth (``memory_bw``, with ``backward_factor``) are the non-negative least-squares fit of
    the cost model's own formula to those times (relative error weighted).
@@ -67,7 +67,7 @@ PROBE_SETS: dict[str, list[tuple[int, int, float]]] = {
     "many_dims": [(100, 8 * (i + 1), 1) for i in range(8)],
 }
 PROBE_TYPES = ("table_wise", "row_wise", "data_parallel", "column_wise")
-FIT_TERMS = ("bytes", "id_s", "row_s", "cold_byte_s", "bag_s", "kernel_overhead_s", "group_s", "route_id_s",
+FIT_TERMS = ("bytes", "id_s", "row_s", "cold_byte_s", "bag_s", "kernel_overhead_s", "group_s", "route_id_s", "route_table_s",
              "column_stat_id_s", "column_stat_shard_s", "feature_s", "dist_id_s", "dist_value_s", "step_overhead_s")
 
 
@@ -131,6 +131,7 @@ def probe_terms(plan: ShardingPlan, tables: list[TableSpec], batch, backward_fac
             terms["dist_id_s"] += batch[name][0].numel() / plan.world_size
             terms["dist_value_s"] += b_local * by_dim[name]
     terms["feature_s"] = float(len(tables))
+    terms["route_table_s"] = float(sum(tp.routes_by_row for tp in plan.tables))
     terms["step_overhead_s"] = 1.0
     return terms
 
@@ -494,6 +495,7 @@ def fit_hardware(m: Measurements, memory_fraction: float = 0.6, progress=None) -
         cold_byte_s=coef["cold_byte_s"],
         bag_s=coef["bag_s"],
         route_id_s=coef["route_id_s"],
+        route_table_s=coef["route_table_s"],
         feature_s=coef["feature_s"],
         dist_id_s=coef["dist_id_s"],
         dist_value_s=coef["dist_value_s"],

@@ -34,7 +34,8 @@ table with ``rows_t`` rows, dim ``d``, pooling factor P and unique fraction u:
 Every rank alike (``source_cost``): its own samples' ids out, pooled outputs in and gradients
 out (link time for every shard as if it were on another rank: a row shard sends each source
 a partial output of its own; plus dist_id_s per id and dist_value_s per pooled value for
-tables that are not data-parallel), ``feature_s`` per feature, ``latency_s`` per collective,
+tables that are not data-parallel), ``feature_s`` per feature, ``route_table_s`` per row-split
+table (``routing_s``), ``latency_s`` per collective,
 ``group_s`` per data-parallel operator group (one per dim), ``step_overhead_s``. Per rank, on
 top of its shards: ``group_s`` per operator group it runs (``group_key``: its shards' widths).
 A shard's owner gets back the link time of its own samples' share of the shard (1/W of its
@@ -325,6 +326,12 @@ def packing_s(t: TableSpec, hw: Hardware, wl: Workload) -> float:
     return wl.batch_size / hw.world_size * (t.pooling * hw.dist_id_s + t.dim * hw.dist_value_s)
 
 
+def routing_s(sharding_type: str, hw: Hardware) -> float:
+    """A source rank's fixed work per step to bucketize a table's ids by row range (row-split
+    types only; the per-id part is in the shards' ``route_id_s``)."""
+    return hw.route_table_s if sharding_type in ("row_wise", "table_row_wise") else 0.0
+
+
 def source_cost(tables: list[TableSpec], hw: Hardware, wl: Workload, kinds: dict[str, str], source_bytes: float) -> float:
     """What every rank pays alike for its own samples: sending their ids and receiving their
     pooled outputs (and sending gradients back), per-feature work, one latency per collective.
@@ -342,6 +349,7 @@ def source_cost(tables: list[TableSpec], hw: Hardware, wl: Workload, kinds: dict
         + replica * collective_s(hw, replica=True)
         + len(dp_groups) * hw.group_s
         + len(tables) * hw.feature_s
+        + sum(routing_s(kinds.get(t.name, "data_parallel"), hw) for t in tables)
         + packing
         + hw.step_overhead_s
     )

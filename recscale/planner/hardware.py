@@ -40,6 +40,9 @@ class Hardware:
     row_s: float = 0.0  # per unique row updated
     bag_s: float = 0.0  # per pooled bag (one per sample per feature a shard serves)
     route_id_s: float = 0.0  # per id bucketized by row range at its source (row-split tables)
+    # per row-split table at each source: bucketizing its ids is a handful of small operators
+    # and a host sync (the shards' id counts), whatever the table's size
+    route_table_s: float = 0.0
     # per id of a column shard whose optimizer keeps a whole-row statistic (row-wise Adagrad):
     # its row gradients are formed a second time to share the row's sum of squares
     column_stat_id_s: float = 0.0
@@ -90,7 +93,7 @@ class Hardware:
         for key in ("memory_bytes", "memory_bw", "intra_host_bw", "cross_host_bw"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"hardware '{self.name}': {key} must be > 0")
-        for key in ("latency_s", "kernel_overhead_s", "group_s", "backward_factor", "id_s", "row_s", "bag_s", "route_id_s",
+        for key in ("latency_s", "kernel_overhead_s", "group_s", "backward_factor", "id_s", "row_s", "bag_s", "route_id_s", "route_table_s",
                     "column_stat_id_s", "column_stat_shard_s", "feature_s", "dist_id_s", "dist_value_s", "step_overhead_s", "replica_byte_s", "contention",
                     "min_row_read_bytes", "cache_bytes", "cold_byte_s"):
             if getattr(self, key) < 0:

@@ -29,6 +29,7 @@ from recscale.planner.cost_model import (
     group_key,
     groups_per_rank,
     packing_s,
+    routing_s,
     replica_s,
     shard_cost,
     source_cost,
@@ -148,9 +149,11 @@ class _Loads:
         return common, sum(c.time_s for c in p.costs) + len(self.time) * common
 
     def exchange_of(self, p: Placement) -> float:
-        """``p``'s link time and packing, paid by every rank."""
+        """``p``'s link time, packing and routing, paid by every rank."""
         link = sum(c.source_bytes for c in p.costs) * self.link_per_source_byte
-        return link if p.sharding_type == "data_parallel" else link + packing_s(p.spec, self.hw, self.wl)
+        if p.sharding_type == "data_parallel":
+            return link
+        return link + packing_s(p.spec, self.hw, self.wl) + routing_s(p.sharding_type, self.hw)
 
     def new_groups_s(self, p: Placement) -> dict[int, float]:
         """Per rank, the ``group_s`` that placing ``p`` (not placed yet) adds: its shards that
