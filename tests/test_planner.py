@@ -409,3 +409,26 @@ def test_a_rank_pays_once_per_operator_group_and_every_rank_once_per_replicated_
     assert with_groups.ranks[1].compute_s == pytest.approx(without.ranks[1].compute_s)
     assert with_groups.common_s - without.common_s == pytest.approx(1e-3)  # the replicated dim
     assert replica_s(tables, priced, wl, plan.sharding_types()) - replica_s(tables, base, wl, plan.sharding_types()) == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise", "table_row_wise", "data_parallel"])
+def test_each_row_split_table_costs_every_rank_its_fixed_routing_work(kind):
+    # Bucketizing a row-split table's ids at each source is a handful of small operators
+    # whatever the table's size: every rank pays route_table_s once per such table, and no
+    # other sharding type pays it.
+    from dataclasses import replace
+
+    from recscale.comm.process_group import Topology
+    from recscale.embedding import TableConfig
+    from recscale.planner.hardware import LOCAL_CPU
+    from recscale.planner.search import score_plan
+    from recscale.sharding.default_plan import default_plan
+
+    tables = [TableSpec(f"t{i}", 1000 * (i + 1), 16, 2.0) for i in range(5)]
+    plan = default_plan([TableConfig(t.name, t.rows, t.dim) for t in tables], Topology(4, 0, 2), kind)
+    wl = Workload(batch_size=4096)
+    hw = replace(LOCAL_CPU, memory_bytes=1e12).with_world(4, 2)
+    base = score_plan(plan, tables, hw, wl).max_rank_s
+    routed = score_plan(plan, tables, replace(hw, route_table_s=50e-6), wl).max_rank_s
+    want = 5 * 50e-6 if kind in ("row_wise", "table_row_wise") else 0.0
+    assert routed - base == pytest.approx(want, abs=1e-12)
