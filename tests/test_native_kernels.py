@@ -162,10 +162,12 @@ def test_apply_rows_equals_the_optimizer_definition(opt_name, with_msq):
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(1, 40_000), top=st.sampled_from([1, 7, 2047, 2048, 5_000_000, 2**40]), seed=st.integers(0, 99))
+@given(n=st.one_of(st.integers(1, 40_000), st.just(300_000)),
+       top=st.sampled_from([1, 7, 2047, 2048, 5_000_000, 2**32, 2**32 + 1, 2**40]), seed=st.integers(0, 99))
 def test_stable_argsort_equals_torch(n, top, seed):
-    # The radix sort that replaces torch's slow small-size comparison sort (row routing and
-    # column-shard row statistics): the same stable order, for keys of one to four digits.
+    # The radix sort that replaces torch's sorts (row routing and column-shard row statistics):
+    # the same stable order, for keys of one to four digits, on the parallel path (keys under
+    # 2^32, chunks per thread) and the serial one.
     keys = torch.randint(0, top, (n,), generator=torch.Generator().manual_seed(seed))
     assert torch.equal(native.load().stable_argsort(keys), torch.argsort(keys, stable=True))
     assert torch.equal(native.stable_argsort(keys), torch.argsort(keys, stable=True))

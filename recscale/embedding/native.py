@@ -88,12 +88,12 @@ def load() -> ModuleType | None:
 
 
 def stable_argsort(keys: torch.Tensor) -> torch.Tensor:
-    """``torch.argsort(keys, stable=True)`` for non-negative int64 ids, by the native radix sort
-    when the kernels are already loaded and ``keys`` is a CPU tensor of at most 2^17 elements
-    (torch sorts 8k-16k ids by comparison, 15-20x slower; above 2^17 its parallel radix sort
-    wins). Same result either way: a stable order is unique."""
+    """``torch.argsort(keys, stable=True)`` for non-negative int64 ids, by the native parallel
+    radix sort when the kernels are already loaded and ``keys`` is a CPU tensor (torch sorts
+    8k-16k ids by comparison, 15-20x slower, and 131k-1M ids by a radix sort 1.1-3x slower on 2
+    threads). Same result either way: a stable order is unique."""
     mod = _module
-    if mod is not None and keys.device.type == "cpu" and keys.dtype == torch.int64 and 0 < keys.numel() <= 1 << 17:
+    if mod is not None and keys.device.type == "cpu" and keys.dtype == torch.int64 and keys.numel() > 0:
         return mod.stable_argsort(keys.contiguous().view(-1))
     return torch.argsort(keys, stable=True)
 
