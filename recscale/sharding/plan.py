@@ -42,6 +42,10 @@ class Shard:
     num_cols: int
 
 
+# Types that split a table by rows: each id goes only to the shard whose row range holds it.
+ROW_SPLIT_TYPES = frozenset({"row_wise", "table_row_wise"})
+
+
 @dataclass(frozen=True)
 class TablePlan:
     table: str
@@ -51,7 +55,7 @@ class TablePlan:
     @property
     def routes_by_row(self) -> bool:
         """Row-split types send each id only to the shard whose row range holds it."""
-        return self.sharding_type in ("row_wise", "table_row_wise")
+        return self.sharding_type in ROW_SPLIT_TYPES
 
 
 @dataclass(frozen=True)

@@ -630,7 +630,7 @@ at::Tensor stable_argsort(const at::Tensor& keys) {
       for (int64_t i = i0; i < i1; ++i) pa[i] = (static_cast<uint64_t>(k[i]) << 32) | static_cast<uint64_t>(i);
     });
     uint64_t* sorted = radix_sort(pa, reinterpret_cast<uint64_t*>(b.data_ptr<int64_t>()), n, bits_for(top + 1));
-    at::Tensor out = at::empty({n}, opts);
+    at::Tensor out = sorted == pa ? b : a;  // the buffer the sort left as scratch holds the result
     int64_t* po = out.data_ptr<int64_t>();
     at::parallel_for(0, n, 16384, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) po[i] = static_cast<int64_t>(sorted[i] & 0xffffffffULL);
