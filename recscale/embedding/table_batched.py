@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -325,6 +325,10 @@ class TableBatchedEmbeddingBags(nn.Module):
         )  # fmt: skip
 
     # ------------------------------------------------------------------ access
+    def set_learning_rate(self, lr: float) -> None:
+        """The rate of the fused update from the next backward on (a learning-rate schedule)."""
+        self.optimizer = replace(self.optimizer, lr=lr)
+
     def validate(self, batch: JaggedBatch) -> None:
         """Check ids against table sizes (clear error naming the feature)."""
         missing = [f for f in self.feature_names if f not in batch.keys]

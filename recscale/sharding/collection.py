@@ -22,7 +22,7 @@ updates every replica identically.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -311,6 +311,13 @@ class ShardedEmbeddingCollection(nn.Module):
         )
 
     # ------------------------------------------------------------------ forward
+    def set_learning_rate(self, lr: float) -> None:
+        """The rate of every fused update (sharded and replicated tables) from the next backward on."""
+        self.optimizer = replace(self.optimizer, lr=lr)
+        for part in (self.local, self.dp):
+            if part is not None:
+                part.set_learning_rate(lr)
+
     def validate(self, batch: JaggedBatch) -> None:
         missing = [f for f in self.feature_names if f not in batch.keys]
         if missing:

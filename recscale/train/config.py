@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from recscale.checkpoint.settings import CheckpointSettings
+from recscale.train.lr_schedule import LRScheduleConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -176,6 +177,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     embedding_optimizer: EmbeddingOptimizerConfig = field(default_factory=EmbeddingOptimizerConfig)
     dense_optimizer: DenseOptimizerConfig = field(default_factory=DenseOptimizerConfig)
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     comm: CommConfig = field(default_factory=CommConfig)
@@ -319,6 +321,7 @@ def validate(cfg: Config) -> None:
         _non_negative(f"sharding.tables.{name}.shards", ts.shards)
     try:
         cfg.checkpoint.validate()
+        cfg.lr_schedule.validate()
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if not 0.0 <= d.eval_fraction < 1.0:

@@ -32,6 +32,7 @@ from recscale.sharding.plan import PlanError, ShardingPlan
 from recscale.train.checkpointing import Progress, TrainCheckpointing
 from recscale.train.config import Config, ConfigError
 from recscale.train.datasets import DataSplits, build_data
+from recscale.train.lr_schedule import set_learning_rates
 from recscale.train.metrics import EvalMetrics, evaluate_predictions
 from recscale.train.pipeline import TrainPipeline, train_step
 
@@ -237,6 +238,15 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None]) -> di
     running_loss = torch.tensor(start.running_loss, dtype=torch.float64, device=device)
     running_n = start.running_n
     done = bool(max_steps and state.step >= max_steps)
+    schedule = cfg.lr_schedule
+    # The schedule's length is the epochs' (train.max_steps stops a run early, it does not shorten it).
+    schedule_steps = len(data.train) * cfg.train.epochs
+    if schedule.enabled:
+        try:
+            schedule.check_length(schedule_steps)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    lr_factor = None
     epoch, next_batch = start.epoch, start.next_batch
     for epoch in range(start.epoch, cfg.train.epochs if not done else start.epoch):
         data.train.set_epoch(epoch)
@@ -244,6 +254,10 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None]) -> di
         first = start.next_batch if epoch == start.epoch else 0  # a resumed run skips what it trained
         pipeline = TrainPipeline(data.train_loader(first), model.embeddings, device, cfg.train.pipeline)
         for next_batch, (batch, sparse) in enumerate(pipeline, start=first + 1):
+            f = schedule.factor(state.step, schedule_steps) if schedule.enabled else None
+            if f is not None and f != lr_factor:
+                lr_factor = f
+                set_learning_rates(dense_opt, model.embeddings, cfg.dense_optimizer.lr * f, cfg.embedding_optimizer.lr * f)
             # Embedding rows are updated inside backward, fused into it.
             loss_sum = train_step(model, batch, sparse, dense_opt, sync)
             state.step += 1
