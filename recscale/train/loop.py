@@ -230,23 +230,22 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None]) -> di
     state = TrainState(start.step, start.samples, start.train_seconds)
     evals: list[dict[str, float]] = start.evals
     max_steps = cfg.train.max_steps or None
-    total_steps = len(data.train) * cfg.train.epochs
-    if max_steps:
-        total_steps = min(total_steps, max_steps)
-    bar = tqdm(total=total_steps, initial=state.step, disable=not cfg.train.progress or rank != 0, unit="step", dynamic_ncols=True)
-    # A tensor: no host sync per step.
-    running_loss = torch.tensor(start.running_loss, dtype=torch.float64, device=device)
-    running_n = start.running_n
-    done = bool(max_steps and state.step >= max_steps)
-    schedule = cfg.lr_schedule
     # The schedule's length is the epochs' (train.max_steps stops a run early, it does not shorten it).
     schedule_steps = len(data.train) * cfg.train.epochs
+    total_steps = min(schedule_steps, max_steps) if max_steps else schedule_steps
+    schedule = cfg.lr_schedule
     if schedule.enabled:
         try:
             schedule.check_length(schedule_steps)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        log(schedule.describe(schedule_steps))
     lr_factor = None
+    bar = tqdm(total=total_steps, initial=state.step, disable=not cfg.train.progress or rank != 0, unit="step", dynamic_ncols=True)
+    # A tensor: no host sync per step.
+    running_loss = torch.tensor(start.running_loss, dtype=torch.float64, device=device)
+    running_n = start.running_n
+    done = bool(max_steps and state.step >= max_steps)
     epoch, next_batch = start.epoch, start.next_batch
     for epoch in range(start.epoch, cfg.train.epochs if not done else start.epoch):
         data.train.set_epoch(epoch)
@@ -266,7 +265,8 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None]) -> di
             running_n += batch.batch_size
             if state.step % 20 == 0 or state.step == total_steps:
                 elapsed = state.train_seconds + time.perf_counter() - t0
-                bar.set_postfix(loss=f"{float(running_loss) / max(running_n, 1):.4f}", samples_per_s=f"{state.samples / elapsed:,.0f}")
+                extra = {"lr_factor": f"{lr_factor:.3g}"} if lr_factor is not None else {}
+                bar.set_postfix(loss=f"{float(running_loss) / max(running_n, 1):.4f}", samples_per_s=f"{state.samples / elapsed:,.0f}", **extra)
             bar.update(1)
             if cfg.train.eval_every_steps and state.step % cfg.train.eval_every_steps == 0:
                 state.train_seconds += time.perf_counter() - t0

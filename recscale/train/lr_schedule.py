@@ -75,6 +75,17 @@ class LRScheduleConfig:
             f = self.end_factor + (1.0 - self.end_factor) * (1.0 - done) ** self.decay_power
         return f
 
+    def describe(self, total_steps: int) -> str:
+        """One line for the training log."""
+        parts = [f"warmup {self.warmup_steps} steps"] if self.warmup_steps else []
+        if self.decay_start_step >= 0:
+            shape = "linear" if self.decay_power == 1 else f"power {self.decay_power:g}"
+            parts.append(
+                f"{shape} decay from step {self.decay_start_step} over {self._decay_length(total_steps)} steps "
+                f"to {self.end_factor:g} x lr"
+            )
+        return "lr schedule: " + ", ".join(parts) + f" ({total_steps} steps in all)"
+
     def _decay_length(self, total_steps: int) -> int:
         return max(1, self.decay_steps or total_steps - self.decay_start_step)
 
