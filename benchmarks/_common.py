@@ -37,9 +37,11 @@ def set_threads(threads: int | None) -> int:
 
 
 def add_train_config_args(ap: argparse.ArgumentParser, default_config: Path) -> None:
-    """``--config`` (a training TOML), ``--threads`` and ``--json``: what the benchmarks that run
-    ``recscale train`` in-process take."""
+    """``--config`` (a training TOML), ``--set`` overrides of it, ``--threads`` and ``--json``:
+    what the benchmarks that run ``recscale train`` in-process take."""
     ap.add_argument("--config", default=str(default_config))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every run, e.g. train.seed=1 (repeatable)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", metavar="PATH")
 

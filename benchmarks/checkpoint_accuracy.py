@@ -38,8 +38,6 @@ def main() -> int:
     ap.add_argument("--codecs", default=",".join(CODECS))
     ap.add_argument("--state", default="fp32", help="optimizer state precision in the checkpoint")
     ap.add_argument("--steps", default="mid", help="restore steps, comma-separated ('mid': the middle step)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a config override for every run, e.g. train.seed=1 (repeatable)")
     args = ap.parse_args()
     apply_train_config_args(args)
     base = train_quietly(args.config, args.set)

@@ -129,8 +129,6 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=2, help="noise draws per size")
     ap.add_argument("--codec-steps", default="40,60,70,78,90,100,120",
                     help="restore steps for the 8-bit codec comparison ('' to skip)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a config override for every run, e.g. dense_optimizer.name=sgd (repeatable)")
     args = ap.parse_args()
     apply_train_config_args(args)
 
