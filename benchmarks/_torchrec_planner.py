@@ -9,7 +9,9 @@ cross-host bandwidth; TorchRec counts bytes per millisecond), then
 * ``score(plan)``: costs any recscale plan with TorchRec's own ``EmbeddingPerfEstimator``: each
   table's shards become the ``ShardingOption`` of that sharding type with our shard sizes,
   offsets and ranks, the estimator fills every shard's perf, and the score is the slowest
-  rank's sum of shard perf (what TorchRec's partitioner balances and its stats report).
+  rank's sum of shard perf (what TorchRec's partitioner balances and its stats report);
+* ``option_seconds(options)``: any table options' estimated time per shard (the bound in
+  ``planner.py`` on what plans can score under both estimators).
 
 torchrec is a benchmark-only dependency: ``available()`` says whether it can be imported.
 """
@@ -120,8 +122,8 @@ class TorchRecPlanning:
                 self._options.setdefault((so.name, so.sharding_type), so)
         return self._options
 
-    def score(self, plan: ShardingPlan) -> float:
-        """The slowest rank's total of TorchRec-estimated shard time, in seconds."""
+    def _estimate(self, plan: ShardingPlan) -> list:
+        """TorchRec's sharding options for ``plan``, each shard's perf filled by its estimator."""
         from torchrec.distributed.planner.types import Shard as TRShard
 
         base = self._base_options()
@@ -134,8 +136,19 @@ class TorchRecPlanning:
             so.shards = [TRShard(size=[s.num_rows, s.num_cols], offset=[s.row_offset, s.col_offset], rank=s.rank) for s in tp.shards]
             chosen.append(so)
         self.enumerator.populate_estimates(chosen)
+        return chosen
+
+    def score(self, plan: ShardingPlan) -> float:
+        """The slowest rank's total of TorchRec-estimated shard time, in seconds."""
         per_rank = [0.0] * self.world
-        for so in chosen:
+        for so in self._estimate(plan):
             for s in so.shards:
                 per_rank[s.rank] += s.perf.total
         return max(per_rank) / 1000  # TorchRec's perf is in milliseconds
+
+    def option_seconds(self, options: list[tuple[str, str, list[Shard]]]) -> list[list[float]]:
+        """Each (table, sharding type, shards) option's estimated time per shard. The estimator
+        never reads a shard's rank (only sizes, offsets and the topology), so the numbers hold
+        wherever the shards sit."""
+        plan = ShardingPlan(self.world, self.hw.ranks_per_host, tuple(TablePlan(t, k, tuple(sh)) for t, k, sh in options))
+        return [[s.perf.total / 1000 for s in so.shards] for so in self._estimate(plan)]

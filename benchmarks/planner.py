@@ -26,9 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import environment, format_table, write_json  # noqa: E402
 
-from recscale.planner.cost_model import TableSpec, Workload  # noqa: E402
-from recscale.planner.hardware import ZIONEX  # noqa: E402
-from recscale.planner.search import BASELINES, baseline_plan, plan_tables, score_plan  # noqa: E402
+from recscale.planner.cost_model import TableSpec, Workload, collective_count, collective_s  # noqa: E402
+from recscale.planner.hardware import ZIONEX, Hardware  # noqa: E402
+from recscale.planner.search import BASELINES, baseline_plan, option_work, plan_tables, score_plan  # noqa: E402
+from recscale.sharding.plan import Shard, ShardingPlan, TablePlan  # noqa: E402
 import _torchrec_planner  # noqa: E402
 from recscale.sharding.plan import PlanError  # noqa: E402
 
@@ -83,6 +84,55 @@ def _gain(ours: float | None, others: dict[str, float | None]) -> tuple[str, flo
     return best, 100 * (1 - ours / valid[best])
 
 
+def two_scorer_bound(tables: list[TableSpec], hw: Hardware, wl: Workload, tr, best_model_s: float,
+                     best_tr_s: float) -> dict[str, float | bool] | None:
+    """The least TorchRec-estimator score of any plan no worse than ``best_model_s`` under the
+    recscale model (plans made of the planner's options); above ``best_tr_s``, no plan is at
+    least as good as every other plan under both scorers.
+
+    Under either scorer a plan's slowest rank is at least its mean, which does not depend on
+    placement: under the recscale model its tables' total work over W plus the fixed costs
+    (``option_work``; per-rank operator groups and contention, which would make it depend on
+    placement, are 0 in the presets this runs), under TorchRec's estimator the total of its
+    shards' estimates over W. Relative to every table table-wise, option o of table t adds
+    d(t, o) to the first total and e(t, o) to the second. A plan choosing options S with
+    sum d <= W x (best_model_s - all-table-wise mean) [+ the collectives an all-replicated plan
+    drops] has, for every lambda >= 0, sum e >= sum_t min(0, min_o e + lambda d) - lambda x that
+    budget (Lagrangian duality), so the best lambda bounds its TorchRec score from below."""
+    if hw.group_s or hw.contention or hw.world_size < 2:
+        return None
+    w = hw.world_size
+    all_tw = ShardingPlan(w, hw.ranks_per_host, tuple(TablePlan(t.name, "table_wise", (Shard(0, 0, t.rows, 0, t.dim),)) for t in tables))
+    r = score_plan(all_tw, tables, hw, wl)
+    level = sum(x.time_s for x in r.ranks) / w + r.common_s
+    names, model_work, options = [], [], []
+    for t in tables:
+        for kind, rects, work in option_work(t, hw, wl):
+            names.append(t.name)
+            model_work.append(work)
+            options.append((t.name, kind, [Shard(i % w, ro, rows, co, cols) for i, (ro, rows, co, cols) in enumerate(rects)]))
+    tr_work = [sum(x) for x in tr.option_seconds(options)]
+    tw = {n: (m, e) for n, (_, kind, _), m, e in zip(names, options, model_work, tr_work) if kind == "table_wise"}
+    d = np.array([m - tw[n][0] for n, m in zip(names, model_work)])
+    e = np.array([x - tw[n][1] for n, x in zip(names, tr_work)])
+    table_of = np.unique(np.array(names), return_inverse=True)[1]
+    saved = (collective_count(True, [], False, False) - collective_count(False, [], False, False)) * collective_s(hw)
+    budget = w * (best_model_s - level + saved)
+    tr_level = sum(m_e[1] for m_e in tw.values())
+    best, best_lam = -math.inf, 0.0
+    for lam in [0.0, *np.geomspace(1e-4, 1e4, 400)]:
+        per_table = np.zeros(len(tw))
+        np.minimum.at(per_table, table_of, e + lam * d)  # table-wise is (0, 0): the min is <= 0
+        bound = per_table.sum() - lam * budget
+        if bound > best:
+            best, best_lam = bound, lam
+    least = (tr_level + best) / w
+    return {
+        "table_wise_mean_ms": level * 1e3, "torchrec_table_wise_mean_ms": tr_level / w * 1e3, "lambda": best_lam,
+        "torchrec_bound_ms": least * 1e3, "conflict": bool(least > best_tr_s),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", default="8,16,64,128")
@@ -115,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     methods = ["recscale", *BASELINES] + (["torchrec"] if use_torchrec else [])
     rows, records = [], []
     gains: dict[str, list[float]] = {"recscale model": [], "torchrec estimator": []}
+    losses: list[tuple[str, int, float, bool]] = []  # worse under TorchRec's estimator: (set, ranks, gain, no plan matches both)
     for name, tables in sets.items():
         for w in worlds:
             hw = ZIONEX.with_world(w)
@@ -143,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
                 gains["recscale model"].append(gain_m)
             if math.isfinite(gain_t):
                 gains["torchrec estimator"].append(gain_t)
+            bound = None
+            if tr and math.isfinite(gain_m) and math.isfinite(gain_t):
+                bound = two_scorer_bound(tables, hw, wl, tr, ours_model[best_m], tr_est[best_t])
+                if bound is not None and gain_t < 0:
+                    losses.append((name, w, gain_t, bound["conflict"]))
             rows.append(
                 [name, w, len(tables), "recscale model"] + [_fmt(ours_model.get(m)) for m in methods]
                 + [best_m.replace("greedy_", ""), f"{gain_m:.1f}%", f"{ours.seconds:.1f}"]
@@ -154,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
             print(f"{name} x {w}: gain {gain_m:.1f}% (recscale model), {gain_t:.1f}% (torchrec estimator); "
                   f"planned in {ours.seconds:.1f} s, torchrec {seconds.get('torchrec', math.nan):.1f} s", flush=True)
+            if bound is not None and bound["conflict"]:
+                print(f"  no plan matches both: every plan no worse than {best_m} under the recscale model scores at least "
+                      f"{bound['torchrec_bound_ms']:.3f} ms under TorchRec's estimator, {best_t} {tr_est[best_t] * 1e3:.3f} ms "
+                      "(two_scorer_bound)", flush=True)
             records.append({
                 "set": name, "world_size": w, "tables": len(tables),
                 "recscale_model_ms": {k: (v * 1e3 if v is not None else None) for k, v in ours_model.items()},
@@ -162,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                 "gain_pct_torchrec_estimator": gain_t if tr else None, "best_other_torchrec_estimator": best_t if tr else None,
                 "recscale_imbalance": ours.imbalance, "plan_seconds": seconds,
                 "sharding_mix": {t: sum(1 for x in ours.plan.tables if x.sharding_type == t) for t in {x.sharding_type for x in ours.plan.tables}},
+                "two_scorer_bound": bound,
             })
     headers = ["set", "ranks", "tables", "scored by"] + [m.replace("greedy_", "") + " ms" for m in methods] + ["best other", "gain", "plan s"]
     print(format_table(headers, rows, right_align_from=1))
@@ -172,6 +233,13 @@ def main(argv: list[str] | None = None) -> int:
         if g:
             summary[scorer] = {"mean_gain_pct": sum(g) / len(g), "min_gain_pct": min(g), "cases": len(g)}
             print(f"{scorer}: mean gain {sum(g) / len(g):.1f}%, min {min(g):.1f}% over {len(g)} cases")
+    if losses:
+        proven = [f"{n} x {w} ({g:.1f}%)" for n, w, g, c in losses if c]
+        other = [f"{n} x {w} ({g:.1f}%)" for n, w, g, c in losses if not c]
+        print(f"worse under TorchRec's estimator in {len(losses)} cases; where no plan is at least as good as every other "
+              f"plan under both scorers: {', '.join(proven) or 'none'}; elsewhere: {', '.join(other) or 'none'}")
+        summary["torchrec_estimator_losses"] = [{"set": n, "world_size": w, "gain_pct": g, "no_plan_matches_both": c}
+                                                for n, w, g, c in losses]
     if not use_torchrec:
         print("TorchRec: not installed (pip install torchrec fbgemm-gpu-cpu) or --no-torchrec; compared with the baselines only")
     if args.json:

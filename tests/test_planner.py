@@ -432,3 +432,35 @@ def test_each_row_split_table_costs_every_rank_its_fixed_routing_work(kind):
     routed = score_plan(plan, tables, replace(hw, route_table_s=50e-6), wl).max_rank_s
     want = 5 * 50e-6 if kind in ("row_wise", "table_row_wise") else 0.0
     assert routed - base == pytest.approx(want, abs=1e-12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 12), world=st.sampled_from([(4, 4), (16, 8)]))
+def test_option_work_adds_up_to_the_plans_mean_rank(seed, n, world):
+    # ``option_work`` is the bound benchmarks/planner.py proves plans against: for any plan of
+    # the planner's options, the ranks' times plus W x what every rank pays alike must be the
+    # sum of the chosen options' work, wherever their shards sit (collective latencies, the
+    # one part that depends on the mix of types, set to 0 here).
+    from dataclasses import replace
+
+    from recscale.planner.search import option_work, score_plan
+    from recscale.sharding.plan import Shard, ShardingPlan, TablePlan
+
+    rng = np.random.default_rng(seed)
+    hw = replace(ZIONEX, latency_s=0.0, replica_latency_s=0.0, memory_bytes=1e15).with_world(*world)
+    wl = Workload(batch_size=8192)
+    tables = [TableSpec(f"t{i}", int(10 ** rng.uniform(1, 7)), int(rng.choice([4, 16, 64, 256])), float(rng.integers(1, 30)),
+                        float(rng.uniform(0.05, 0.9))) for i in range(n)]
+    chosen, total = [], 0.0
+    for t in tables:
+        options = option_work(t, hw, wl)
+        kind, rects, work = options[int(rng.integers(len(options)))]
+        ranks = rng.permutation(hw.world_size)  # any placement: the total must not change
+        if kind in ("row_wise", "data_parallel", "table_row_wise"):
+            ranks = np.arange(hw.world_size)
+        shards = tuple(Shard(int(ranks[i % len(ranks)]), ro, rows, co, cols) for i, (ro, rows, co, cols) in enumerate(rects))
+        chosen.append(TablePlan(t.name, kind, shards))
+        total += work
+    r = score_plan(ShardingPlan(hw.world_size, hw.ranks_per_host, tuple(chosen)), tables, hw, wl)
+    assert math.isclose(sum(x.time_s for x in r.ranks) + hw.world_size * r.common_s, total, rel_tol=1e-9)
+    assert r.max_rank_s >= total / hw.world_size * (1 - 1e-12)

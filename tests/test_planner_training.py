@@ -240,6 +240,29 @@ def test_torchrec_plan_converts_into_a_valid_recscale_plan_and_both_estimators_s
     assert tr.score(lopsided) > tr.score(greedy.plan)
 
 
+@pytest.mark.parametrize("world", [8, 16])
+def test_two_scorer_bound_never_exceeds_the_torchrec_score_of_a_plan_within_the_model_budget(world):
+    # benchmarks/planner.py's proof that no plan matches both scorers rests on this bound: any
+    # plan whose recscale-model score is at most the budget scores at least the bound under
+    # TorchRec's estimator. Every plan at hand meets the budget of its own score.
+    trp = _torchrec()
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import planner
+
+    rng = np.random.default_rng(world)
+    tables = [TableSpec(f"t{i}", int(10 ** rng.uniform(2, 7)), int(rng.choice([4, 16, 64, 128, 256])),
+                        float(rng.integers(1, 40)), float(rng.uniform(0.2, 0.8))) for i in range(60)]
+    hw, wl = ZIONEX.with_world(world), Workload(65536)
+    tr = trp.TorchRecPlanning(tables, hw, wl, timeout_s=10)
+    plans = [baseline_plan(m, tables, hw, wl).plan for m in ("greedy_size", "karmarkar_karp")]
+    plans += [plan_tables(tables, hw, wl, time_budget_s=2).plan, plan_tables(tables, hw, wl, time_budget_s=2, replica_error=0).plan,
+              tr.plan()[0]]
+    for p in plans:
+        bound = planner.two_scorer_bound(tables, hw, wl, tr, score_plan(p, tables, hw, wl).max_rank_s, float("inf"))
+        assert tr.score(p) * 1e3 >= bound["torchrec_bound_ms"] * (1 - 1e-9)
+        assert not bound["conflict"]
+
+
 def test_planner_benchmark_smoke(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import planner

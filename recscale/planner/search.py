@@ -99,9 +99,6 @@ class _Loads:
         self.time = [0.0] * hw.world_size
         self.mem = [0.0] * hw.world_size
         self.cap = hw.memory_bytes
-        # A row split sends every source a partial output per shard, which no single rank's
-        # load shows.
-        self.link_per_source_byte = source_link_s(1.0, hw)
         self.per_collective = collective_s(hw)
         self.per_replica_collective = collective_s(hw, replica=True)
         self.exchange = 0.0  # link time and packing of the placed tables
@@ -150,10 +147,7 @@ class _Loads:
 
     def exchange_of(self, p: Placement) -> float:
         """``p``'s link time, packing and routing, paid by every rank."""
-        link = sum(c.source_bytes for c in p.costs) * self.link_per_source_byte
-        if p.sharding_type == "data_parallel":
-            return link
-        return link + packing_s(p.spec, self.hw, self.wl) + routing_s(p.sharding_type, self.hw)
+        return _exchange_s(p.spec, p.sharding_type, p.costs, self.hw, self.wl)
 
     def new_groups_s(self, p: Placement) -> dict[int, float]:
         """Per rank, the ``group_s`` that placing ``p`` (not placed yet) adds: its shards that
@@ -190,6 +184,27 @@ class _Loads:
                              self.hw.num_hosts > 1 and self.table_row_wise > 0)
         replica = group_collectives(groups)
         return (n - replica) * self.per_collective + replica * self.per_replica_collective + len(groups) * self.hw.group_s
+
+
+def _exchange_s(t: TableSpec, sharding_type: str, costs: list[ShardCost], hw: Hardware, wl: Workload) -> float:
+    """What an option of ``t`` costs every rank alike: link time (a row split sends every
+    source a partial output per shard, which no single rank's load shows), packing, routing."""
+    link = sum(c.source_bytes for c in costs) * source_link_s(1.0, hw)
+    if sharding_type == "data_parallel":
+        return link
+    return link + packing_s(t, hw, wl) + routing_s(sharding_type, hw)
+
+
+def option_work(t: TableSpec, hw: Hardware, wl: Workload) -> list[tuple[str, list[tuple[int, int, int, int]], float]]:
+    """The planner's options for ``t`` as (type, [(row_offset, rows, col_offset, cols)], total
+    work over all ranks): its shards' time plus W times what it adds to every rank's exchange.
+    Balance cannot lower it: a plan's slowest rank plus what every rank pays alike is at least
+    its tables' total work over W plus the fixed costs, whatever the placement."""
+    out = []
+    for kind, rects in _templates(t, hw):
+        costs = _rect_costs(t, kind, rects, hw, wl)
+        out.append((kind, rects, sum(c.time_s for c in costs) + hw.world_size * _exchange_s(t, kind, costs, hw, wl)))
+    return out
 
 
 def _templates(t: TableSpec, hw: Hardware) -> list[tuple[str, list[tuple[int, int, int, int]]]]:
