@@ -29,9 +29,8 @@ from _common import environment, format_table, write_json  # noqa: E402
 from recscale.planner.cost_model import TableSpec, Workload, collective_count, collective_s  # noqa: E402
 from recscale.planner.hardware import ZIONEX, Hardware  # noqa: E402
 from recscale.planner.search import BASELINES, baseline_plan, option_work, plan_tables, score_plan  # noqa: E402
-from recscale.sharding.plan import Shard, ShardingPlan, TablePlan  # noqa: E402
+from recscale.sharding.plan import PlanError, Shard, ShardingPlan, TablePlan  # noqa: E402
 import _torchrec_planner  # noqa: E402
-from recscale.sharding.plan import PlanError  # noqa: E402
 
 TABLES_JSON = Path(__file__).resolve().parents[1].parent / "shared/data/tables/criteo_table_sizes.json"
 
@@ -105,14 +104,14 @@ def two_scorer_bound(tables: list[TableSpec], hw: Hardware, wl: Workload, tr, be
     all_tw = ShardingPlan(w, hw.ranks_per_host, tuple(TablePlan(t.name, "table_wise", (Shard(0, 0, t.rows, 0, t.dim),)) for t in tables))
     r = score_plan(all_tw, tables, hw, wl)
     level = sum(x.time_s for x in r.ranks) / w + r.common_s
-    names, model_work, options = [], [], []
+    model_work, options = [], []
     for t in tables:
         for kind, rects, work in option_work(t, hw, wl):
-            names.append(t.name)
             model_work.append(work)
             options.append((t.name, kind, [Shard(i % w, ro, rows, co, cols) for i, (ro, rows, co, cols) in enumerate(rects)]))
     tr_work = [sum(x) for x in tr.option_seconds(options)]
-    tw = {n: (m, e) for n, (_, kind, _), m, e in zip(names, options, model_work, tr_work) if kind == "table_wise"}
+    names = [name for name, _, _ in options]
+    tw = {name: (m, x) for (name, kind, _), m, x in zip(options, model_work, tr_work) if kind == "table_wise"}
     d = np.array([m - tw[n][0] for n, m in zip(names, model_work)])
     e = np.array([x - tw[n][1] for n, x in zip(names, tr_work)])
     table_of = np.unique(np.array(names), return_inverse=True)[1]
