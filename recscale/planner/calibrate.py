@@ -453,10 +453,8 @@ def measure(world_size: int = 2, progress=None, quick: bool = False,
     if world_size > 1:
         m.contention = measure_contention(world_size, m.batches[-1], steps, progress=progress, quick=quick)
     # Each round times stage 1's probes and then stage 4's: the compute constants and the
-    # collectives fitted on top of them come from the same minutes. (Stage 1's three rounds
-    # used to come first: when the VM's speed drifted between them, stage 4's fit took the
-    # drift for collective costs, and a plan timed after stage 4's rounds was measured in the
-    # later, slower minutes only: up to 1.3x slower than in stage 1's.)
+    # collectives fitted on top of them come from the same minutes, so a shared VM's speed drift
+    # is not taken for collective costs.
     for _ in range(1 if quick else rounds):
         measure_compute(world_size, m.batches, steps, progress=progress, quick=quick, rounds=1, into=m.compute)
         if world_size > 1:
