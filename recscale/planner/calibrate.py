@@ -257,9 +257,8 @@ def measure_contention(world_size: int, batch: int = 4096, steps: int = 5, round
     Each probe's slowdown compares its least-disturbed times, the fastest round alone and the
     fastest side by side: a shared machine's noise only ever adds time, and it hurts copies
     that fill every core more than one that leaves a core spare, so a ratio of single rounds
-    read a noisy minute as contention (0.29 once, against 0.04-0.14 in quiet runs).
-    ``contention`` is the median slowdown over probes of several kinds, minus one (0.0-0.1 on
-    the 2-core development VM)."""
+    would read a noisy minute as contention.
+    ``contention`` is the median slowdown over probes of several kinds, minus one."""
     probes = CONTENTION_PROBES[:1] if quick else CONTENTION_PROBES
     cases = []
     for set_name, kind in probes:

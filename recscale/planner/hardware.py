@@ -47,7 +47,7 @@ class Hardware:
     # its row gradients are formed a second time to share the row's sum of squares
     column_stat_id_s: float = 0.0
     # per such column shard: selecting its features' gradients, its second sort, its part of
-    # the statistic's gather (about a millisecond on this VM, whatever the shard's size)
+    # the statistic's gather (whatever the shard's size)
     column_stat_shard_s: float = 0.0
     feature_s: float = 0.0  # per feature per step at its source (input/output distribution)
     # The input and output distribution's own work, on top of the link time: per id (its

@@ -204,7 +204,8 @@ def _rows(cls: type, prefix: str, missing: list[str]) -> list[str]:
             if not meaning:
                 missing.append(name)
             sub_tp = typing.get_type_hints(sub)[f.name]
-            rows.append(f"| `{name.split('.', 1)[1]}` | {type_text(sub_tp)} | `{_toml(_default(f))}` | {_cell(meaning)} |")
+            key_text = name.split(".", 1)[1]
+            rows.append(f"| `{key_text}` | {type_text(sub_tp)} | `{_toml(_default(f))}` | {_cell(meaning)} |")
     return rows
 
 
