@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             provisional.append((plan, time_plan(plan, tables, batches, args.steps)))
 
     # A calibration made now times its plans after each of its own rounds of probes, so the
-    # constants and the measured plans see the same mix of machine states (this VM's speed
-    # drifts 1.5-2x over minutes); with a topology file, plans are timed ``--repeats`` rounds
+    # constants and the measured plans see the same mix of machine states (a shared VM's speed
+    # drifts over minutes); with a topology file, plans are timed ``--repeats`` rounds
     # (the 2-rank ones with the planner's).
     hws, measurements = {}, {}
     for w, path in ((1, args.topology_1), (2, args.topology_2)):
