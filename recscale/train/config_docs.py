@@ -76,7 +76,8 @@ MEANINGS: dict[str, str] = {
     "model.top_mlp": "top MLP layer sizes; must end with 1 (the logit)",
     "model.mlp_precision": "`bf16` (opt-in): the MLPs and the interaction run bf16 matmuls "
                            "(autocast) with fp32 master weights, gradients and optimizer state; "
-                           "embeddings and the loss stay fp32",
+                           "embeddings and the loss stay fp32. Faster on CPUs with AVX-512 BF16 or "
+                           "AMX; elsewhere bf16 matmuls are emulated, and the trainer warns",
     "embedding_optimizer.name": "row-wise Adagrad follows FBGEMM's definition; each optimizer is "
                                 "defined once in `recscale/embedding/optimizers.py`",
     "embedding_optimizer.lr": "learning rate",
