@@ -87,8 +87,9 @@ def _table_json() -> dict[str, Any] | None:
 
 
 def make_spec(name: str, quick: bool = False, batch_size: int | None = None) -> ModelSpec:
-    """``criteo-dlrm`` or ``multi-hot`` as issue 7 defines them (``quick``: rows capped at 10k,
-    batch 256)."""
+    """``criteo-dlrm`` (Criteo Kaggle tables, one id per table, capped at 1M rows, dim 64) or
+    ``multi-hot`` (MLPerf DLRM-DCNv2 tables and pooling factors, capped at 500k rows, dim 128);
+    ``quick``: rows capped at 10k, batch 256."""
     data = _table_json()
     if name == "criteo-dlrm":
         rows = data["criteo_kaggle_dac"]["rows"] if data else CRITEO_KAGGLE_ROWS

@@ -89,7 +89,7 @@ def fixed_two_rank_plans(cfgs: list[TableConfig]) -> list[tuple[str, ShardingPla
 
 def _recorded_measurements(recorded: dict, w: int) -> Measurements:
     m = dict(recorded["calibration_measurements"][str(w)])
-    # The first recordings (e57e177) kept only the probe times: the rest is this machine's.
+    # Older recordings kept only the probe times: the rest is this machine's.
     hw = recorded["hardware"][str(w)]
     m.setdefault("world_size", w)
     m.setdefault("quick", recorded["args"]["quick"])
@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.refit:
         recorded = json.loads(Path(args.refit).read_text())
         if sorted(recorded.get("calibration_measurements", {})) != ["1", "2"]:
-            raise SystemExit(f"{args.refit}: no calibration measurements for 1 and 2 ranks (--json records them since "
-                             "stop 22, and only when it calibrates: not with --topology files)")
+            raise SystemExit(f"{args.refit}: no calibration measurements for 1 and 2 ranks (--json records them only "
+                             "when it calibrates: not with --topology files)")
         args.batch_size, args.quick = recorded["args"]["batch_size"], recorded["args"]["quick"]
     if args.quick:
         args.steps, args.repeats = 3, 1
@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # The planner's plan as the 2-rank measurements so far choose it, timed in the same round as
     # the fixed plans: every plan, the planner's included, is then timed in the period whose
-    # constants predict it (timed after the calibration, it once measured 1.4 ms behind
-    # data-parallel where its own rounds and data-parallel's overlapped).
+    # constants predict it (timed after the calibration alone, a drift of the machine's speed
+    # would count against it).
     provisional: list[tuple[ShardingPlan, float]] = []
 
     def between_rounds(m: Measurements, w: int) -> None:
@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             provisional.append((plan, time_plan(plan, tables, batches, args.steps)))
 
     # A calibration made now times its plans after each of its own rounds of probes, so the
-    # constants and the measured plans see the same mix of machine states (this VM's speed
-    # drifts 1.5-2x over minutes); with a topology file, plans are timed ``--repeats`` rounds
+    # constants and the measured plans see the same mix of machine states (a shared VM's speed
+    # drifts over minutes); with a topology file, plans are timed ``--repeats`` rounds
     # (the 2-rank ones with the planner's).
     hws, measurements = {}, {}
     for w, path in ((1, args.topology_1), (2, args.topology_2)):

@@ -81,7 +81,7 @@ def build_name(prefix: str, source: Path, flags: FlagSet) -> str:
     h = hashlib.sha256()
     # torch's installation path too: the build files it writes name that environment's include
     # and library folders, so two environments sharing one cache would otherwise silently
-    # rebuild (about 20 s here) every time the other one had loaded the kernels.
+    # rebuild every time the other one had loaded the kernels.
     for part in (source.read_bytes(), " ".join(flags.cflags).encode(), " ".join(flags.ldflags).encode(),
                  torch.__version__.encode(), sys.version.encode(), os.path.dirname(torch.__file__).encode()):
         h.update(part)

@@ -56,7 +56,7 @@ def test_checkpoint_sensitivity_smoke(tmp_path):
 def test_checkpoint_accuracy_smoke(tmp_path):
     """The accuracy benchmark on the real Criteo 10k sample: a lossless restore at the middle ends
     exactly where the uninterrupted run does, and with the config's decaying rate an 8-bit one
-    ends near it (0.0072% when measured; 0.04-0.16% with the constant rate it replaced)."""
+    ends near it (the bound would fail with a constant rate)."""
     import pytest
 
     if not CRITEO_10K.is_file():

@@ -85,7 +85,7 @@ def test_policies():
     assert run_policy(CheckpointSettings(policy="one_shot"), s) == ["full"] + ["differential"] * 9
     assert run_policy(CheckpointSettings(policy="incremental"), s) == ["full"] + ["incremental"] * 9
     assert run_policy(CheckpointSettings(policy="one_shot", full_every=3), s[:7]) == ["full"] + ["differential"] * 3 + ["full"] + ["differential"] * 3
-    # The mission's rule: a new baseline at the first i with 1 + S_1 + ... + S_i <= (i + 1) S_i.
+    # Check-N-Run's intermittent rule: a new baseline at the first i with 1 + S_1 + ... + S_i <= (i + 1) S_i.
     kinds = run_policy(CheckpointSettings(policy="intermittent"), s)
     acc, expect = 1.0, None
     for i, x in enumerate(s, 1):

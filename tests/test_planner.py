@@ -162,7 +162,7 @@ def test_narrow_column_shards_pay_a_whole_line_per_row_read():
     # 4 and 32 fp32 columns read the same 128-byte line per id; only outputs and updates differ
     assert narrow.compute_s > 0.6 * wide.compute_s
     assert shard_cost(t, "column_wise", t.rows, 4, plain, wl).compute_s < narrow.compute_s
-    # so the planner no longer cuts the hot 40M-row table into 4-column slivers
+    # so the planner does not cut the hot 40M-row table into 4-column slivers
     tables = [t] + [TableSpec(f"s{i}", 100_000, 64, 5.0) for i in range(30)]
     plan = plan_tables(tables, ZIONEX.with_world(32), wl, time_budget_s=5).plan
     assert min(s.num_cols for s in plan.table("t").shards) >= 16
@@ -175,8 +175,8 @@ def test_search_is_never_worse_than_an_all_table_row_wise_plan():
     from recscale.sharding.types._split import even_split
     from recscale.planner.search import score_plan
 
-    # MLPerf DLRM-DCNv2's tables (../shared/data/tables/criteo_table_sizes.json): at 128 ranks
-    # the search alone split 25 tables into column shards, 3% slower than table-row-wise
+    # MLPerf DLRM-DCNv2's tables (Criteo 1TB row counts capped at 40M): at 128 ranks the search
+    # alone can split most tables into column shards that score worse than table-row-wise
     # (data-parallel for the tables with fewer rows than a host has ranks).
     rows = [40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10, 2209, 11938,
             155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36]
@@ -343,8 +343,8 @@ def test_the_planner_is_never_worse_than_replicating_the_small_tables():
     # The plan TorchRec's planner tends to make: small tables data-parallel, the rest table-wise
     # (largest first on the least-loaded rank). Replicating a small table costs each rank a
     # little and saves every rank its exchange; once the ranks are level, the greedy that
-    # minimises the slowest rank table by table never takes that trade (stop 19's planner was
-    # 4% worse than this plan here), the least-work start does.
+    # minimises the slowest rank table by table never takes that trade (it scores worse than
+    # this plan here); the least-work start does.
     from recscale.planner.search import score_plan
     from recscale.sharding.plan import Shard, ShardingPlan, TablePlan
 

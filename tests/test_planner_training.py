@@ -153,7 +153,7 @@ def test_recorded_measurements_fit_again_to_the_same_machine_after_a_json_round_
 
 
 def test_each_calibration_round_times_both_stages_so_every_hook_sees_the_same_rounds(monkeypatch):
-    # The VM's speed drifts over minutes: stage 1's compute constants and stage 4's collective
+    # A shared machine's speed drifts over minutes: stage 1's compute constants and stage 4's collective
     # costs fitted on top of them must come from the same rounds, and a plan timed between
     # rounds (the validation's) must see the same mix as the probes. Timers are faked: only
     # the schedule is under test.

@@ -4,7 +4,7 @@
 - full: always everything.
 - one_shot: a baseline, then everything changed since it (restore = baseline + latest).
 - incremental: a baseline, then what changed in the last interval (restore = baseline + every one).
-- intermittent: one_shot, plus a new baseline when the rule fires: "cumulative" (the mission's)
+- intermittent: one_shot, plus a new baseline when the rule fires: "cumulative" (Check-N-Run's)
   when ``1 + S_1 + ... + S_i <= (i + 1) * S_i``, i.e. keeping the baseline costs more than a new
   one would; "fraction" when ``S_i >= rebaseline_fraction``.
 ``full_every`` also forces a baseline after that many non-full checkpoints (any policy).

@@ -1,7 +1,7 @@
 """All-to-all and all-gather among the ranks of one host, through shared memory.
 
-Gloo moves data between processes of one host over TCP loopback: about 1.2 GB/s per direction
-on our 2-core machine, so a multi-hot step at 2 ranks waited 5-11 ms for its pooled outputs.
+Gloo moves data between processes of one host over TCP loopback, far below memory bandwidth,
+so a multi-hot step waits on its pooled outputs (``benchmarks/collectives.py`` compares both).
 Ranks of one host can instead copy through files in ``/dev/shm`` at memory speed, as NCCL's
 shared-memory transport does between GPUs of one host.
 

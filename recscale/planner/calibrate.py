@@ -257,9 +257,8 @@ def measure_contention(world_size: int, batch: int = 4096, steps: int = 5, round
     Each probe's slowdown compares its least-disturbed times, the fastest round alone and the
     fastest side by side: a shared machine's noise only ever adds time, and it hurts copies
     that fill every core more than one that leaves a core spare, so a ratio of single rounds
-    read a noisy minute as contention (0.29 once, against 0.04-0.14 in quiet runs).
-    ``contention`` is the median slowdown over probes of several kinds, minus one (0.0-0.1 on
-    the 2-core development VM)."""
+    would read a noisy minute as contention.
+    ``contention`` is the median slowdown over probes of several kinds, minus one."""
     probes = CONTENTION_PROBES[:1] if quick else CONTENTION_PROBES
     cases = []
     for set_name, kind in probes:
@@ -453,10 +452,8 @@ def measure(world_size: int = 2, progress=None, quick: bool = False,
     if world_size > 1:
         m.contention = measure_contention(world_size, m.batches[-1], steps, progress=progress, quick=quick)
     # Each round times stage 1's probes and then stage 4's: the compute constants and the
-    # collectives fitted on top of them come from the same minutes. (Stage 1's three rounds
-    # used to come first: when the VM's speed drifted between them, stage 4's fit took the
-    # drift for collective costs, and a plan timed after stage 4's rounds was measured in the
-    # later, slower minutes only: up to 1.3x slower than in stage 1's.)
+    # collectives fitted on top of them come from the same minutes, so a shared VM's speed drift
+    # is not taken for collective costs.
     for _ in range(1 if quick else rounds):
         measure_compute(world_size, m.batches, steps, progress=progress, quick=quick, rounds=1, into=m.compute)
         if world_size > 1:

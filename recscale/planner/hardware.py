@@ -47,7 +47,7 @@ class Hardware:
     # its row gradients are formed a second time to share the row's sum of squares
     column_stat_id_s: float = 0.0
     # per such column shard: selecting its features' gradients, its second sort, its part of
-    # the statistic's gather (about a millisecond on this VM, whatever the shard's size)
+    # the statistic's gather (whatever the shard's size)
     column_stat_shard_s: float = 0.0
     feature_s: float = 0.0  # per feature per step at its source (input/output distribution)
     # The input and output distribution's own work, on top of the link time: per id (its
@@ -64,9 +64,8 @@ class Hardware:
     replica_byte_s: float = 0.0
     # What one collective of a data-parallel operator group (its replicas' counts, rows and
     # gradients, mid-backward) adds to every rank; None: ``latency_s``. Fitted apart from the
-    # exchanges' latency: at 2 ranks a step of several replicated tables measured about the sum
-    # of steps of one (e.g. 5.9 ms against 2.2 + 3.9), so the collectives they share cost little,
-    # and one latency for all collectives, set by the exchanges, priced such steps 17-24% low.
+    # exchanges' latency: a step of several replicated tables costs about the sum of one-table
+    # steps, so the collectives they share cost little, and the exchanges' latency prices them low.
     replica_latency_s: float | None = None
     # Ranks of one host (CPU processes) slow each other while both compute (shared memory
     # bandwidth and caches): a rank pays ``contention`` x the time it computes alongside each
@@ -76,9 +75,8 @@ class Hardware:
     # Rows of a shard larger than the rank's share of the last-level cache come from DRAM: each
     # byte of a unique row touched (looked up, then updated: row and optimizer state) costs
     # ``cold_byte_s`` more, times the share of the shard that does not fit
-    # (``cost_model.cold_fraction``). On a CPU this is most of a big table's cost: at 2 ranks,
-    # a data-parallel table of 2M x 64 costs 1.1-1.4 ms a step more per table, one of 5k x 64
-    # only 0.45 ms. 0 on the GPU presets (their gathers are bandwidth-bound).
+    # (``cost_model.cold_fraction``). On a CPU this is most of a big table's cost. 0 on the GPU
+    # presets (their gathers are bandwidth-bound).
     cache_bytes: float = 0.0
     cold_byte_s: float = 0.0
     # Bytes a random row read moves at least: a GPU reads whole 128-byte lines, so a shard 4
@@ -128,7 +126,7 @@ class Hardware:
             raise ValueError(f"topology file '{p}' is not a valid hardware description: {e}") from None
 
 
-# ZionEX-like (../shared/mission.md section 6): 8 A100 per host, 320 GB HBM at 12.4 TB/s per
+# ZionEX-like (Meta's DLRM training cluster): 8 A100 per host, 320 GB HBM at 12.4 TB/s per
 # host (40 GB, 1.55 TB/s per GPU), NVLink-class intra-host fabric (TorchRec's 600 GB/s default),
 # one 200 Gb/s RDMA NIC per GPU (25 GB/s) across hosts. Random row gathers reach well under
 # peak HBM bandwidth; TorchRec's planner uses 897 GB/s, which we adopt. Index work per id (the
@@ -162,7 +160,7 @@ TORCHREC_DEFAULTS = Hardware(
 )
 
 # This kind of machine (2-core AMD EPYC VM, shared memory between local ranks), as `recscale
-# calibrate --ranks 2` measured it (stop 18: contention measured side by side, replicas' per-byte
+# calibrate --ranks 2` measured it (contention from steps run side by side, replicas' per-byte
 # cost fitted); the trainer's planner uses it when no calibration is cached. Memory is a
 # conservative 4 GB per rank: recalibrate (or pass a file) to plan for a bigger machine.
 LOCAL_CPU = Hardware(

@@ -385,8 +385,8 @@ def plan_tables(
     worse than any of them.
 
     Replicated (data-parallel) tables are where the model errs most, mostly on the fast side:
-    measured against real steps on this machine (``benchmarks/planner_validation.py``), plans
-    that replicate tables took up to 30% longer than predicted. So of the plans the search
+    measured against real steps (``benchmarks/planner_validation.py``), plans that replicate
+    tables take longer than predicted. So of the plans the search
     produced, the planner returns the fastest with every replica's cost raised by
     ``replica_error`` (0.2: 20%); 0 takes the fastest prediction as it is. Replicas must then
     win by more than the model's error on them. (The baselines replicate nothing, so the

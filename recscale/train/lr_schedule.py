@@ -4,7 +4,8 @@ polynomial decay (the shape of MLPerf's DLRM reference), for both optimizers ali
 The multiplier is a pure function of the number of finished steps, so a resumed run follows
 the same schedule with nothing extra in the checkpoint. Decaying the rate also makes the end of
 a run a smooth function of its middle: with a constant rate, a sample crossing a ReLU boundary
-late in training becomes a full Adagrad step that nothing damps (``benchmarks/README.md``).
+late in training becomes a full Adagrad step that nothing damps
+(``benchmarks/results/2026-11-24-checkpoint-sensitivity.md``).
 """
 
 from __future__ import annotations
