@@ -253,7 +253,16 @@ def main() -> int:
                     help="time the no-checkpoint baseline between settings too (steadier slowdown figures)")
     ap.add_argument("--settings", help="comma-separated subset of labels (policy/quantization/state-X)")
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--model", choices=["synthetic", "criteo-dlrm"], default="synthetic",
+                    help="criteo-dlrm: 26 x 1M x dim 64 with row-wise Adagrad, checkpointed every --interval-min "
+                         "minutes for --duration-min minutes against the disk's sequential write rate")
+    ap.add_argument("--interval-min", type=float, default=5.0)
+    ap.add_argument("--duration-min", type=float, default=20.0)
+    ap.add_argument("--disk-probe-gb", type=float, default=2.0)
+    ap.add_argument("--dir", help="criteo-dlrm: where to write (default a temporary folder)")
     args = ap.parse_args()
+    if args.model == "criteo-dlrm":
+        return _model_sized(args)
     defaults = dict(tables=4, rows=20_000, dim=64, batch=512) if args.quick else dict(tables=8, rows=100_000, dim=128, batch=4096)
     for k, v in defaults.items():
         if getattr(args, k) is None:
@@ -323,6 +332,22 @@ def main() -> int:
             "baseline_train_s": bases, "quantizer_mb_per_s_per_core": quant, "tracked_train_s": tracked, "full_fp32_checkpoint_bytes": full_ckpt, "results": results,
         })
     return 0
+
+
+def _model_sized(args) -> int:
+    import _checkpoint_model_sized
+
+    for k, v in dict(tables=26, rows=1_000_000, dim=64, batch=2048).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    threads = set_threads(args.threads)
+    print(f"criteo-dlrm: {args.tables} tables x {args.rows:,} rows x dim {args.dim}, row-wise Adagrad, batch "
+          f"{args.batch}, {threads} training thread(s); a checkpoint every {args.interval_min:g} min for "
+          f"{args.duration_min:g} min")
+    result = _checkpoint_model_sized.run(args)
+    if args.json:
+        write_json(args.json, {"environment": environment(), "args": vars(args), **result})
+    return 0 if result["resume_bitwise"] else 1
 
 
 if __name__ == "__main__":
