@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import shutil
 import sys
 import tempfile
@@ -43,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import environment, format_table, set_threads, write_json, zipf_ids  # noqa: E402
 
 from recscale.checkpoint.manager import CheckpointManager  # noqa: E402
+from recscale.checkpoint.quantize import Codec  # noqa: E402
 from recscale.checkpoint.restore import load_chain, load_manifest, restore_shards  # noqa: E402
 from recscale.checkpoint.settings import CheckpointSettings  # noqa: E402
 from recscale.checkpoint.shards import local_shards  # noqa: E402
@@ -197,6 +199,40 @@ def run_setting(args, s: Setting, batches, steps_per_interval: int, root: Path) 
     }
 
 
+def quantizer_throughput(dim: int, rows: int = 32768) -> list[dict]:
+    """Each row codec's encode rate on one thread (MB of fp32 rows per second per core): the
+    writer quantizes on one background thread. Adaptive is timed with its native range search
+    and with the PyTorch definition (same codes)."""
+    x = torch.randn(rows, dim) * torch.rand(rows, 1) * 0.05
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = []
+    try:
+        for method, bits, native in [("uniform", 8, True), ("uniform", 4, True), ("uniform", 2, True),
+                                     ("adaptive", 8, True), ("adaptive", 4, True), ("adaptive", 2, True),
+                                     ("adaptive", 4, False)]:
+            codec = Codec(method, bits=bits)
+            if method == "adaptive" and not native:
+                os.environ["RECSCALE_NATIVE_QUANTIZE"] = "0"
+                import recscale.checkpoint.native as qn
+                saved_state = (qn._module, qn._tried)
+                qn._module, qn._tried = None, False
+            try:
+                codec.encode(x[:256])  # untimed: a first use builds the native kernel
+                t0 = time.perf_counter()
+                codec.encode(x)
+                seconds = time.perf_counter() - t0
+            finally:
+                if method == "adaptive" and not native:
+                    os.environ.pop("RECSCALE_NATIVE_QUANTIZE", None)
+                    qn._module, qn._tried = saved_state
+            out.append({"codec": codec.name + ("" if native or method != "adaptive" else " (PyTorch)"),
+                        "mb_per_s_per_core": x.numel() * 4 / seconds / 1e6})
+    finally:
+        torch.set_num_threads(saved)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small model and batch, for a smoke run")
@@ -217,7 +253,16 @@ def main() -> int:
                     help="time the no-checkpoint baseline between settings too (steadier slowdown figures)")
     ap.add_argument("--settings", help="comma-separated subset of labels (policy/quantization/state-X)")
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--model", choices=["synthetic", "criteo-dlrm"], default="synthetic",
+                    help="criteo-dlrm: 26 x 1M x dim 64 with row-wise Adagrad, checkpointed every --interval-min "
+                         "minutes for --duration-min minutes against the disk's sequential write rate")
+    ap.add_argument("--interval-min", type=float, default=5.0)
+    ap.add_argument("--duration-min", type=float, default=20.0)
+    ap.add_argument("--disk-probe-gb", type=float, default=2.0)
+    ap.add_argument("--dir", help="criteo-dlrm: where to write (default a temporary folder)")
     args = ap.parse_args()
+    if args.model == "criteo-dlrm":
+        return _model_sized(args)
     defaults = dict(tables=4, rows=20_000, dim=64, batch=512) if args.quick else dict(tables=8, rows=100_000, dim=128, batch=4096)
     for k, v in defaults.items():
         if getattr(args, k) is None:
@@ -230,6 +275,8 @@ def main() -> int:
     print(f"{args.tables} tables x {args.rows:,} rows x dim {args.dim}, batch {args.batch}, Zipf {args.alpha}: "
           f"{spi} steps per interval (expected {args.target:.0%} of rows changed), {args.intervals} intervals, "
           f"{threads} training thread(s), {args.mlp} MLPs")
+    quant = quantizer_throughput(args.dim)
+    print("quantizer encode rate, one thread: " + ", ".join(f"{q['codec']} {q['mb_per_s_per_core']:,.0f} MB/s" for q in quant))
     train_only(args, batches[:2])  # untimed: a first use compiles the native kernels
     bases = [train_only(args, batches)]
     results = []
@@ -282,9 +329,25 @@ def main() -> int:
     if args.json:
         write_json(args.json, {
             "environment": environment(), "args": vars(args), "steps_per_interval": spi,
-            "baseline_train_s": bases, "tracked_train_s": tracked, "full_fp32_checkpoint_bytes": full_ckpt, "results": results,
+            "baseline_train_s": bases, "quantizer_mb_per_s_per_core": quant, "tracked_train_s": tracked, "full_fp32_checkpoint_bytes": full_ckpt, "results": results,
         })
     return 0
+
+
+def _model_sized(args) -> int:
+    import _checkpoint_model_sized
+
+    for k, v in dict(tables=26, rows=1_000_000, dim=64, batch=2048).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    threads = set_threads(args.threads)
+    print(f"criteo-dlrm: {args.tables} tables x {args.rows:,} rows x dim {args.dim}, row-wise Adagrad, batch "
+          f"{args.batch}, {threads} training thread(s); a checkpoint every {args.interval_min:g} min for "
+          f"{args.duration_min:g} min")
+    result = _checkpoint_model_sized.run(args)
+    if args.json:
+        write_json(args.json, {"environment": environment(), "args": vars(args), **result})
+    return 0 if result["resume_bitwise"] else 1
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """Build (or load from the cache) the native kernels before any test runs: tests that start
     training or benchmark subprocesses under a time limit must not spend it compiling, on a fresh
     machine. Said on the terminal, since a first build takes a while."""
+    from recscale.checkpoint.native import quantize_kernels
     from recscale.embedding import native
     from recscale.model.native import interaction_kernels
 
@@ -42,9 +43,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     t0 = time.monotonic()
     if capman is not None:
         with capman.global_and_fixture_disabled():
-            ok = native.load() is not None, interaction_kernels() is not None
+            ok = _build_all(native.load, interaction_kernels, quantize_kernels)
     else:
-        ok = native.load() is not None, interaction_kernels() is not None
+        ok = _build_all(native.load, interaction_kernels, quantize_kernels)
     print(f"native kernels: embedding {'ready' if ok[0] else 'unavailable'}, interaction "
-          f"{'ready' if ok[1] else 'unavailable'} ({time.monotonic() - t0:.0f} s)", flush=True)
+          f"{'ready' if ok[1] else 'unavailable'}, quantizer {'ready' if ok[2] else 'unavailable'} "
+          f"({time.monotonic() - t0:.0f} s)", flush=True)
+
+
+def _build_all(*loaders) -> tuple[bool, ...]:
+    return tuple(load() is not None for load in loaders)
 

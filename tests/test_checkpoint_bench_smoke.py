@@ -34,6 +34,24 @@ def test_checkpoint_benchmark_smoke(tmp_path):
     assert q["write_reduction"] > 5 and 0 < q["restored_rel_l2_error"] < 1
 
 
+def test_model_sized_checkpoint_benchmark_smoke(tmp_path):
+    """The criteo-dlrm mode at a tiny size: its disk probe, checkpoints of both kinds, the
+    slowdown figure and a bitwise resume."""
+    out = tmp_path / "model.json"
+    proc_utils.run(
+        [sys.executable, "benchmarks/checkpoint.py", "--model", "criteo-dlrm", "--tables", "3", "--rows", "2000",
+         "--dim", "16", "--batch", "128", "--interval-min", "0.02", "--duration-min", "0.1",
+         "--disk-probe-gb", "0.02", "--dir", str(tmp_path / "work"), "--json", str(out)],
+        check=True, cwd=ROOT, timeout=180, capture_output=True,
+    )
+    d = json.loads(out.read_text())
+    assert d["resume_bitwise"] is True
+    assert d["disk_write_bytes_per_s"] > 0
+    kinds = [c["kind"] for c in d["checkpoints"]]
+    assert kinds[0] == "full" and "differential" in kinds
+    assert all(c["bytes"] > 0 and c["write_mb_per_s"] > 0 for c in d["checkpoints"])
+
+
 CRITEO_10K = ROOT.parent / "shared" / "data" / "criteo" / "criteo_10k_encoded_train.csv"
 
 

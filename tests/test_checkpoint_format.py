@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from ckpt_utils import run_training
 from recscale.checkpoint.manifest import MANIFEST, CheckpointError
 from recscale.checkpoint.policy import Policy
-from recscale.checkpoint.quantize import Codec, pack_bits, unpack_bits
+from recscale.checkpoint.native import quantize_kernels
+from recscale.checkpoint.quantize import Codec, greedy_range, pack_bits, unpack_bits
 from recscale.checkpoint.settings import CheckpointSettings, bits_for_restores
 from recscale.cli import main
 
@@ -51,6 +52,21 @@ def test_uniform_error_is_within_half_a_step_and_adaptive_is_no_worse(bits):
     assert e_ada <= e_uni * 1.01, (bits, float(e_ada), float(e_uni))
     if bits <= 4:
         assert e_ada < e_uni * 0.95  # the range search pays off at low bit widths
+
+
+@pytest.mark.skipif(quantize_kernels() is None, reason="the native quantizer cannot be built here (no C++ compiler)")
+@given(st.integers(1, 70), st.integers(1, 140), st.sampled_from([2, 3, 4, 8]), st.integers(1, 60),
+       st.floats(0.0, 0.95), st.sampled_from([1e-4, 0.1, 30.0]), st.integers(0, 2**31 - 1))
+@settings(max_examples=60, deadline=None)
+def test_native_range_search_equals_the_pytorch_definition(n, d, bits, bins, ratio, spread, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g) * torch.rand(n, 1, generator=g) * spread
+    x[0, : d // 2] = x[0, 0]  # repeated values: ties between the two candidate moves
+    if n > 1:
+        x[1] = 0.5  # a constant row
+    lo_t, hi_t = greedy_range(x, bits, bins, ratio, native=False)
+    lo_n, hi_n = greedy_range(x, bits, bins, ratio, native=True)
+    assert torch.equal(lo_t, lo_n) and torch.equal(hi_t, hi_n)
 
 
 def test_lossless_and_float_codecs():

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from recscale.checkpoint.native import quantize_kernels
+
 _FLOATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _FP16_MAX = 65504.0
 
@@ -96,24 +98,32 @@ def _quantize(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int):
 
 def _sq_error(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels: int, buf: torch.Tensor) -> torch.Tensor:
     """Per-row squared error of quantizing ``x`` on [lo, hi] (values outside are clamped),
-    computed in place in ``buf`` (a block small enough to stay in cache)."""
+    computed in place in ``buf`` (a block small enough to stay in cache). Summed in float64 so
+    that the native kernel, which sums in another order, finds the same errors."""
     lo2 = lo.unsqueeze(1)
     s = ((hi - lo) / levels).clamp_(min=1e-30).unsqueeze(1)
+    inv = 1.0 / s
     torch.clamp(x, lo2, hi.unsqueeze(1), out=buf)
-    buf.sub_(lo2).div_(s).round_().mul_(s).add_(lo2).sub_(x)
-    return buf.mul_(buf).sum(1)
+    buf.sub_(lo2).mul_(inv).round_().mul_(s).add_(lo2).sub_(x)
+    return buf.mul_(buf).sum(1, dtype=torch.float64)
 
 
 _SEARCH_BLOCK = 1024  # rows per block of the range search: its temporaries stay in cache
 
 
-def greedy_range(x: torch.Tensor, bits: int, bins: int, ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, the [lo, hi] of lowest L2 error found by shrinking [min, max] greedily."""
+def greedy_range(x: torch.Tensor, bits: int, bins: int, ratio: float, native: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the [lo, hi] of lowest L2 error found by shrinking [min, max] greedily. The
+    native kernel (when built; same results) searches each row while it sits in cache, on the
+    calling thread; ``native=False`` runs the PyTorch definition."""
     if x.numel() == 0:
         return x.new_zeros(0), x.new_zeros(0)
+    levels, steps = (1 << bits) - 1, int(bins * ratio)
+    kernels = quantize_kernels() if native else None
+    if kernels is not None:
+        return kernels.greedy_range(x.float().contiguous(), levels, bins, steps)
     los, his = [], []
     for a in range(0, x.shape[0], _SEARCH_BLOCK):
-        lo, hi = _greedy_block(x[a : a + _SEARCH_BLOCK].contiguous(), (1 << bits) - 1, bins, int(bins * ratio))
+        lo, hi = _greedy_block(x[a : a + _SEARCH_BLOCK].float().contiguous(), levels, bins, steps)
         los.append(lo)
         his.append(hi)
     return torch.cat(los), torch.cat(his)
