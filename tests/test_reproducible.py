@@ -20,7 +20,7 @@ import proc_utils
 from dist_utils import free_port
 
 from recscale.cli import main
-from recscale.planner.hardware import LOCAL_CPU
+from recscale.planner.hardware import LOCAL_CPU, Hardware
 from recscale.train.replay import TIMING_FIELDS, without_timings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,6 +105,19 @@ def test_two_rank_auto_runs_give_equal_summaries_idle_and_under_load(two_rank_ru
     assert f"embedding kernel {a['embedding_kernel']}" in log
     assert all(k in a for k in TIMING_FIELDS[:3])
     assert without_timings(a) == without_timings(b)
+
+
+def test_the_recorded_hardware_and_config_plan_the_recorded_plan_again(two_rank_runs):
+    from recscale.train.config import config_from_dict
+    from recscale.train.loop import build_tables
+    from recscale.train.planning import auto_plan
+
+    _, a, _, _ = two_rank_runs
+    cfg = config_from_dict(a["config"])
+    tables = build_tables(cfg, tuple(f"s{i}" for i in range(4)))
+    result, hw = auto_plan(cfg, tables, 2, 2, gpu=False, hw=Hardware(**a["hardware"]))
+    assert result.plan.to_dict() == a["plan"] and result.plan.digest() == a["plan_digest"]
+    assert result.search_record() == a["plan_search"] and asdict(hw) == a["hardware"]
 
 
 def test_replay_of_a_two_rank_run_reproduces_it_on_its_recorded_plan(two_rank_runs):
