@@ -154,3 +154,14 @@ def test_replay_errors_are_one_line(tmp_path, capsys, two_rank_runs):
         assert main(["train", *args]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and err.startswith("recscale: error: --replay") and "\n" not in err, err
+
+
+def test_replay_of_one_process_run_is_bitwise(tmp_path, capsys):
+    first, again = tmp_path / "first.json", tmp_path / "again.json"
+    sets = [x for o in TINY + ["train.max_steps=4"] for x in ("--set", o)]
+    assert main(["train", "--summary-json", str(first), *sets]) == 0
+    assert main(["train", "--summary-json", str(again), "--replay", str(first)]) == 0
+    a, b = json.loads(first.read_text()), json.loads(again.read_text())
+    assert a["plan"] is None and a["hardware"] is None and a["steps"] == 4
+    assert without_timings(a) == without_timings(b)
+    assert f"replaying {first}" in capsys.readouterr().out
