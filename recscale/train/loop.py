@@ -251,7 +251,9 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], repla
         f"{sum(p.numel() for p in dense_params):,} dense parameters, device {device}, world size {world}, "
         f"embedding kernel {'native' if kernel_native else 'torch'}"
     )
-    if choice is not None and choice.search is not None and not choice.search.get("reproducible", True):
+    # Reproducible unless the planner's safety time limit cut its search short.
+    reproducible = choice is None or choice.search is None or bool(choice.search.get("reproducible", True))
+    if not reproducible:
         log("warning: the planner's time limit cut its search short: this plan (and run) is not reproducible")
     if replay is not None:
         log(f"replaying {replay.path}" + (f" on its plan {choice.plan.digest()[:12]}" if choice else ""))
@@ -347,7 +349,7 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], repla
         "plan_digest": choice.plan.digest() if choice else None,
         "hardware": choice.hardware if choice else None,
         "plan_search": choice.search if choice else None,
-        "reproducible": not (choice and choice.search and not choice.search.get("reproducible", True)),
+        "reproducible": reproducible,
         "embedding_kernel": "native" if kernel_native else "torch",
         "embedding_kernel_native": kernel_native,
         "versions": versions(),

@@ -76,8 +76,8 @@ def load_replay(path: str | Path) -> Replay:
         except PlanError as e:
             raise ConfigError(str(e)) from None
     world = d["world_size"]
-    if not isinstance(world, int) or world < 1 or (plan is not None and plan.world_size != world):
-        raise ConfigError(f"{where}: world_size {world!r} is not a rank count matching its plan")
+    if not isinstance(world, int) or world < 1 or (plan.world_size if plan is not None else 1) != world:
+        raise ConfigError(f"{where}: world_size {world!r} does not match its plan (several ranks need one, one process none)")
     return Replay(str(p), cfg, world, plan, d["hardware"], d.get("plan_search"))
 
 
