@@ -86,7 +86,7 @@ def test_two_hosts_match_one_process_over_the_shaped_link(namespaces, tmp_path, 
     assert h1.received_bytes >= h0.sent_bytes * 0.99 and h1.sent_bytes >= h0.received_bytes * 0.99
 
 
-def _start(tmp_path: Path, tag: str) -> tuple[subprocess.Popen, str]:
+def _start() -> tuple[subprocess.Popen, str]:
     """A long cluster job; returns it and its namespace prefix (from its first line)."""
     cmd = [sys.executable, "-m", "recscale", "cluster", "--hosts", "2", "--ranks-per-host", "1",
            "--bandwidth-mbit", "500", "--", "train"] + sets(TINY + ["data.num_samples=4000000"])
@@ -102,7 +102,8 @@ def _ranks(prefix: str, host: int, timeout_s: float = 90.0) -> list[int]:
     """Pids in host ``host``'s namespace that are ranks (RANK in their environment), once there."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        pids = subprocess.run(["ip", "netns", "pids", f"{prefix}-h{host}"], capture_output=True, text=True).stdout.split()
+        ns = f"{prefix}-h{host}"
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
         ranks = []
         for p in pids:
             try:
@@ -128,7 +129,7 @@ def _alive(pids: list[int]) -> list[int]:
 
 
 def test_a_killed_rank_fails_the_job_and_leaves_nothing(namespaces, tmp_path):
-    proc, prefix = _start(tmp_path, "kill")
+    proc, prefix = _start()
     try:
         victims = _ranks(prefix, 1)
         everyone = victims + _ranks(prefix, 0)
@@ -145,7 +146,7 @@ def test_a_killed_rank_fails_the_job_and_leaves_nothing(namespaces, tmp_path):
 
 
 def test_sigterm_stops_the_job_and_leaves_nothing(namespaces, tmp_path):
-    proc, prefix = _start(tmp_path, "term")
+    proc, prefix = _start()
     try:
         everyone = _ranks(prefix, 0) + _ranks(prefix, 1)
         proc.send_signal(signal.SIGTERM)

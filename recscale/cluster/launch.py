@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -79,7 +80,8 @@ def torchrun_command(spec: ClusterSpec, net: EmulatedNetwork, host: int, program
 
 
 def describe(spec: ClusterSpec, net: EmulatedNetwork) -> str:
-    hosts = ", ".join(f"{net.namespace(h)} {net.address(h)}" + (" (master)" if h == 0 else "") for h in range(spec.hosts))
+    hosts = ", ".join(f"{net.namespace(h)} {net.address(h)}" + (" (master)" if h == 0 else "")
+                      for h in range(spec.hosts))
     return (f"cluster: {spec.hosts} hosts x {spec.ranks_per_host} ranks (world {spec.hosts * spec.ranks_per_host}), "
             f"links {spec.shape.describe()}, subnet {net.subnet}; hosts {hosts}; switch {net.switch}")
 
@@ -96,7 +98,9 @@ def run_cluster(spec: ClusterSpec, argv: Sequence[str], *, log: Callable[[str], 
     own failure (that is the exit status), only for a network that cannot be built."""
     program = program_args(argv)
     net = EmulatedNetwork(spec.hosts, spec.shape, **({"prefix": prefix} if prefix else {}))
-    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    # Signal handlers can only be set from the main thread; elsewhere the caller handles signals.
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)} if on_main else {}
 
     def interrupt(signum: int, _frame: object) -> None:
         raise _Interrupted(signum)

@@ -187,7 +187,8 @@ class EmulatedNetwork:
         done = _run(tc + ["root", "handle", "1:", "netem", "delay", f"{self.shape.delay_ms / 2:g}ms"], check=False)
         if done.returncode != 0:
             raise ClusterError(
-                f"--latency-ms: delay is unavailable on this kernel (no netem qdisc: {done.stderr.strip() or 'refused'}); "
+                "--latency-ms: delay is unavailable on this kernel "
+                f"(no netem qdisc: {done.stderr.strip() or 'refused'}); "
                 "run without --latency-ms"
             )
         _run(tc + ["parent", "1:1", "handle", "10:"] + tbf)
