@@ -257,6 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--overwrite", action="store_true", help="replace an existing prepared directory")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(func=_data_prepare)
+
+    from recscale.cluster.command import add_parser as add_cluster_parser
+
+    add_cluster_parser(sub)
     return parser
 
 
