@@ -4,6 +4,7 @@ simulated steady-state step out."""
 from __future__ import annotations
 
 from recscale.embedding import TableConfig
+from recscale.planner.cost_model import TableSpec
 from recscale.planner.search import plan_tables
 from recscale.sharding.default_plan import TableSharding, default_plan
 from recscale.sharding.plan import ShardingPlan
@@ -18,11 +19,11 @@ _DENSE_WIRE = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0}
 NUM_DENSE = 13  # Criteo's integer features; the synthetic data has as many
 
 
-def training_plan(cfg: Config, topo: ClusterTopology) -> ShardingPlan:
+def training_plan(cfg: Config, topo: ClusterTopology, specs: list[TableSpec] | None = None) -> ShardingPlan:
     """The plan ``recscale train`` would use on this topology: the planner's (``sharding.default
     = "auto"``, costed on the topology's hardware), or the default placement of the configured
     type with per-table overrides. (A ``sharding.plan`` file is read by the caller.)"""
-    specs = table_specs(cfg)
+    specs = specs or table_specs(cfg)
     overrides = {k: TableSharding(v.type, v.shards) for k, v in cfg.sharding.tables.items()}
     if cfg.sharding.default == "auto" and not overrides:
         return plan_tables(specs, topo.hardware, workload(cfg)).plan
@@ -34,7 +35,7 @@ def training_plan(cfg: Config, topo: ClusterTopology) -> ShardingPlan:
 def simulate(cfg: Config, topo: ClusterTopology, plan: ShardingPlan | None = None) -> StepResult:
     specs = table_specs(cfg)
     if plan is None:
-        plan = ShardingPlan.load(cfg.sharding.plan) if cfg.sharding.plan else training_plan(cfg, topo)
+        plan = ShardingPlan.load(cfg.sharding.plan) if cfg.sharding.plan else training_plan(cfg, topo, specs)
     if plan.world_size != topo.world_size:
         raise ConfigError(f"--plan is for {plan.world_size} ranks, the topology '{topo.name}' has {topo.world_size} "
                           f"({topo.hosts} hosts x {topo.ranks_per_host}); pass --hosts/--ranks-per-host to match")

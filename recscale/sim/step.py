@@ -98,10 +98,11 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
     local = wl.batch_size / w
     c = topo.compute
     bf = hw.backward_factor
-    emb = [rl.compute_s + rl.contention_s for rl in result.ranks]
-    pack = (local * sum(t.pooling * hw.dist_id_s for t in sharded) + len(inp.tables) * hw.feature_s
+    stretch = topo.compute_stretch
+    emb = [(rl.compute_s + rl.contention_s) * stretch for rl in result.ranks]
+    pack = stretch * (local * sum(t.pooling * hw.dist_id_s for t in sharded) + len(inp.tables) * hw.feature_s
             + sum(routing_s(kinds[t.name], hw) for t in inp.tables))
-    unpack = local * sum(t.dim * hw.dist_value_s for t in sharded)
+    unpack = stretch * local * sum(t.dim * hw.dist_value_s for t in sharded)
     dims = {t.name: t.dim for t in inp.tables}
     dense_dp = frozenset(t.name for t in inp.tables if kinds[t.name] == "data_parallel" and dp_reduces_dense(t, hw, wl))
     dp_groups = dp_group_flags(kinds, dims, dense_dp)
@@ -115,10 +116,10 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
     distributed = bool(sharded)
     cpu = c.flops_per_s < 1e12  # a CPU rank's main thread waits in a synchronous collective
     d = inp.dense
-    bottom_f = d.time_s(d.bottom_flops(int(local)), d.bottom_ops, c)
-    top_f = d.time_s(d.top_flops(int(local)), d.top_ops, c)
+    bottom_f = stretch * d.time_s(d.bottom_flops(int(local)), d.bottom_ops, c)
+    top_f = stretch * d.time_s(d.top_flops(int(local)), d.top_ops, c)
     params = d.bottom_params + d.top_params
-    optim = params * 16 / hw.memory_bw + 2 * d.tensors * c.op_overhead_s + overhead
+    optim = stretch * (params * 16 / hw.memory_bw + 2 * d.tensors * c.op_overhead_s + overhead)
     ckpt = 0.0
     if inp.checkpoint_every > 0:
         state = max(rl.memory_bytes for rl in result.ranks) + params * 8

@@ -16,6 +16,7 @@ calibrated hardware JSON (``recscale calibrate``), or a topology file (TOML or J
     op_overhead_s = 30e-6         # optional: fixed cost per dense operator (launch, autograd)
     load_s_per_sample = 1e-6      # optional: data loader time per sample
     checkpoint_gbyte_s = 1.0      # optional: checkpoint write rate per rank (stalls)
+    shared_cores = 2              # optional: all ranks run on one machine of this many cores
     [[tiers]]                     # optional: groups of hosts behind one uplink
     hosts_per_group = 4
     bandwidth_gbit = 100
@@ -66,6 +67,13 @@ class ClusterTopology:
     compute: DenseCompute
     tiers: tuple[Tier, ...] = ()
     checkpoint_bw: float = 1e9  # bytes/s a rank writes its checkpoint shards at
+    # Cores every rank of the cluster shares (emulated hosts on one machine); 0: each rank
+    # has its own. More ranks than cores stretch every rank's compute by ranks / cores.
+    shared_cores: int = 0
+
+    @property
+    def compute_stretch(self) -> float:
+        return max(1.0, self.world_size / self.shared_cores) if self.shared_cores else 1.0
 
     @property
     def world_size(self) -> int:
@@ -90,7 +98,7 @@ class ClusterTopology:
 PRESET_COMPUTE = {
     "zionex": DenseCompute(150e12, 10e-6, 0.0),
     "torchrec-defaults": DenseCompute(150e12, 10e-6, 0.0),
-    "local-cpu": DenseCompute(20e9, 60e-6, 1.0e-6),
+    "local-cpu": DenseCompute(20.4e9, 0.0, 0.0),
 }
 
 
@@ -111,7 +119,7 @@ def _base(name: str, world: int | None, per_host: int | None) -> Hardware:
 
 
 def _compute_for(hw_name: str) -> DenseCompute:
-    if hw_name in PRESET_COMPUTE:
+    if hw_name in PRESET_COMPUTE and hw_name != "local-cpu":
         return PRESET_COMPUTE[hw_name]
     # a calibration of this machine: the CPU figures, or this machine's measured dense rate
     from recscale.sim.calibrate import cached_compute
@@ -146,7 +154,8 @@ def _is_hardware_json(p: Path) -> bool:
 
 
 _KEYS = {"base", "hosts", "ranks_per_host", "cross_host_mbit", "cross_host_latency_ms", "intra_host_gbyte_s",
-         "flops_per_s", "op_overhead_s", "load_s_per_sample", "tiers", "name", "checkpoint_gbyte_s"}
+         "flops_per_s", "op_overhead_s", "load_s_per_sample", "tiers", "name", "checkpoint_gbyte_s",
+         "shared_cores"}
 
 
 def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = None,
@@ -167,7 +176,7 @@ def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = No
     link = mbit * 1e6 / 8 if mbit else hw.cross_host_bw * r
     # the cost model's cross-host figure is per rank: an R-rank host's link carries R shares
     hw = replace(hw, cross_host_bw=link / r, intra_host_bw=intra * 1e9 if intra else hw.intra_host_bw)
-    c0 = _compute_for(_base(d.get("base", "local-cpu"), None, None).name if d.get("base", "local-cpu") in PRESETS else base)
+    c0 = _compute_for(hw.name)
     compute = DenseCompute(
         _num(d, "flops_per_s", source, c0.flops_per_s, positive=True),  # type: ignore[arg-type]
         _num(d, "op_overhead_s", source, c0.op_overhead_s),  # type: ignore[arg-type]
@@ -186,4 +195,5 @@ def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = No
                           _num(t, "latency_ms", where, 0.0) / 1e3))  # type: ignore[operator]
     latency = _num(d, "cross_host_latency_ms", source, 0.0) / 1e3  # type: ignore[operator]
     ckpt = _num(d, "checkpoint_gbyte_s", source, 1.0, positive=True) * 1e9  # type: ignore[operator]
-    return ClusterTopology(str(d.get("name", Path(source).stem)), hw, link, latency, compute, tuple(tiers), ckpt)
+    cores = int(_num(d, "shared_cores", source, 0))  # type: ignore[arg-type]
+    return ClusterTopology(str(d.get("name", Path(source).stem)), hw, link, latency, compute, tuple(tiers), ckpt, cores)

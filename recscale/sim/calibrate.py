@@ -1,0 +1,93 @@
+"""This machine's dense compute rate for the simulator: DLRM MLPs and the dot interaction,
+forward and backward, timed at one thread (what a CPU rank runs), fitted as FLOPs / rate plus
+a fixed cost per operator. Cached beside ``recscale calibrate``'s hardware description."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from recscale.atomic import write_text_atomic
+from recscale.sim.dense import DenseModel
+from recscale.sim.topology import DenseCompute
+
+# (bottom MLP, top MLP, tables, dim): small and large enough to separate per-op cost from FLOPs
+SHAPES = [([64, 16], [64, 1], 26, 16), ([256, 64, 32], [256, 128, 1], 26, 32), ([512, 256, 64], [512, 256, 1], 8, 64)]
+BATCHES = (128, 512, 2048)
+
+
+def cache_path() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "recscale"
+    return base / "sim-compute.json"
+
+
+def cached_compute() -> DenseCompute | None:
+    p = cache_path()
+    if not p.is_file():
+        return None
+    try:
+        return DenseCompute(**json.loads(p.read_text()))
+    except (json.JSONDecodeError, TypeError):
+        return None
+
+
+def _time_dense(model: DenseModel, batch: int, repeats: int) -> float:
+    import torch
+
+    from recscale.model.interaction import DotInteraction
+    from recscale.model.mlp import MLP
+
+    torch.manual_seed(0)
+    bottom = MLP(model.bottom[0], list(model.bottom[1:]))
+    inter = DotInteraction(model.vectors, model.dim)
+    top = MLP(model.top[0], list(model.top[1:]), final_activation=False)
+    dense = torch.randn(batch, model.bottom[0])
+    pooled = torch.randn(batch, (model.vectors - 1) * model.dim, requires_grad=True)
+    label = torch.rand(batch)
+    times = []
+    for i in range(repeats + 2):
+        t = time.perf_counter()
+        out = top(inter(bottom(dense), pooled)).squeeze(1)
+        torch.nn.functional.binary_cross_entropy_with_logits(out, label).backward()
+        if i >= 2:
+            times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def measure_compute(repeats: int = 15, load_s_per_sample: float = 0.0) -> DenseCompute:
+    """Least-squares fit of time = 3 FLOPs / rate + 3 ops x overhead (forward + backward) over
+    ``SHAPES`` x ``BATCHES`` at one thread."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows, ys = [], []
+        for bottom, top, tables, dim in SHAPES:
+            m = DenseModel.of(13, bottom, top, tables, dim)
+            for b in BATCHES:
+                flops = 3 * (m.bottom_flops(b) + m.top_flops(b))
+                ops = 3 * (m.bottom_ops + m.top_ops)
+                rows.append([flops, ops])
+                ys.append(_time_dense(m, b, repeats))
+    finally:
+        torch.set_num_threads(threads)
+    a, y = np.asarray(rows, dtype=float), np.asarray(ys)
+    # relative errors matter: weight each point by 1/time
+    (inv_rate, per_op), *_ = np.linalg.lstsq(a / y[:, None], np.ones_like(y), rcond=None)
+    if per_op < 0:  # FLOPs explain it all: fit the rate alone
+        per_op = 0.0
+        (inv_rate,), *_ = np.linalg.lstsq(a[:, :1] / y[:, None], np.ones_like(y), rcond=None)
+    return DenseCompute(1.0 / max(inv_rate, 1e-15), max(per_op, 0.0), load_s_per_sample)
+
+
+def save_compute(c: DenseCompute, path: Path | None = None) -> Path:
+    p = path or cache_path()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(p, json.dumps({"flops_per_s": c.flops_per_s, "op_overhead_s": c.op_overhead_s,
+                                     "load_s_per_sample": c.load_s_per_sample}, indent=1) + "\n")
+    return p
