@@ -17,6 +17,9 @@ def add_parser(sub) -> None:
     s.add_argument("--plan", metavar="PLAN_JSON", help="simulate this plan (default: the one training would use)")
     s.add_argument("--json", metavar="OUT", help="write step_time_s, samples_per_s, breakdown, critical path, memory")
     s.add_argument("--trace", metavar="TRACE_JSON", help="write a Chrome/Perfetto trace of one simulated step")
+    s.add_argument("--measure-compute", action="store_true",
+                   help="first measure this machine's dense compute rate (one thread) and cache it for local-cpu "
+                        "and calibrated topologies (seconds)")
     s.set_defaults(func=run)
 
 
@@ -31,6 +34,13 @@ def run(args: argparse.Namespace) -> int:
         if v is not None and v < 1:
             raise ConfigError(f"{flag} must be >= 1, got {v}")
     cfg = load_config(args.config, args.set)
+    if args.measure_compute:
+        from recscale.sim.calibrate import measure_compute, save_compute
+
+        c = measure_compute()
+        path = save_compute(c)
+        print(f"dense compute on this machine: {c.flops_per_s / 1e9:.1f} GFLOP/s per thread, "
+              f"{c.op_overhead_s * 1e6:.0f} us per operator (cached in {path})")
     try:
         topo = load_topology(args.topology, args.hosts, args.ranks_per_host)
     except TopologyError as e:
