@@ -76,7 +76,8 @@ def groups(quick: bool) -> list[Group]:
     if quick:
         return [Group("1 rank", 1, 1, None, ("table_wise", "data_parallel")),
                 Group("2 ranks", 1, 2, None, ("table_wise", "row_wise", "data_parallel")),
-                Group("2x1 hosts 200 Mbit/s", 2, 1, 200, ("table_wise", "data_parallel", "auto"))]
+                Group("2x1 hosts 200 Mbit/s", 2, 1, 200, ("table_wise", "data_parallel", "auto")),
+                Group("2x1 hosts 200 Mbit/s, no pipeline", 2, 1, 200, ("table_wise",), ("train.pipeline=false",))]
     pooled = "data.pooling_factors=[4, 4, 12, 4, 8, 4, 4, 4, 4, 16, 4, 8, 4, 4, 4, 4, 4, 4, 4, 4, 20, 4, 4, 4, 4, 4]"
     return [
         Group("1 rank", 1, 1, None, ("table_wise", "data_parallel", "auto")),
@@ -198,7 +199,7 @@ def report(result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="8 configurations, one turn, 20 steps (a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="9 configurations, one turn, 20 steps (a smoke run)")
     ap.add_argument("--turns", type=int, default=None, help="interleaved turns (default 3; quick 1)")
     ap.add_argument("--steps", type=int, default=None, help="training steps per run (default 60; quick 20)")
     ap.add_argument("--batch-size", type=int, default=1024)

@@ -128,3 +128,18 @@ def test_mlperf_dcnv2_on_16_hosts_of_8_gpus(tmp_path):
     assert sum(res.breakdown.values()) == pytest.approx(res.step_time_s)
     # every table fits: no rank holds more than its 40 GB
     assert max(sum(m.values()) for m in res.memory_bytes) < 40e9
+
+
+def test_validation_scoring():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import simulator_validation as sv
+
+    assert sv.kendall_tau([1, 2, 3], [10, 20, 30]) == 1.0 and sv.kendall_tau([1, 2, 3], [3, 2, 1]) == -1.0
+    g = sv.Group("g", 1, 2, None, ("a", "b", "c"))
+    cases = {("g", "a"): sv.Case("g", "a", [100.0], 110.0), ("g", "b"): sv.Case("g", "b", [200.0], 180.0),
+             ("g", "c"): sv.Case("g", "c", [196.0], 190.0)}
+    res = sv.score([g], cases)
+    assert res["configs"] == 3 and res["geomean_error"] == pytest.approx((0.1 * 0.1 * (6 / 196)) ** (1 / 3))
+    # predicted order c > b > a, measured b > c > a: one discordant pair of three; c is within 5% of b
+    (grp,) = res["groups"]
+    assert grp["tau"] == pytest.approx(1 / 3) and grp["sim_best"] == "c" and grp["best_within_5pct"]
