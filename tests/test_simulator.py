@@ -143,3 +143,15 @@ def test_validation_scoring():
     # predicted order c > b > a, measured b > c > a: one discordant pair of three; c is within 5% of b
     (grp,) = res["groups"]
     assert grp["tau"] == pytest.approx(1 / 3) and grp["sim_best"] == "c" and grp["best_within_5pct"]
+
+
+def test_this_machine_needs_a_calibration(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert main(["simulate", "--topology", "this-machine", "--ranks-per-host", "1"]) == 2
+    assert "recscale calibrate --ranks 1" in capsys.readouterr().err
+    from recscale.planner.hardware import LOCAL_CPU, cached_calibration
+
+    path = cached_calibration(1)
+    path.parent.mkdir(parents=True)
+    LOCAL_CPU.with_world(1, 1).save(path)
+    assert load_topology("this-machine", 1, 1).world_size == 1

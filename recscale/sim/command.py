@@ -10,7 +10,8 @@ def add_parser(sub) -> None:
     s.add_argument("--config", help="TOML training config (tables, MLPs, batch, precisions, pipeline)")
     s.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     s.add_argument("--topology", default="zionex",
-                   help="preset (zionex, local-cpu, torchrec-defaults), a calibrated hardware JSON, or a topology "
+                   help="preset (zionex, local-cpu, torchrec-defaults), this-machine (recscale calibrate's cache), a "
+                        "calibrated hardware JSON, or a topology "
                         "file (TOML/JSON: hosts, ranks_per_host, cross_host_mbit, ...; see docs/simulator.md)")
     s.add_argument("--hosts", type=int, help="hosts (default: the topology's)")
     s.add_argument("--ranks-per-host", type=int, help="ranks per host (default: the topology's)")

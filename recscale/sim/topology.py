@@ -3,8 +3,9 @@ bandwidths per rank) plus what a training step needs beyond the embeddings: each
 (shared by its ranks), optional tiers of hosts (racks, buildings) behind shared uplinks, the
 dense compute rate and the data loader's cost per sample.
 
-``--topology`` is a planner preset (``zionex``, ``local-cpu``, ``torchrec-defaults``), a
-calibrated hardware JSON (``recscale calibrate``), or a topology file (TOML or JSON)::
+``--topology`` is a planner preset (``zionex``, ``local-cpu``, ``torchrec-defaults``),
+``this-machine`` (``recscale calibrate``'s cache), a calibrated hardware JSON, or a topology
+file (TOML or JSON)::
 
     base = "local-cpu"            # preset or calibrated JSON: the per-shard constants
     hosts = 2
@@ -130,6 +131,14 @@ def _compute_for(hw_name: str) -> DenseCompute:
 def load_topology(spec: str, hosts: int | None = None, ranks_per_host: int | None = None) -> ClusterTopology:
     """A preset, a calibrated hardware JSON or a topology file; ``hosts``/``ranks_per_host``
     resize it (the preset's own shape otherwise)."""
+    if spec == "this-machine":  # `recscale calibrate`'s cache for this many local ranks
+        from recscale.planner.hardware import cached_calibration
+
+        cached = cached_calibration(ranks_per_host or 2)
+        if not cached.is_file():
+            raise TopologyError(f"--topology this-machine: no calibration at {cached}; run `recscale calibrate "
+                                f"--ranks {ranks_per_host or 2}` first, or name a preset {sorted(PRESETS)}")
+        spec = str(cached)
     p = Path(spec)
     if spec in PRESETS or (p.suffix == ".json" and _is_hardware_json(p)):
         hw0 = _base(spec, None, None)
