@@ -46,6 +46,7 @@ from _common import environment, format_table, write_json  # noqa: E402
 
 from recscale.planner.hardware import cached_calibration  # noqa: E402
 from recscale.sim.api import simulate  # noqa: E402
+from recscale.sim.calibrate import measure_loader  # noqa: E402
 from recscale.sim.topology import topology_from_dict  # noqa: E402
 from recscale.train.config import load_config  # noqa: E402
 
@@ -126,12 +127,18 @@ def measure(g: Group, plan: str, steps: int, batch: int) -> float:
         return float(json.loads(summary.read_text())["train_samples_per_sec"])
 
 
+_LOADER: dict[tuple[str, ...], float] = {}
+
+
 def predict(g: Group, plan: str, steps: int, batch: int) -> float:
     cfg = load_config(CONFIG, overrides(g, plan, steps, batch))
+    if g.sets not in _LOADER:  # the loader's cost per sample, measured for this data (seconds)
+        _LOADER[g.sets] = measure_loader(cfg)
     cal = cached_calibration(2)
     topo = topology_from_dict({
         "base": str(cal) if cal.is_file() else "local-cpu", "hosts": g.hosts, "ranks_per_host": g.ranks_per_host,
         **({"cross_host_mbit": g.mbit} if g.mbit else {}), "shared_cores": os.cpu_count() or 1,
+        "load_s_per_sample": _LOADER[g.sets],
     }, "validation")
     return simulate(cfg, topo).samples_per_s
 

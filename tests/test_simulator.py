@@ -155,3 +155,13 @@ def test_this_machine_needs_a_calibration(tmp_path, monkeypatch, capsys):
     path.parent.mkdir(parents=True)
     LOCAL_CPU.with_world(1, 1).save(path)
     assert load_topology("this-machine", 1, 1).world_size == 1
+
+
+def test_shared_cores_stretch_compute_and_take_the_loader():
+    cfg = small("sharding.default=table_wise")
+    own = simulate(cfg, topo(2, 2, 10_000))
+    shared = simulate(cfg, topo(2, 2, 10_000, shared_cores=2))
+    assert shared.step_time_s > 1.5 * own.step_time_s
+    loads = [op for op in shared.ops if op.name == "load batch"]
+    assert loads and all(op.stream == "compute" for op in loads)
+    assert all(op.stream == "load" for op in own.ops if op.name == "load batch")

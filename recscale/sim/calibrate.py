@@ -85,6 +85,29 @@ def measure_compute(repeats: int = 15, load_s_per_sample: float = 0.0) -> DenseC
     return DenseCompute(1.0 / max(inv_rate, 1e-15), max(per_op, 0.0), load_s_per_sample)
 
 
+def measure_loader(cfg, batches: int = 20) -> float:
+    """Seconds of CPU one sample of ``cfg``'s training data costs its loader (building the
+    batch: ids, offsets, dense features, labels), at one thread."""
+    import torch
+
+    from recscale.train.datasets import build_data
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        data = build_data(cfg, 0, 1).train
+        n = min(batches, len(data))
+        if n < 2:
+            raise ValueError("measure_loader needs at least 2 batches of training data")
+        data[0]  # warm: first-touch allocations
+        t = time.process_time()
+        for i in range(1, n):
+            data[i]
+        return (time.process_time() - t) / ((n - 1) * cfg.train.batch_size)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def save_compute(c: DenseCompute, path: Path | None = None) -> Path:
     p = path or cache_path()
     p.parent.mkdir(parents=True, exist_ok=True)

@@ -124,6 +124,10 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
     if inp.checkpoint_every > 0:
         state = max(rl.memory_bytes for rl in result.ranks) + params * 8
         ckpt = state / topo.checkpoint_bw / inp.checkpoint_every
+    # The loader is a process of its own: on spare cores it runs beside its rank; where the
+    # ranks already take every core it takes its time from them.
+    crowded = bool(topo.shared_cores) and w >= topo.shared_cores
+    load_stream, load_s = ("compute", stretch * local * c.load_s_per_sample) if crowded else ("load", local * c.load_s_per_sample)
     sim = Simulation(traffic.bandwidths(topo))
     all_ranks = tuple(range(w))
     loads: dict[int, list[int]] = {}
@@ -137,7 +141,7 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
         return sim.add(Op(name, cat, k, all_ranks, "comm", latency if w > 1 else 0.0, links, deps, blocking))
 
     def prepare(k: int) -> None:
-        loads[k] = [sim.add(Op("load batch", "data loading", k, (r,), "load", local * c.load_s_per_sample)) for r in all_ranks]
+        loads[k] = [sim.add(Op("load batch", "data loading", k, (r,), load_stream, load_s)) for r in all_ranks]
         packs = per_rank("pack ids", "input distribution", k, pack, lambda r: [loads[k][r]])
         n = (3 + 0) if distributed else 1  # batch sizes, lengths, ids (only batch sizes when all replicated)
         ids_op[k] = collective("ids all-to-all", "input distribution", k, traffic.all_to_all(topo, ids_v), n * lat,
