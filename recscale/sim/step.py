@@ -143,7 +143,7 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
     def prepare(k: int) -> None:
         loads[k] = [sim.add(Op("load batch", "data loading", k, (r,), load_stream, load_s)) for r in all_ranks]
         packs = per_rank("pack ids", "input distribution", k, pack, lambda r: [loads[k][r]])
-        n = (3 + 0) if distributed else 1  # batch sizes, lengths, ids (only batch sizes when all replicated)
+        n = 3 if distributed else 1  # batch sizes, lengths, ids (only batch sizes when all replicated)
         ids_op[k] = collective("ids all-to-all", "input distribution", k, traffic.all_to_all(topo, ids_v), n * lat,
                                packs, blocking=cpu and not inp.pipeline)
 
