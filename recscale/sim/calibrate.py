@@ -48,19 +48,24 @@ def _time_dense(model: DenseModel, batch: int, repeats: int) -> float:
     dense = torch.randn(batch, model.bottom[0])
     pooled = torch.randn(batch, (model.vectors - 1) * model.dim, requires_grad=True)
     label = torch.rand(batch)
+    opt = torch.optim.Adagrad([*bottom.parameters(), *top.parameters()], lr=0.01)
     times = []
     for i in range(repeats + 2):
-        t = time.perf_counter()
+        t = time.thread_time()  # CPU time of this thread: what a core gives it, whatever else runs
         out = top(inter(bottom(dense), pooled)).squeeze(1)
         torch.nn.functional.binary_cross_entropy_with_logits(out, label).backward()
+        opt.step()
+        opt.zero_grad()
         if i >= 2:
-            times.append(time.perf_counter() - t)
+            times.append(time.thread_time() - t)
     return float(np.median(times))
 
 
 def measure_compute(repeats: int = 15, load_s_per_sample: float = 0.0) -> DenseCompute:
-    """Least-squares fit of time = 3 FLOPs / rate + 3 ops x overhead (forward + backward) over
-    ``SHAPES`` x ``BATCHES`` at one thread."""
+    """Least-squares fit (relative errors, coefficients >= 0) of time = 3 (FLOPs / rate +
+    values x value_s) + (3 ops + 2 tensors) x overhead (forward, backward, and the dense
+    optimizer's step over each parameter tensor) over ``SHAPES`` x ``BATCHES`` at one thread,
+    in the thread's CPU time."""
     import torch
 
     threads = torch.get_num_threads()
@@ -71,18 +76,28 @@ def measure_compute(repeats: int = 15, load_s_per_sample: float = 0.0) -> DenseC
             m = DenseModel.of(13, bottom, top, tables, dim)
             for b in BATCHES:
                 flops = 3 * (m.bottom_flops(b) + m.top_flops(b))
-                ops = 3 * (m.bottom_ops + m.top_ops)
-                rows.append([flops, ops])
+                values = 3 * (m.bottom_values(b) + m.top_values(b))
+                ops = 3 * (m.bottom_ops + m.top_ops) + 2 * m.tensors
+                rows.append([flops, values, ops])
                 ys.append(_time_dense(m, b, repeats))
     finally:
         torch.set_num_threads(threads)
     a, y = np.asarray(rows, dtype=float), np.asarray(ys)
     # relative errors matter: weight each point by 1/time
-    (inv_rate, per_op), *_ = np.linalg.lstsq(a / y[:, None], np.ones_like(y), rcond=None)
-    if per_op < 0:  # FLOPs explain it all: fit the rate alone
-        per_op = 0.0
-        (inv_rate,), *_ = np.linalg.lstsq(a[:, :1] / y[:, None], np.ones_like(y), rcond=None)
-    return DenseCompute(1.0 / max(inv_rate, 1e-15), max(per_op, 0.0), load_s_per_sample)
+    coef = _nonnegative_fit(a / y[:, None], np.ones_like(y))
+    return DenseCompute(1.0 / max(coef[0], 1e-15), coef[2], load_s_per_sample, coef[1])
+
+
+def _nonnegative_fit(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0: drop the terms a fit makes negative."""
+    keep = list(range(a.shape[1]))
+    while True:
+        sol, *_ = np.linalg.lstsq(a[:, keep], y, rcond=None)
+        if (sol >= 0).all() or len(keep) == 1:
+            out = np.zeros(a.shape[1])
+            out[keep] = np.maximum(sol, 0.0)
+            return out
+        keep.pop(int(np.argmin(sol)))
 
 
 def measure_loader(cfg, batches: int = 20) -> float:
@@ -112,5 +127,5 @@ def save_compute(c: DenseCompute, path: Path | None = None) -> Path:
     p = path or cache_path()
     p.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(p, json.dumps({"flops_per_s": c.flops_per_s, "op_overhead_s": c.op_overhead_s,
-                                     "load_s_per_sample": c.load_s_per_sample}, indent=1) + "\n")
+                                     "load_s_per_sample": c.load_s_per_sample, "value_s": c.value_s}, indent=1) + "\n")
     return p

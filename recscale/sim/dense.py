@@ -55,8 +55,16 @@ class DenseModel:
     def tensors(self) -> int:
         return 2 * (len(self.bottom) - 1 + len(self.top) - 1)
 
-    def time_s(self, flops: float, ops: int, c: DenseCompute) -> float:
-        return flops / c.flops_per_s + ops * c.op_overhead_s
+    def bottom_values(self, batch: int) -> float:
+        """Activation values the bottom MLP writes (memory traffic beyond its FLOPs)."""
+        return float(batch * sum(self.bottom[1:]))
+
+    def top_values(self, batch: int) -> float:
+        """The interaction's inputs, products and pairs, and the top MLP's activations."""
+        return float(batch * (2 * self.vectors * self.dim + self.vectors * self.vectors + sum(self.top)))
+
+    def time_s(self, flops: float, values: float, ops: int, c: DenseCompute) -> float:
+        return flops / c.flops_per_s + values * c.value_s + ops * c.op_overhead_s
 
 
 def buckets(params: int, bucket_bytes: int = 4 << 20) -> list[int]:

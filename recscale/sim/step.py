@@ -116,8 +116,9 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
     distributed = bool(sharded)
     cpu = c.flops_per_s < 1e12  # a CPU rank's main thread waits in a synchronous collective
     d = inp.dense
-    bottom_f = stretch * d.time_s(d.bottom_flops(int(local)), d.bottom_ops, c)
-    top_f = stretch * d.time_s(d.top_flops(int(local)), d.top_ops, c)
+    b = int(local)
+    bottom_f = stretch * d.time_s(d.bottom_flops(b), d.bottom_values(b), d.bottom_ops, c)
+    top_f = stretch * d.time_s(d.top_flops(b), d.top_values(b), d.top_ops, c)
     params = d.bottom_params + d.top_params
     optim = stretch * (params * 16 / hw.memory_bw + 2 * d.tensors * c.op_overhead_s + overhead)
     ckpt = 0.0

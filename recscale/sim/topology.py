@@ -15,6 +15,7 @@ file (TOML or JSON)::
     intra_host_gbyte_s = 2.15     # optional: per-rank bandwidth inside a host
     flops_per_s = 4e9             # optional: dense compute rate per rank
     op_overhead_s = 30e-6         # optional: fixed cost per dense operator (launch, autograd)
+    value_s = 1e-9                # optional: per activation value written (forward; x3 with backward)
     load_s_per_sample = 1e-6      # optional: data loader time per sample
     checkpoint_gbyte_s = 1.0      # optional: checkpoint write rate per rank (stalls)
     shared_cores = 2              # optional: all ranks run on one machine of this many cores
@@ -50,13 +51,15 @@ class Tier:
 
 @dataclass(frozen=True)
 class DenseCompute:
-    """The MLPs' and interaction's cost on one rank: FLOPs at ``flops_per_s`` plus
-    ``op_overhead_s`` per operator (launch, autograd and Python; most of a small MLP on a CPU),
-    and the loader's ``load_s_per_sample``."""
+    """The MLPs' and interaction's cost on one rank: FLOPs at ``flops_per_s``, ``value_s`` per
+    activation value written (the interaction and small layers are bound by memory, not
+    FLOPs), ``op_overhead_s`` per operator (launch, autograd and Python), and the loader's
+    ``load_s_per_sample``."""
 
     flops_per_s: float
     op_overhead_s: float = 0.0
     load_s_per_sample: float = 0.0
+    value_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -94,12 +97,14 @@ class ClusterTopology:
 
 # Dense compute of the presets. ZionEX: an A100 runs large bf16/TF32 GEMMs at about 150 of its
 # 312 TFLOP/s, a kernel launch costs ~10 us; its hosts' CPUs keep the loader off the critical
-# path (load 0). The CPU figure is this kind of 2-core VM at one thread per rank, from
-# ``recscale.sim.calibrate`` (measured DLRM MLP forward + backward); rerun it for another machine.
+# path (load 0). The CPU figure is this kind of 2-core VM at one thread per rank (CPU time, so
+# other jobs on the machine do not slow it), from ``recscale.sim.calibrate`` (DLRM MLPs and
+# interaction forward + backward + Adagrad step); `recscale simulate --measure-compute`
+# measures another machine.
 PRESET_COMPUTE = {
     "zionex": DenseCompute(150e12, 10e-6, 0.0),
     "torchrec-defaults": DenseCompute(150e12, 10e-6, 0.0),
-    "local-cpu": DenseCompute(20.4e9, 0.0, 0.0),
+    "local-cpu": DenseCompute(112e9, 9.2e-6, 0.0, 0.74e-9),
 }
 
 
@@ -164,7 +169,7 @@ def _is_hardware_json(p: Path) -> bool:
 
 _KEYS = {"base", "hosts", "ranks_per_host", "cross_host_mbit", "cross_host_latency_ms", "intra_host_gbyte_s",
          "flops_per_s", "op_overhead_s", "load_s_per_sample", "tiers", "name", "checkpoint_gbyte_s",
-         "shared_cores"}
+         "shared_cores", "value_s"}
 
 
 def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = None,
@@ -190,6 +195,7 @@ def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = No
         _num(d, "flops_per_s", source, c0.flops_per_s, positive=True),  # type: ignore[arg-type]
         _num(d, "op_overhead_s", source, c0.op_overhead_s),  # type: ignore[arg-type]
         _num(d, "load_s_per_sample", source, c0.load_s_per_sample),  # type: ignore[arg-type]
+        _num(d, "value_s", source, c0.value_s),  # type: ignore[arg-type]
     )
     tiers = []
     for i, t in enumerate(d.get("tiers", [])):
