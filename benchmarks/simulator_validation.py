@@ -22,6 +22,9 @@ all configurations alike. Emulated hosts need root; without it those groups are 
     python benchmarks/simulator_validation.py --turns 5 --json out/simval.json     # the full set
     python benchmarks/simulator_validation.py --refit out/simval.json               # re-predict only
 
+For the most faithful predictions on another machine, run ``recscale calibrate --ranks 2``
+first (its cached constants are used when present) and pass ``--measure-compute``.
+
 Run it alone on the machine: it times things.
 """
 
@@ -128,6 +131,7 @@ def measure(g: Group, plan: str, steps: int, batch: int) -> float:
 
 
 _LOADER: dict[tuple[str, ...], float] = {}
+_COMPUTE: dict[str, float] = {}  # this machine's dense rate, when measured (--measure-compute)
 
 
 def predict(g: Group, plan: str, steps: int, batch: int) -> float:
@@ -138,7 +142,7 @@ def predict(g: Group, plan: str, steps: int, batch: int) -> float:
     topo = topology_from_dict({
         "base": str(cal) if cal.is_file() else "local-cpu", "hosts": g.hosts, "ranks_per_host": g.ranks_per_host,
         **({"cross_host_mbit": g.mbit} if g.mbit else {}), "shared_cores": os.cpu_count() or 1,
-        "load_s_per_sample": _LOADER[g.sets],
+        "load_s_per_sample": _LOADER[g.sets], **_COMPUTE,
     }, "validation")
     return simulate(cfg, topo).samples_per_s
 
@@ -211,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="training steps per run (default 60; quick 20)")
     ap.add_argument("--batch-size", type=int, default=1024)
     ap.add_argument("--json", metavar="PATH", help="write every measurement and prediction")
+    ap.add_argument("--measure-compute", action="store_true",
+                    help="measure this machine's dense compute rate first (else the local-cpu figures)")
     ap.add_argument("--refit", metavar="JSON", help="predict again for the measurements of an earlier --json")
     args = ap.parse_args(argv)
     if args.refit:
@@ -235,6 +241,13 @@ def main(argv: list[str] | None = None) -> int:
                 g = next(g for g in gs if g.name == key[0])
                 cases[key].measured.append(measure(g, key[1], steps, args.batch_size))
                 print(f"turn {turn + 1}/{turns}  {key[0]:36s} {key[1]:15s} {cases[key].measured[-1]:10,.0f} samples/s", flush=True)
+    if args.measure_compute:
+        from recscale.sim.calibrate import measure_compute
+
+        m = measure_compute()
+        _COMPUTE.update(flops_per_s=m.flops_per_s, value_s=m.value_s, op_overhead_s=m.op_overhead_s)
+        print(f"dense compute: {m.flops_per_s / 1e9:.0f} GFLOP/s, {m.value_s * 1e9:.2f} ns per value, "
+              f"{m.op_overhead_s * 1e6:.1f} us per operator")
     for key, c in cases.items():
         g = next(g for g in gs if g.name == key[0])
         c.predicted = predict(g, key[1], steps, args.batch_size)
