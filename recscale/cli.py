@@ -261,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     from recscale.cluster.command import add_parser as add_cluster_parser
 
     add_cluster_parser(sub)
+    from recscale.sim.command import add_parser as add_simulate_parser
+
+    add_simulate_parser(sub)
     return parser
 
 
