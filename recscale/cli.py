@@ -37,24 +37,45 @@ def _ckpt(args: argparse.Namespace) -> int:
     from recscale.checkpoint import tools
 
     if args.ckpt_command == "list":
-        rows = tools.list_root(args.dir)
-        if not rows:
+        runs = tools.list_root(args.dir)
+        if not runs:
             print(f"no checkpoints under {args.dir}")
-        for r in rows:
-            if r.error:
-                print(f"{r.name}  DAMAGED: {r.error}")
-            else:
-                print(f"{r.name}  step {r.step:>10,}  {r.kind:12s}  {r.bytes:>14,} bytes  restore: {' + '.join(r.chain)}")
+        for run in runs:
+            print(_run_line(run))
+            for r in run.checkpoints:
+                if r.error:
+                    print(f"  {r.name}  DAMAGED: {r.error}")
+                    continue
+                mark = "  <- latest" if r.latest else "  [stale branch]" if r.stale else ""
+                print(f"  {r.name}  step {r.step:>10,}  {r.kind:12s}  {r.bytes:>14,} bytes  "
+                      f"restore: {' + '.join(r.chain)}{mark}")
     elif args.ckpt_command == "inspect":
         print(json.dumps(tools.inspect(args.dir), indent=1, sort_keys=True))
     elif args.ckpt_command == "verify":
-        for line in tools.verify(args.dir):
+        lines = tools.verify(args.dir)
+        for line in lines:
             print(line)
-        print("verified: the checkpoint and its chain are intact")
+        stale = any(line.startswith("stale branch") for line in lines)
+        print("verified: the checkpoint and its chain are intact" + (", but it is on a stale branch" if stale else ""))
     else:
         out, n = tools.export(args.dir, args.out)
         print(f"exported {n} tensors (full precision) to {out}")
     return 0
+
+
+def _run_line(run) -> str:
+    import time
+
+    if not run.run:
+        return "(flat layout, written before run folders)"
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(run.started_unix))
+    p = run.parent
+    if not p:
+        origin = "a fresh start"
+    else:
+        how = "continues it" if p.get("newest") else "a branch from an older checkpoint"
+        origin = f"resumed from {p.get('run') or p.get('path')} {p.get('name')} ({how})"
+    return f"run {run.run}  started {started}, {origin}"
 
 
 def _plan(args: argparse.Namespace) -> int:

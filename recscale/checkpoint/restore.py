@@ -16,10 +16,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from recscale.checkpoint.lineage import list_checkpoints, resolve  # noqa: F401  (this module's API too)
 from recscale.checkpoint.manifest import MANIFEST, CheckpointError, Chunk, Manifest
 from recscale.checkpoint.quantize import Codec
 from recscale.checkpoint.shards import LocalShard, row_state_names
-from recscale.checkpoint.storage import LocalStorage, Storage
+from recscale.checkpoint.storage import Storage
 from recscale.embedding.table_batched import init_rows
 
 
@@ -39,39 +40,36 @@ def load_manifest(storage: Storage, name: str) -> Manifest:
     return Manifest.from_json(storage.read(f"{name}/{MANIFEST}"), where)
 
 
-def list_checkpoints(storage: Storage) -> list[str]:
-    """Committed checkpoint directories (names starting with 'step'), oldest first."""
-    return [d for d in storage.list_dirs() if d.startswith("step")]
-
-
-def resolve(path: str, default_root: str = "") -> tuple[Storage, str]:
-    """``latest`` (the newest under ``default_root``), a checkpoint directory, or a root of them."""
-    if path == "latest":
-        if not default_root:
-            raise CheckpointError("resume 'latest' needs checkpoint.dir, the directory to look in")
-        path = default_root
-    p = Path(path)
-    if not p.is_dir():
-        raise CheckpointError(f"checkpoint path '{p}' does not exist")
-    if (p / MANIFEST).is_file() or any(p.glob("rank*.bin")):
-        return LocalStorage(p.parent), p.name
-    storage = LocalStorage(p)
-    names = list_checkpoints(storage)
-    if not names:
-        raise CheckpointError(f"no checkpoints under '{p}' (committed ones are directories named step*)")
-    return storage, names[-1]
-
-
 def load_chain(storage: Storage, manifest: Manifest) -> list[Manifest]:
-    """The manifests a restore applies, each checked: format, version, checksum, file sizes."""
+    """The manifests a restore applies, each checked: format, version, checksum, file sizes, and
+    that each is the very checkpoint ``manifest`` was built on (its digest, not just its name)."""
     chain = []
+    links = {str(x.get("name")): x for x in manifest.links}
     for name in manifest.chain:
         m = manifest if name == manifest.name else load_manifest(storage, name)
+        if m is not manifest and manifest.version >= 2:
+            check_link(storage, manifest, m, links.get(name))
         if m.chain != manifest.chain[: len(m.chain)]:
             raise CheckpointError(f"{storage.describe(name)}: its chain {m.chain} does not lead to {manifest.name}")
         check_files(storage, m, deep=False)
         chain.append(m)
     return chain
+
+
+def check_link(storage: Storage, manifest: Manifest, base: Manifest, link: dict | None) -> None:
+    """``base`` must be the checkpoint ``manifest`` recorded it builds on: same digest. Another
+    one under the same name (a directory replaced, another run's) is refused."""
+    if link is None:
+        raise CheckpointError(
+            f"{storage.describe(manifest.name)}: records no digest for {base.name}, the checkpoint it builds on; "
+            "the manifest is damaged, do not load it"
+        )
+    if link.get("digest") != base.digest:
+        raise CheckpointError(
+            f"{storage.describe(base.name)} is not the checkpoint {manifest.name} builds on (digest "
+            f"{base.digest[:12]}, recorded {str(link.get('digest'))[:12]}): it belongs to run {base.run or '(unknown)'}, "
+            f"{manifest.name} to run {manifest.run or '(unknown)'}; this chain mixes two runs, do not load it"
+        )
 
 
 def check_files(storage: Storage, m: Manifest, deep: bool) -> None:
