@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,8 @@ class RunInfo:
     # The checkpoint this run resumed from: {"path", "run", "name", "step", "digest", "newest"}
     # ("newest": it was its run's newest checkpoint then, i.e. this run continues that run).
     parent: dict[str, Any] | None = None
+    # The parent's parent record, its parent's, ...: the lineage survives the pruning of a parent.
+    ancestors: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> bytes:
         return (json.dumps(asdict(self), indent=1, sort_keys=True) + "\n").encode()
@@ -47,9 +49,10 @@ class RunInfo:
     def from_json(raw: bytes, where: str) -> RunInfo:
         try:
             d = json.loads(raw)
-            info = RunInfo(str(d["run"]), float(d["started_unix"]), int(d.get("world_size", 1)), d.get("parent"))
-            if info.parent is not None and not isinstance(info.parent, dict):
-                raise TypeError("'parent' is not an object")
+            info = RunInfo(str(d["run"]), float(d["started_unix"]), int(d.get("world_size", 1)), d.get("parent"),
+                           list(d.get("ancestors", [])))
+            if not all(isinstance(x, dict) for x in [info.parent or {}, *info.ancestors]):
+                raise TypeError("'parent' and 'ancestors' must be objects")
             return info
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{where}: damaged run record ({type(e).__name__}: {short(str(e), 120)})") from None
@@ -199,28 +202,24 @@ class Lineage:
 
 
 def lineage(root: LocalStorage) -> Lineage:
-    """The newest run and its ancestors through their ``parent`` records (within ``root``)."""
-    runs = {r.run: r for r in list_runs(root)}
-    with_ckpt = [r for r in runs.values() if list_checkpoints(sub(root, r.run))]
+    """The newest run with a checkpoint and its ancestors (from its parent records)."""
+    with_ckpt = [r for r in list_runs(root) if list_checkpoints(sub(root, r.run))]
     if not with_ckpt:
         return Lineage("", [("", None)] if list_checkpoints(root) else [])
-    cur: RunInfo | None = max(with_ckpt, key=lambda r: (r.started_unix, r.run))
-    out: list[tuple[str, int | None]] = [(cur.run, None)]  # type: ignore[union-attr]
-    seen = {cur.run}  # type: ignore[union-attr]
-    while cur is not None and cur.parent:
-        p = cur.parent
-        parent_dir = Path(str(p.get("path", ""))).parent.resolve()
-        step = int(p.get("step", 0))
-        if parent_dir == root.root.resolve():  # resumed from the flat layout
-            out.append(("", step))
-            break
-        run = str(p.get("run") or "")
-        if run not in runs or run in seen or parent_dir != (root.root / run).resolve():
-            break
-        out.append((run, step))
-        seen.add(run)
-        cur = runs[run]
-    return Lineage(out[0][0], out)
+    cur = with_ckpt[-1]
+    out: list[tuple[str, int | None]] = [(cur.run, None)]
+    for rec in [cur.parent, *cur.ancestors] if cur.parent else []:
+        out.append((str(rec.get("run") or ""), int(rec.get("step", 0))))
+    return Lineage(cur.run, out)
+
+
+def ancestry(storage: LocalStorage) -> list[dict[str, Any]]:
+    """The parent records above a checkpoint's run (its run's parent, that one's, ...)."""
+    try:
+        info = RunInfo.from_json((storage.root / RUN_FILE).read_bytes(), str(storage.root / RUN_FILE))
+    except (OSError, CheckpointError):
+        return []
+    return [info.parent, *info.ancestors] if info.parent else []
 
 
 def branch_note(storage: LocalStorage, name: str, step: int) -> str:

@@ -178,11 +178,12 @@ class CheckpointManager:
         return total
 
     # ------------------------------------------------------------------ retention
-    def start_run(self, parent: dict | None) -> None:
-        """Rank 0: record the run (its identity and the checkpoint it resumed from) in its folder."""
+    def start_run(self, parent: dict | None, ancestors: list[dict] | None = None) -> None:
+        """Rank 0: record the run (its identity, the checkpoint it resumed from and that one's
+        ancestry) in its folder."""
         if self.run is None or self.rank != 0:
             return
-        self.run.info.parent = parent
+        self.run.info.parent, self.run.info.ancestors = parent, list(ancestors or [])
         self.storage.write_atomic(RUN_FILE, self.run.info.to_json())
 
     def _retain(self, latest: Manifest) -> None:

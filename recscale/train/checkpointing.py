@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from recscale.checkpoint.lineage import RunContext, RunInfo, cleanup, list_checkpoints, new_run_name, parent_record, resolve
+from recscale.checkpoint.lineage import RunContext, RunInfo, ancestry, cleanup, list_checkpoints, new_run_name, parent_record, resolve
 from recscale.checkpoint.manager import CheckpointManager
 from recscale.checkpoint.manifest import CheckpointError
 from recscale.checkpoint.restore import check_compatible, load_chain, load_manifest, read_file_checked, restore_shards
@@ -178,7 +178,7 @@ class TrainCheckpointing:
             assert self.manager.run is not None
             how = "continues it" if parent["newest"] else "a new branch from an older checkpoint"
             self.log(f"this run: {self.manager.run.info.run} ({how})")
-            self.manager.start_run(parent)
+            self.manager.start_run(parent, ancestry(storage))
             self.restore_info["run"] = self.manager.run.info.run
         return Progress(**own["progress"])
 
