@@ -12,13 +12,18 @@ from recscale import __version__
 
 
 def _train(args: argparse.Namespace) -> int:
+    from recscale.atomic import check_output_dir, check_output_file
     from recscale.train.config import load_config
     from recscale.train.loop import format_summary, train, write_json_atomic
 
+    if args.summary_json:  # before any work: a bad path must not cost the run's summary
+        check_output_file(args.summary_json, "--summary-json")
     overrides = list(args.set) + ([f"checkpoint.resume={_toml_str(args.resume)}"] if args.resume else [])
     if args.plan:  # --plan FILE is --set sharding.plan="FILE"
         overrides.append(f"sharding.plan={_toml_str(args.plan)}")
     cfg = load_config(args.config, overrides)
+    if cfg.checkpoint.dir:
+        check_output_dir(cfg.checkpoint.dir, "config key 'checkpoint.dir':")
     summary = train(cfg)
     if summary.get("rank", 0) != 0:
         return 0  # rank 0 reports for the whole job
@@ -58,6 +63,9 @@ def _ckpt(args: argparse.Namespace) -> int:
         stale = any(line.startswith("stale branch") for line in lines)
         print("verified: the checkpoint and its chain are intact" + (", but it is on a stale branch" if stale else ""))
     else:
+        from recscale.atomic import check_output_file
+
+        check_output_file(args.out, "--out")
         out, n = tools.export(args.dir, args.out)
         print(f"exported {n} tensors (full precision) to {out}")
     return 0
@@ -86,6 +94,15 @@ def _plan(args: argparse.Namespace) -> int:
     from recscale.train.config import ConfigError, load_config
     from recscale.train.planning import table_specs, workload
 
+    from recscale.atomic import check_output_file
+
+    for flag, value, low in (("--world-size", args.world_size, 1), ("--ranks-per-host", args.ranks_per_host, 1),
+                             ("--time-budget", args.time_budget, 0), ("--replica-error", args.replica_error, 0)):
+        if value is not None and not (low <= value < float("inf")):
+            raise ConfigError(f"{flag}: expected a finite number >= {low}, got {value}")
+    for flag, path in (("--out", args.out), ("--report", args.report)):
+        if path:
+            check_output_file(path, flag)
     cfg = load_config(args.config, args.set)
     try:
         hw = resolve_hardware(args.topology, args.world_size, args.ranks_per_host)
@@ -120,7 +137,13 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     from recscale.planner.hardware import cached_calibration
 
+    from recscale.atomic import check_output_file
+    from recscale.train.config import ConfigError
+
+    if args.ranks < 1:
+        raise ConfigError(f"--ranks: expected an integer >= 1, got {args.ranks}")
     out = args.out or str(cached_calibration(args.ranks))
+    check_output_file(out, "--out")
     hw = calibrate(args.ranks, progress=print if args.verbose else None, quick=args.quick)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     hw.save(out)
@@ -253,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from recscale.atomic import OutputPathError
     from recscale.checkpoint.manifest import CheckpointError
     from recscale.comm.process_group import DistributedError
     from recscale.data.errors import DataFormatError
@@ -261,17 +285,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from recscale.sharding.plan import PlanError
     from recscale.sparse import SparseInputError
     from recscale.train.config import ConfigError
+    from recscale.train.guards import NonFiniteError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (
         ConfigError, DataFormatError, SparseInputError, PlanError, FileNotFoundError, SchemaError, ReaderStateError,
-        FileExistsError, CheckpointError,
+        FileExistsError, CheckpointError, OutputPathError,
     ) as e:
         print(f"recscale: error: {e}", file=sys.stderr)
         return 2
-    except DistributedError as e:
+    except (DistributedError, NonFiniteError) as e:
         print(f"recscale: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -228,7 +228,7 @@ _SIMPLE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}")
 def short(value: Any, limit: int = 60) -> str:
     """``repr(value)`` cut to a readable length (a huge number or string in an error message)."""
     try:
-        text = value if isinstance(value, str) and limit > 60 else repr(value)
+        text = value if isinstance(value, str) and limit > 60 else repr(value)  # long limits: messages
     except ValueError:  # an int too long to print
         return f"<an integer of about {value.bit_length() * 0.30103:.0f} digits>"
     return text if len(text) <= limit else f"{text[: limit - 20]}...{text[-12:]} ({len(text):,} characters)"

@@ -199,9 +199,14 @@ class TrainCheckpointing:
         return LocalStorage(path.parent), path.name
 
     def last_checkpoint(self, before_step: int) -> str:
-        """The newest checkpoint this run committed (or resumed from) before a step; "" if none."""
+        """The newest checkpoint this run committed (or resumed from) before a step; "" if none.
+        Checkpoints still being written are finished first: they hold a good state."""
         m = self.manager
         if m is not None:
+            try:
+                m.writer.wait()
+            except CheckpointError as e:
+                self.log(f"a checkpoint in flight failed: {e}")
             done = [n for n in list_checkpoints(m.storage) if int(n.removeprefix("step")) < before_step]
             if done:
                 return m.storage.describe(done[-1])
@@ -212,9 +217,10 @@ class TrainCheckpointing:
         return torch.load(io.BytesIO(raw), weights_only=False)
 
     # ------------------------------------------------------------------ save
-    def after_step(self, step: int, progress: Callable[[], Progress]) -> None:
+    def after_step(self, step: int, progress: Callable[[], Progress], before_save: Callable[[], None] | None = None) -> None:
         """Checkpoint when the interval says so; call after every step. ``progress`` gives the
-        loop's position and is only called when a checkpoint is taken (it syncs with the device)."""
+        loop's position and is only called when a checkpoint is taken (it syncs with the device);
+        ``before_save`` runs first (the divergence guard: no checkpoint of a diverged state)."""
         m = self.manager
         if m is None:
             return
@@ -222,6 +228,8 @@ class TrainCheckpointing:
         if self.settings.interval_minutes:
             due = self._sum_over_ranks([1.0 if (due or m.minutes_due()) and self.rank == 0 else 0.0])[0] > 0
         if due:
+            if before_save is not None:
+                before_save()
             self.save(progress())
 
     def save(self, p: Progress) -> float:
