@@ -73,7 +73,16 @@ def check_link(storage: Storage, manifest: Manifest, base: Manifest, link: dict 
 
 
 def check_files(storage: Storage, m: Manifest, deep: bool) -> None:
-    """Every file present with the recorded size (and, when ``deep``, the recorded sha256)."""
+    """Every file present with the recorded size (and, when ``deep``, the recorded sha256);
+    every chunk inside a listed file and inside its table."""
+    names = {f.path for f in m.files}
+    for c in m.chunks:
+        t = next((t for t in m.tables if t.name == c.table), None)
+        if c.file not in names or t is None or c.row_stop > t.num_rows or c.col_offset + c.num_cols > t.dim:
+            raise CheckpointError(
+                f"{storage.describe(m.name)}: a chunk of table '{c.table[:60]}' lies outside its file or table; "
+                "the manifest is damaged, do not load it"
+            )
     for f in m.files:
         where = storage.describe(f"{m.name}/{f.path}")
         size = storage.size(f"{m.name}/{f.path}")
@@ -116,6 +125,24 @@ def read_chunk(storage: Storage, m: Manifest, c: Chunk, stats: ReadStats | None 
     if stats is not None:
         stats.bytes_read += len(buf)
         stats.chunks_read += 1
+    try:
+        return _decode(m, c, buf)
+    except (ValueError, RuntimeError, TypeError, KeyError, IndexError, OverflowError) as e:
+        raise CheckpointError(
+            f"{where}: a chunk of table '{c.table}' at byte {c.offset} does not match its manifest entry "
+            f"({type(e).__name__}); the manifest is damaged, do not load it"
+        ) from None
+
+
+def _decode(m: Manifest, c: Chunk, buf: bytes) -> DecodedChunk:
+    wcodec, scodec = Codec.from_dict(m.weight_codec), Codec.from_dict(m.state_codec)
+    n, span = c.num_rows, c.row_stop - c.row_start
+    want_ids = {"range": 0, "bitmap": (span + 7) // 8, "ids": 4 * n}[c.selector]
+    if (c.selector == "range" and n != span) or c.id_bytes != want_ids or n > span \
+            or c.weight_bytes != wcodec.nbytes(n, c.num_cols) \
+            or any(b != scodec.nbytes(n, cols) for _, cols, b in c.state) \
+            or c.id_bytes + c.weight_bytes + sum(b for _, _, b in c.state) != c.length:
+        raise ValueError("sizes")
     view = memoryview(buf)
     sel = view[: c.id_bytes]
     if c.selector == "range":
@@ -125,11 +152,14 @@ def read_chunk(storage: Storage, m: Manifest, c: Chunk, stats: ReadStats | None 
         local = np.flatnonzero(mask)
     else:
         local = np.frombuffer(sel, np.int32).astype(np.int64)
+        if len(local) and (local.min() < 0 or local.max() >= span):
+            raise ValueError("ids")
+    if len(local) != n:
+        raise ValueError("rows")
     rows = torch.from_numpy(np.asarray(local, dtype=np.int64) + c.row_start)
     pos = c.id_bytes
-    weight = Codec.from_dict(m.weight_codec).decode(view[pos : pos + c.weight_bytes], c.num_rows, c.num_cols)
+    weight = wcodec.decode(view[pos : pos + c.weight_bytes], c.num_rows, c.num_cols)
     pos += c.weight_bytes
-    scodec = Codec.from_dict(m.state_codec)
     state = {}
     for name, cols, nbytes in c.state:
         state[name] = scodec.decode(view[pos : pos + nbytes], c.num_rows, cols).float()
