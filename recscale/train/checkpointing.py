@@ -273,4 +273,5 @@ class TrainCheckpointing:
             for r in reports
         ]
         out["checkpoint_stall_s"] = sum(r.stall_s for r in reports)
+        out["checkpoint_run"] = m.run.info.run if m.run else ""
         return out
