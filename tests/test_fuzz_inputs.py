@@ -18,7 +18,7 @@ import typing
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from ckpt_utils import ckpt_dir, run_training
@@ -39,6 +39,7 @@ json_values = st.recursive(
 
 
 def assert_one_line(e: BaseException) -> None:
+    event("refused with a one-line error")
     msg = str(e)
     assert msg and "\n" not in msg and len(msg) < 600, msg
 
@@ -55,15 +56,18 @@ def leaves(obj, path=()):
 
 
 def mutate(doc, data) -> object:
-    """Replace, delete or retype one place of a JSON document."""
+    """Replace, delete, retype or nudge (an integer by a little) one place of a JSON document."""
     doc = copy.deepcopy(doc)
     places = [p for p, _ in leaves(doc) if p]
     path = data.draw(st.sampled_from(places))
     parent = doc
     for k in path[:-1]:
         parent = parent[k]
-    action = data.draw(st.sampled_from(["replace", "delete", "stringify"]))
-    if action == "delete":
+    action = data.draw(st.sampled_from(["replace", "delete", "stringify", "nudge"]))
+    value = parent[path[-1]]
+    if action == "nudge" and isinstance(value, int) and not isinstance(value, bool):
+        parent[path[-1]] = value + data.draw(st.sampled_from([-2, -1, 1, 2, 7]))
+    elif action == "delete":
         del parent[path[-1]]
     elif action == "stringify":
         parent[path[-1]] = str(parent[path[-1]])
@@ -108,6 +112,7 @@ def test_fuzzed_plan_files(data):
         except PlanError as e:
             assert_one_line(e)
             return
+    event("accepted")
     # Accepted: a well-typed plan that tiles every table exactly once, and round-trips.
     assert ShardingPlan.from_dict(plan.to_dict()) == plan
     assert all(isinstance(v, int) and not isinstance(v, bool) for t in plan.tables for s in t.shards
@@ -172,6 +177,7 @@ def test_fuzzed_config_values(key, text):
         except ConfigError as e:
             assert_one_line(e)
             return
+    event("accepted")
     assert conforms(getattr(getattr(cfg, section), name), tp), (section, name, text)
 
 
@@ -218,6 +224,7 @@ def test_fuzzed_manifests(checkpoint, data):
         target.write_bytes(raw)
         try:
             verify(str(checkpoint))
+            event("accepted")
         except CheckpointError as e:
             assert_one_line(e)
     finally:

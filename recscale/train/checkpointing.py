@@ -174,11 +174,15 @@ class TrainCheckpointing:
         self.log(f"resumed from {self.resumed_from} (run {manifest.run or '(none recorded)'}, step {manifest.step}, "
                  f"chain {' + '.join(manifest.chain)}, digest {manifest.digest[:12]}, {stats.bytes_read:,} bytes read "
                  "by rank 0)")
+        above = ancestry(storage)
+        if above:
+            steps = [f"{r.get('run') or '(flat layout)'} to step {r.get('step')}" for r in reversed(above)]
+            self.log(f"lineage of that checkpoint: {' -> '.join(steps)} -> {manifest.run}")
         if self.manager is not None:
             assert self.manager.run is not None
             how = "continues it" if parent["newest"] else "a new branch from an older checkpoint"
             self.log(f"this run: {self.manager.run.info.run} ({how})")
-            self.manager.start_run(parent, ancestry(storage))
+            self.manager.start_run(parent, above)
             self.restore_info["run"] = self.manager.run.info.run
         return Progress(**own["progress"])
 
