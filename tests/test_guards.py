@@ -115,8 +115,9 @@ def test_plan_and_topology_are_validated_on_one_process(tmp_path, capsys):
     bad = tmp_path / "plan.json"
     bad.write_bytes(b"\x00\xff not json")
     assert "not valid JSON" in one_line_error(["train", "--plan", str(bad)] + sets(), capsys)
-    plan = {"version": 1, "world_size": 1, "ranks_per_host": 1, "tables": [{"table": "t_s0", "sharding_type": "table_wise",
-            "shards": [{"rank": "zero", "row_offset": 0, "num_rows": 1000, "col_offset": 0, "num_cols": 16}]}]}
+    shard = {"rank": "zero", "row_offset": 0, "num_rows": 1000, "col_offset": 0, "num_cols": 16}
+    plan = {"version": 1, "world_size": 1, "ranks_per_host": 1,
+            "tables": [{"table": "t_s0", "sharding_type": "table_wise", "shards": [shard]}]}
     bad.write_text(json.dumps(plan))
     assert "'rank' must be an integer" in one_line_error(["train", "--plan", str(bad)] + sets(), capsys)
     assert "sharding.topology" in one_line_error(["train"] + sets(f"sharding.topology='{bad}'"), capsys)

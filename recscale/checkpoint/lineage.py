@@ -132,7 +132,9 @@ def resolve(path: str, default_root: str = "") -> tuple[LocalStorage, str]:
     if not p.exists():
         raise CheckpointError(f"checkpoint path '{p}' does not exist")
     if not p.is_dir():
-        raise CheckpointError(f"checkpoint path '{p}' is a file; give a checkpoint directory, a run folder or checkpoint.dir")
+        raise CheckpointError(
+            f"checkpoint path '{p}' is a file; give a checkpoint directory, a run folder or checkpoint.dir"
+        )
     if (p / MANIFEST).is_file() or any(p.glob("rank*.bin")):
         return LocalStorage(p.parent), p.name
     return newest(LocalStorage(p))

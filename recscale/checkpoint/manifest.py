@@ -190,7 +190,8 @@ def _check_fields(d: dict[str, Any]) -> None:
     if d.get("step", 0) < 0 or d.get("world_size", 1) < 1:
         raise ValueError("'step' must be >= 0 and 'world_size' >= 1")
     chain = d.get("chain")
-    if not chain or not all(isinstance(c, str) and _SIMPLE_NAME.fullmatch(c) for c in chain) or chain[-1] != d.get("name"):
+    names_ok = bool(chain) and all(isinstance(c, str) and _SIMPLE_NAME.fullmatch(c) for c in chain)
+    if not names_ok or chain[-1] != d.get("name"):
         raise ValueError("'chain' must be a list of checkpoint names ending with this one")
     for link in d.get("links", []):
         if not isinstance(link, dict) or not all(isinstance(link.get(k), str) for k in ("name", "digest")):

@@ -52,7 +52,9 @@ def list_root(root: str) -> list[RunListing]:
     checkpoint is listed with its error); marks the latest and the stale branches."""
     p = Path(root)
     if not p.is_dir():
-        raise CheckpointError(f"checkpoint directory '{p}' does not exist" if not p.exists() else f"'{p}' is a file, not a checkpoint directory")
+        raise CheckpointError(
+            f"checkpoint directory '{p}' does not exist" if not p.exists() else f"'{p}' is a file, not a checkpoint directory"
+        )
     top = LocalStorage(p)
     if (p / RUN_FILE).is_file():  # a run folder: list it within its root
         top = LocalStorage(p.resolve().parent)
@@ -68,7 +70,8 @@ def list_root(root: str) -> list[RunListing]:
     out = []
     flat = [] if (p / RUN_FILE).is_file() else [RunListing("", 0.0, None, _listings(top, "", lin, latest_path))]
     for info in runs:
-        out.append(RunListing(info.run, info.started_unix, info.parent, _listings(sub(top, info.run), info.run, lin, latest_path)))
+        listed = _listings(sub(top, info.run), info.run, lin, latest_path)
+        out.append(RunListing(info.run, info.started_unix, info.parent, listed))
     return [r for r in flat if r.checkpoints] + out
 
 
@@ -113,7 +116,9 @@ def verify(path: str) -> list[str]:
         names = {f.path for f in cm.files}
         for c in cm.chunks:
             if c.file not in names:
-                raise CheckpointError(f"{storage.describe(cm.name)}: a chunk names file '{c.file}', which the manifest does not list")
+                raise CheckpointError(
+                    f"{storage.describe(cm.name)}: a chunk names file '{c.file}', which the manifest does not list"
+                )
             read_chunk(storage, cm, c)
         checked.append(f"{storage.describe(cm.name)}: {cm.kind}, {len(cm.files)} files, {len(cm.chunks)} chunks, "
                        f"{cm.data_bytes():,} bytes OK" + (f", digest {cm.digest[:12]}" if cm.digest else ""))

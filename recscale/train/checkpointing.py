@@ -27,7 +27,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from recscale.checkpoint.lineage import RunContext, RunInfo, ancestry, cleanup, list_checkpoints, new_run_name, parent_record, resolve
+from recscale.checkpoint.lineage import (
+    RunContext,
+    RunInfo,
+    ancestry,
+    cleanup,
+    list_checkpoints,
+    new_run_name,
+    parent_record,
+    resolve,
+)
 from recscale.checkpoint.manager import CheckpointManager
 from recscale.checkpoint.manifest import CheckpointError
 from recscale.checkpoint.restore import check_compatible, load_chain, load_manifest, read_file_checked, restore_shards
@@ -221,7 +230,9 @@ class TrainCheckpointing:
         return torch.load(io.BytesIO(raw), weights_only=False)
 
     # ------------------------------------------------------------------ save
-    def after_step(self, step: int, progress: Callable[[], Progress], before_save: Callable[[], None] | None = None) -> None:
+    def after_step(
+        self, step: int, progress: Callable[[], Progress], before_save: Callable[[], None] | None = None
+    ) -> None:
         """Checkpoint when the interval says so; call after every step. ``progress`` gives the
         loop's position and is only called when a checkpoint is taken (it syncs with the device);
         ``before_save`` runs first (the divergence guard: no checkpoint of a diverged state)."""

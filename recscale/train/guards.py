@@ -58,7 +58,9 @@ class FiniteGuard:
         if i < n:
             at = first + i
             local = float(losses[i])
-            what = "another rank's training loss is not finite" if math.isfinite(local) else f"the training loss is {local}"
+            what = f"the training loss is {local}"
+            if math.isfinite(local):  # the non-finite loss was another rank's
+                what = "another rank's training loss is not finite"
             raise NonFiniteError(f"step {at}: {what}; stopping the run. {_resume_hint(last_good(at))}")
         if j < len(self.params):
             raise NonFiniteError(
