@@ -28,7 +28,9 @@ from _common import environment, format_table, write_json  # noqa: E402
 
 from recscale.planner.cost_model import TableSpec, Workload, collective_count, collective_s  # noqa: E402
 from recscale.planner.hardware import ZIONEX, Hardware  # noqa: E402
-from recscale.planner.search import BASELINES, baseline_plan, option_work, plan_tables, score_plan  # noqa: E402
+from recscale.planner.search import (  # noqa: E402
+    BASELINES, SEARCH_STEPS, TIME_LIMIT_S, baseline_plan, option_work, plan_tables, score_plan,
+)
 from recscale.sharding.plan import PlanError, Shard, ShardingPlan, TablePlan  # noqa: E402
 import _torchrec_planner  # noqa: E402
 
@@ -136,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", default="8,16,64,128")
     p.add_argument("--batch-size", type=int, default=65536, help="global batch (MLPerf DCNv2 uses 65536)")
-    p.add_argument("--time-budget", type=float, default=20.0)
+    p.add_argument("--search-steps", type=int, default=SEARCH_STEPS, help="re-placements the local search may try")
+    p.add_argument("--time-budget", type=float, default=TIME_LIMIT_S, help="safety stop in seconds")
     p.add_argument("--no-torchrec", action="store_true", help="skip TorchRec even when it is installed")
     p.add_argument("--torchrec-timeout", type=int, default=60, help="seconds TorchRec's planner may search per case")
     p.add_argument("--sets", help="comma-separated subset of the table sets (default: all)")
@@ -152,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         sets = {k: v for k, v in sets.items() if k in args.sets.split(",")}
     if args.quick:
         sets = {k: v[:60] for k, v in list(sets.items())[:2]}
-        worlds, args.time_budget = [8], 2.0
+        worlds, args.search_steps = [8], 2000
     use_torchrec = _torchrec_planner.available() and not args.no_torchrec
     if use_torchrec:
         import logging
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, tables in sets.items():
         for w in worlds:
             hw = ZIONEX.with_world(w)
-            ours = plan_tables(tables, hw, wl, time_budget_s=args.time_budget)
+            ours = plan_tables(tables, hw, wl, search_steps=args.search_steps, time_limit_s=args.time_budget)
             plans = {"recscale": ours.plan}
             seconds = {"recscale": ours.seconds}
             for m in BASELINES:
@@ -219,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                 "torchrec_estimator_ms": {k: (v * 1e3 if v is not None else None) for k, v in tr_est.items()},
                 "gain_pct_recscale_model": gain_m, "best_other_recscale_model": best_m,
                 "gain_pct_torchrec_estimator": gain_t if tr else None, "best_other_torchrec_estimator": best_t if tr else None,
-                "recscale_imbalance": ours.imbalance, "plan_seconds": seconds,
+                "recscale_imbalance": ours.imbalance, "plan_seconds": seconds, "recscale_search": ours.search_record(),
                 "sharding_mix": {t: sum(1 for x in ours.plan.tables if x.sharding_type == t) for t in {x.sharding_type for x in ours.plan.tables}},
                 "two_scorer_bound": bound,
             })

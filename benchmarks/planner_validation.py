@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     def between_rounds(m: Measurements, w: int) -> None:
         time_round(w)
         if w == 2 and m.complete:
-            plan = plan_tables(tables, fit_hardware(m), wl, time_budget_s=5).plan
+            plan = plan_tables(tables, fit_hardware(m), wl).plan
             provisional.append((plan, time_plan(plan, tables, batches, args.steps)))
 
     # A calibration made now times its plans after each of its own rounds of probes, so the
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         planner_is = None if recorded["planner_chose"] == "2: recscale planner" else recorded["planner_chose"]
     else:
         # After the last round the measurements are complete: its plan is the final fit's.
-        chosen = provisional[-1][0] if provisional else plan_tables(tables, hws[2], wl, time_budget_s=5).plan
+        chosen = provisional[-1][0] if provisional else plan_tables(tables, hws[2], wl).plan
         same = [name for w, name, plan in cases if w == 2 and _rank_free(plan) == _rank_free(chosen)]
         planner_is = same[0] if same else None
     chosen_key = _rank_free(chosen)

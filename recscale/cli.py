@@ -13,18 +13,28 @@ from recscale import __version__
 
 def _train(args: argparse.Namespace) -> int:
     from recscale.atomic import check_output_dir, check_output_file
-    from recscale.train.config import load_config
+    from recscale.train.config import ConfigError, load_config
     from recscale.train.loop import format_summary, train, write_json_atomic
+    from recscale.train.replay import load_replay
 
     if args.summary_json:  # before any work: a bad path must not cost the run's summary
         check_output_file(args.summary_json, "--summary-json")
-    overrides = list(args.set) + ([f"checkpoint.resume={_toml_str(args.resume)}"] if args.resume else [])
-    if args.plan:  # --plan FILE is --set sharding.plan="FILE"
-        overrides.append(f"sharding.plan={_toml_str(args.plan)}")
-    cfg = load_config(args.config, overrides)
+    replay = None
+    if args.replay:
+        given = [flag for flag, v in (("--config", args.config), ("--set", args.set), ("--resume", args.resume),
+                                      ("--plan", args.plan)) if v]
+        if given:
+            raise ConfigError(f"--replay reruns the recorded config and plan as they were; drop {', '.join(given)}")
+        replay = load_replay(args.replay)  # every rank reads the file
+        cfg = replay.config
+    else:
+        overrides = list(args.set) + ([f"checkpoint.resume={_toml_str(args.resume)}"] if args.resume else [])
+        if args.plan:  # --plan FILE is --set sharding.plan="FILE"
+            overrides.append(f"sharding.plan={_toml_str(args.plan)}")
+        cfg = load_config(args.config, overrides)
     if cfg.checkpoint.dir:
         check_output_dir(cfg.checkpoint.dir, "config key 'checkpoint.dir':")
-    summary = train(cfg)
+    summary = train(cfg, replay=replay)
     if summary.get("rank", 0) != 0:
         return 0  # rank 0 reports for the whole job
     print(format_summary(summary))
@@ -89,12 +99,11 @@ def _run_line(run) -> str:
 def _plan(args: argparse.Namespace) -> int:
     from recscale.planner.hardware import resolve_hardware
     from recscale.planner.report import rank_table, write_html_report
-    from recscale.planner.search import BASELINES, REPLICA_ERROR, baseline_plan, plan_tables
+    from recscale.atomic import check_output_file, write_text_atomic
+    from recscale.planner.search import BASELINES, REPLICA_ERROR, SEARCH_STEPS, TIME_LIMIT_S, baseline_plan, plan_tables
     from recscale.sharding.plan import PlanError
     from recscale.train.config import ConfigError, load_config
     from recscale.train.planning import table_specs, workload
-
-    from recscale.atomic import check_output_file
 
     for flag, value, low in (("--world-size", args.world_size, 1), ("--ranks-per-host", args.ranks_per_host, 1),
                              ("--time-budget", args.time_budget, 0), ("--replica-error", args.replica_error, 0)):
@@ -109,12 +118,20 @@ def _plan(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     tables, wl = table_specs(cfg), workload(cfg)
-    result = plan_tables(tables, hw, wl, time_budget_s=args.time_budget,
+    steps = SEARCH_STEPS if args.search_steps is None else args.search_steps
+    limit = TIME_LIMIT_S if args.time_budget is None else args.time_budget
+    if steps < 0 or not limit > 0:
+        raise ConfigError(f"--search-steps must be >= 0 (got {steps}) and --time-budget > 0 seconds (got {limit:g})")
+    result = plan_tables(tables, hw, wl, search_steps=steps, time_limit_s=limit,
                          replica_error=REPLICA_ERROR if args.replica_error is None else args.replica_error)
     print(f"{len(tables)} tables on {hw.world_size} ranks ({hw.ranks_per_host} per host) of '{hw.name}', global batch {wl.batch_size}")
     print(rank_table(result))
     if result.note:
         print(f"note: {result.note}")
+    print(f"search: {result.search_steps:,} of {steps:,} steps")
+    if not result.reproducible:
+        print(f"warning: the {limit:g} s time limit stopped the search before its step budget: this plan "
+              "is not reproducible (another run may differ); raise --time-budget or lower --search-steps")
     lines = []
     for method in BASELINES:
         try:
@@ -124,7 +141,10 @@ def _plan(args: argparse.Namespace) -> int:
             lines.append(f"  {method:28s} does not fit ({str(e)[:80]})")
     print("baselines (table-wise; predicted slowest rank):\n" + "\n".join(lines))
     if args.out:
-        result.plan.save(args.out)
+        # The plan, and under "planner" how it was searched (deterministic: the same inputs
+        # write the same bytes unless the time limit cut the search, which it then says).
+        write_text_atomic(args.out, json.dumps({**result.plan.to_dict(), "planner": result.search_record()},
+                                               indent=1, sort_keys=True) + "\n")
         print(f"plan written to {args.out}")
     if args.report:
         write_html_report(args.report, result, extra="<pre>" + "\n".join(lines) + "</pre>")
@@ -215,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--plan", metavar="PLAN_JSON", help="shard tables as this plan says (from `recscale plan --out`) "
                    "instead of planning them (same as --set sharding.plan=...)")
+    p.add_argument("--replay", metavar="SUMMARY_JSON",
+                   help="rerun the run a --summary-json file records: its config, and on several ranks its plan and "
+                        "the hardware description it was planned on (no new planning); same world size")
     p.set_defaults(func=_train)
 
     k = sub.add_parser("ckpt", help="list, inspect, verify or export checkpoints")
@@ -237,7 +260,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--world-size", type=int, help="ranks to plan for (default: the topology's)")
     q.add_argument("--ranks-per-host", type=int, help="ranks per host (default: the topology's)")
     q.add_argument("--topology", default="zionex", help="preset (zionex, torchrec-defaults, local-cpu) or a calibrated JSON file")
-    q.add_argument("--time-budget", type=float, default=20.0, help="seconds of local search at most")
+    q.add_argument("--search-steps", type=int, default=None,
+                   help="re-placements the local search may try (default 10,000); the plan depends on the inputs "
+                        "and this budget only")
+    q.add_argument("--time-budget", type=float, default=None,
+                   help="safety stop in seconds (default 60); a search it cuts short is reported as not reproducible")
     q.add_argument("--replica-error", type=float, default=None,
                    help="replicate tables only where the plan stays faster with the replicas costing this fraction "
                         "more than predicted (default 0.2; 0: trust the prediction)")
@@ -272,6 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--overwrite", action="store_true", help="replace an existing prepared directory")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(func=_data_prepare)
+
+    from recscale.cluster.command import add_parser as add_cluster_parser
+
+    add_cluster_parser(sub)
     return parser
 
 

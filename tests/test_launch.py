@@ -49,7 +49,26 @@ def train_cmd(summary: Path, overrides: list[str]) -> list[str]:
     return ["-m", "recscale", "train", "--summary-json", str(summary)] + sets(TINY + overrides)
 
 
+# How far N ranks may be from one process: rounding, not a bug. Losses relative; AUC absolute,
+# since a rounding-sized change of two predictions can swap one of its ~800k sample pairs (1e-6).
+N_RANKS_LOSS_RTOL = 1e-7
+N_RANKS_AUC_ATOL = 1e-5
+
+
 def test_two_ranks_match_one_process(tmp_path):
+    """What the README says of N ranks against one process, and what this test checks:
+
+    N ranks and one process with the same global batch and seed train on the same samples in
+    the same order from the same initial weights, and agree to float32 rounding, not bit for
+    bit: N ranks add partial sums in another order (the dense gradients' all-reduce adds each
+    rank's gradient of its part of the batch; row-wise and data-parallel tables add per-rank
+    partial results), so each step differs in the last bits, and training carries the
+    difference on, growing with the number of steps. Measured against one process: 16 steps
+    of this config, losses within 1e-8 relative; 157 steps on the Criteo 10k sample, 4e-9 and
+    eval AUC 4e-8; 391 steps of configs/synthetic.toml, eval logloss 3-4e-5 relative and eval
+    AUC 8e-5. This test allows 1e-7 relative for the losses and 1e-5 for the eval AUC (a few
+    swapped sample pairs). Runs with the same world size, plan and seed are bitwise equal
+    (``tests/test_reproducible.py``, ``tests/test_pipeline.py``)."""
     one = tmp_path / "one.json"
     proc_utils.run([sys.executable] + train_cmd(one, []), check=True, cwd=ROOT, env=env(), timeout=120)
     two = tmp_path / "two.json"
@@ -62,9 +81,9 @@ def test_two_ranks_match_one_process(tmp_path):
     a, b = json.loads(one.read_text()), json.loads(two.read_text())
     assert b["world_size"] == 2 and a["world_size"] == 1
     assert a["steps"] == b["steps"] and a["samples"] == b["samples"]
-    assert abs(a["eval_auc"] - b["eval_auc"]) < 1e-4, (a["eval_auc"], b["eval_auc"])
-    assert abs(a["eval_logloss"] - b["eval_logloss"]) < 1e-4
-    assert abs(a["train_logloss"] - b["train_logloss"]) < 1e-5 * a["train_logloss"]  # losses of all 16 steps
+    for key in ("eval_logloss", "eval_ne", "train_logloss"):  # train_logloss: over all 16 steps
+        assert b[key] == pytest.approx(a[key], rel=N_RANKS_LOSS_RTOL, abs=0), (key, a[key], b[key])
+    assert b["eval_auc"] == pytest.approx(a["eval_auc"], rel=0, abs=N_RANKS_AUC_ATOL)
     for name in ("input_ids", "output_a2a", "grad_a2a", "dense_allreduce"):
         assert b["comm_bytes_per_step"][name] > 0
 

@@ -37,7 +37,7 @@ def _check_memory(result, hw):
 def test_plan_fits_memory_and_is_never_worse_than_a_baseline(world):
     tables = production_like(200, seed=world, max_log_rows=7.0 if world == 8 else 8.0)
     hw, wl = ZIONEX.with_world(world), Workload(batch_size=65536)
-    ours = plan_tables(tables, hw, wl, time_budget_s=10)
+    ours = plan_tables(tables, hw, wl)
     _check_memory(ours, hw)
     assert {t.table for t in ours.plan.tables} == {t.name for t in tables}
     for method in BASELINES:
@@ -60,14 +60,14 @@ def test_replicas_must_win_even_if_they_cost_more_than_predicted():
     the break-even it replicates. (The search converges within its budget: deterministic.)"""
     tables = production_like(80, seed=0, max_log_rows=6.0, skewed_ids=True)
     hw, wl = ZIONEX.with_world(8), Workload(batch_size=65536)
-    fastest = plan_tables(tables, hw, wl, time_budget_s=3, replica_error=0.0)
+    fastest = plan_tables(tables, hw, wl, replica_error=0.0)
     assert _replicated(fastest) > 0 and fastest.note == ""
-    kept = plan_tables(tables, hw, wl, time_budget_s=3)
+    kept = plan_tables(tables, hw, wl)
     replicas = replica_s(tables, hw, wl, fastest.plan.sharding_types())
     break_even = (kept.max_rank_s - fastest.max_rank_s) / replicas
     assert _replicated(kept) == 0 and 0 < break_even <= REPLICA_ERROR
     assert "not if replicas cost 20% more than predicted" in kept.note and "(0 replicated)" in kept.note
-    below = plan_tables(tables, hw, wl, time_budget_s=3, replica_error=break_even / 2)
+    below = plan_tables(tables, hw, wl, replica_error=break_even / 2)
     assert _replicated(below) > 0 and below.max_rank_s == pytest.approx(fastest.max_rank_s) and below.note == ""
     for bad in (-0.1, 10.0):
         with pytest.raises(ValueError, match="replica_error"):
@@ -78,7 +78,7 @@ def test_every_shard_of_the_plan_is_a_valid_rectangle():
     from recscale.embedding import TableConfig
 
     tables = production_like(60, seed=3)
-    result = plan_tables(tables, ZIONEX.with_world(16), Workload(batch_size=8192), time_budget_s=5)
+    result = plan_tables(tables, ZIONEX.with_world(16), Workload(batch_size=8192))
     result.plan.validate([TableConfig(t.name, t.rows, t.dim) for t in tables])
 
 
@@ -164,7 +164,7 @@ def test_narrow_column_shards_pay_a_whole_line_per_row_read():
     assert shard_cost(t, "column_wise", t.rows, 4, plain, wl).compute_s < narrow.compute_s
     # so the planner does not cut the hot 40M-row table into 4-column slivers
     tables = [t] + [TableSpec(f"s{i}", 100_000, 64, 5.0) for i in range(30)]
-    plan = plan_tables(tables, ZIONEX.with_world(32), wl, time_budget_s=5).plan
+    plan = plan_tables(tables, ZIONEX.with_world(32), wl).plan
     assert min(s.num_cols for s in plan.table("t").shards) >= 16
 
 
@@ -184,7 +184,7 @@ def test_search_is_never_worse_than_an_all_table_row_wise_plan():
     tables = [TableSpec(f"t{i}", r, 128, float(p)) for i, (r, p) in enumerate(zip(rows, pooling))]
     for world in (16, 128):
         hw, wl = ZIONEX.with_world(world), Workload(batch_size=65536)
-        ours = plan_tables(tables, hw, wl, time_budget_s=3)
+        ours = plan_tables(tables, hw, wl)
         # table-row-wise, each table on the host with the least load so far, largest first
         load, host = [0.0] * hw.num_hosts, {}
         for t in sorted(tables, key=lambda t: -shard_cost(t, "table_row_wise", t.rows // 8 or 1, t.dim, hw, wl).time_s):
@@ -202,7 +202,7 @@ def test_search_is_never_worse_than_an_all_table_row_wise_plan():
 def test_thousand_tables_on_128_ranks_in_under_30_seconds():
     tables = production_like(1000, seed=7)
     t0 = time.perf_counter()
-    result = plan_tables(tables, ZIONEX.with_world(128), Workload(batch_size=65536), time_budget_s=20)
+    result = plan_tables(tables, ZIONEX.with_world(128), Workload(batch_size=65536), time_limit_s=20)
     assert time.perf_counter() - t0 < 30
     _check_memory(result, ZIONEX)
 
@@ -294,7 +294,7 @@ def test_the_planner_is_never_worse_than_replicating_every_table():
     tables = [TableSpec(f"t{i}", 1_000 * (i + 1), 32, 2.0, 0.3) for i in range(12)]
     replicated = ShardingPlan(2, 2, tuple(TablePlan(t.name, "data_parallel", (Shard(0, 0, t.rows, 0, t.dim), Shard(1, 0, t.rows, 0, t.dim)))
                                           for t in tables))
-    ours = plan_tables(tables, hw, wl, time_budget_s=5)
+    ours = plan_tables(tables, hw, wl)
     assert ours.max_rank_s <= score_plan(replicated, tables, hw, wl).max_rank_s * (1 + 1e-9)
 
 
@@ -360,7 +360,7 @@ def test_the_planner_is_never_worse_than_replicating_the_small_tables():
         load[r] += shard_cost(t, "table_wise", t.rows, t.dim, hw, wl).time_s
         table_plans.append(TablePlan(t.name, "table_wise", (Shard(r, 0, t.rows, 0, t.dim),)))
     reference = score_plan(ShardingPlan(world, 8, tuple(table_plans)), tables, hw, wl)
-    ours = plan_tables(tables, hw, wl, time_budget_s=5)
+    ours = plan_tables(tables, hw, wl)
     _check_memory(ours, hw)
     assert ours.max_rank_s <= reference.max_rank_s
 

@@ -44,7 +44,7 @@ def test_trainer_plans_with_the_cost_model_by_default_and_all_ranks_agree(tmp_pa
     plans = run_ranks(_plan_on_ranks, 2, cfg)
     assert plans[0] == plans[1]
     tables = [TableConfig(f"t_s{i}", r, cfg.model.embedding_dim, (f"s{i}",)) for i, r in enumerate([50000, 2000, 300, 40000])]
-    expected = auto_plan(cfg, tables, 2, 2, gpu=False)
+    expected = auto_plan(cfg, tables, 2, 2, gpu=False)[0].plan
     assert {t["table"] for t in plans[0]["tables"]} == {t.name for t in tables}
     # The planner's choice, not the size-balanced table-wise default: same predicted cost as
     # planning here (the search is deterministic for a model this small).
@@ -228,7 +228,7 @@ def test_torchrec_plan_converts_into_a_valid_recscale_plan_and_both_estimators_s
     plan, seconds = tr.plan()
     plan.validate([TableConfig(t.name, t.rows, t.dim) for t in tables])
     assert seconds > 0
-    ours = plan_tables(tables, hw, wl, time_budget_s=2)
+    ours = plan_tables(tables, hw, wl)
     greedy = baseline_plan("greedy_size", tables, hw, wl)
     for p in (plan, ours.plan, greedy.plan):
         assert tr.score(p) > 0
@@ -255,7 +255,7 @@ def test_two_scorer_bound_never_exceeds_the_torchrec_score_of_a_plan_within_the_
     hw, wl = ZIONEX.with_world(world), Workload(65536)
     tr = trp.TorchRecPlanning(tables, hw, wl, timeout_s=10)
     plans = [baseline_plan(m, tables, hw, wl).plan for m in ("greedy_size", "karmarkar_karp")]
-    plans += [plan_tables(tables, hw, wl, time_budget_s=2).plan, plan_tables(tables, hw, wl, time_budget_s=2, replica_error=0).plan,
+    plans += [plan_tables(tables, hw, wl).plan, plan_tables(tables, hw, wl, replica_error=0).plan,
               tr.plan()[0]]
     for p in plans:
         bound = planner.two_scorer_bound(tables, hw, wl, tr, score_plan(p, tables, hw, wl).max_rank_s, float("inf"))

@@ -217,6 +217,10 @@ class TableBatchedEmbeddingBags(nn.Module):
             outs.append(self._pool_group_native(mod, g, batch, offsets))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
+    def runs_native(self) -> bool:
+        """Whether every group's lookups and updates run the native kernels."""
+        return all(self._native_kernels(g) is not None for g in self.groups)
+
     def _native_kernels(self, g: TableGroup):
         """The native kernels when they serve this group: fp32 rows in one dense CPU buffer."""
         if self.kernel == "torch" or self.device.type != "cpu":

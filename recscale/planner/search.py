@@ -73,6 +73,18 @@ class PlanResult:
     common_s: float  # paid by every rank alike
     seconds: float = 0.0  # planning time
     note: str = ""  # a choice the planner made that the numbers alone do not show
+    search_steps: int = 0  # re-placements the local search tried (deterministic)
+    # The safety time limit stopped the search before its step budget: another run (another
+    # machine, or this one under another load) may return another plan.
+    cut_by_time_limit: bool = False
+
+    @property
+    def reproducible(self) -> bool:
+        return not self.cut_by_time_limit
+
+    def search_record(self) -> dict[str, object]:
+        """What a plan file and a training summary say about the search that made the plan."""
+        return {"method": self.method, "search_steps": self.search_steps, "reproducible": self.reproducible}
 
     @property
     def max_rank_s(self) -> float:
@@ -371,11 +383,40 @@ def score_plan(plan: ShardingPlan, tables: list[TableSpec], hw: Hardware, wl: Wo
 
 # How much more than predicted the planner allows replicated tables to cost (see plan_tables).
 REPLICA_ERROR = 0.2
+# Re-placements the local search may try over all its starts: the plan is a function of the
+# inputs alone, never of the machine's speed or load. Typical models (26 tables, 2-128 ranks)
+# converge within 400-1,600 steps (a second or two here), and 200 tables on 8 ranks within
+# 6,000; it binds on hundreds of tables on many ranks (1,000 on 128: about 1-2 ms a step).
+SEARCH_STEPS = 10_000
+# Wall-clock seconds after which the search stops whatever its budget: a safety stop only.
+# A plan it cuts short says so (``PlanResult.cut_by_time_limit``) and is not reproducible.
+TIME_LIMIT_S = 60.0
+
+
+class _Budget:
+    """The local search's allowance: ``steps`` re-placements (each a ``_best_option`` call),
+    and a wall-clock deadline that only a search far beyond its usual size reaches."""
+
+    def __init__(self, steps: int, deadline: float) -> None:
+        self.left, self.deadline = steps, deadline
+        self.used = 0
+        self.cut = False
+
+    def take(self, limit: int) -> bool:
+        """One step, unless this phase has used ``limit`` or the deadline has passed."""
+        if self.used >= limit or self.left <= 0:
+            return False
+        if time.perf_counter() > self.deadline:
+            self.cut = True
+            return False
+        self.used += 1
+        self.left -= 1
+        return True
 
 
 def plan_tables(
-    tables: list[TableSpec], hw: Hardware, wl: Workload, allowed: set[str] | None = None, time_budget_s: float = 20.0,
-    replica_error: float = REPLICA_ERROR,
+    tables: list[TableSpec], hw: Hardware, wl: Workload, allowed: set[str] | None = None,
+    search_steps: int = SEARCH_STEPS, time_limit_s: float = TIME_LIMIT_S, replica_error: float = REPLICA_ERROR,
 ) -> PlanResult:
     """The default planner: several starts (greedy over every option with and without the
     average-load floor, greedy by least work, greedy table-wise, greedy without column shards,
@@ -383,6 +424,12 @@ def plan_tables(
     and each baseline that fits), each improved by local search, first blind to the number of
     collectives, then counting them. Starting from every baseline means the result is never
     worse than any of them.
+
+    The search tries at most ``search_steps`` re-placements in all: each start may use its
+    share of what the earlier ones left, half before counting collectives, so the plan depends
+    on the inputs alone (ties go to the first in a fixed order: tables by name, ranks by
+    number). ``time_limit_s`` is a safety stop: if it ends the search first, the result says so
+    (``cut_by_time_limit``; its plan may differ from run to run).
 
     Replicated (data-parallel) tables are where the model errs most, mostly on the fast side:
     measured against real steps (``benchmarks/planner_validation.py``), plans that replicate
@@ -395,6 +442,8 @@ def plan_tables(
         raise ValueError(
             f"replica_error must be in [0, 10), got {replica_error} (0.2: replicas may cost 20% more than predicted)"
         )
+    if search_steps < 0 or not time_limit_s > 0:
+        raise ValueError(f"search_steps must be >= 0 and time_limit_s > 0, got {search_steps} and {time_limit_s}")
     t0 = time.perf_counter()
     _check_names(tables)
     kinds = set(allowed) if allowed is not None else set(SHARDING_TYPES)
@@ -439,24 +488,26 @@ def plan_tables(
     if not starts:
         assert no_fit is not None
         raise no_fit
-    deadline = t0 + time_budget_s
+    budget = _Budget(search_steps, t0 + time_limit_s)
     candidates: list[PlanResult] = []
     for i, (placements, search) in enumerate(starts):
         loads = _Loads(hw, wl, collectives=False)
         for p in placements.values():
             loads.apply(p)
-        share = max((deadline - time.perf_counter()) / (len(starts) - i), 0.0)
+        share = budget.left // (len(starts) - i)
         results = [_result("recscale", dict(placements), tables, hw, wl, t0)]
-        _local_search(tables, placements, loads, hw, wl, search, time.perf_counter() + share / 2)
+        before = budget.used
+        _local_search(tables, placements, loads, hw, wl, search, budget, before + share // 2)
         results.append(_result("recscale", dict(placements), tables, hw, wl, t0))
         loads.collectives = True
-        _local_search(tables, placements, loads, hw, wl, search, time.perf_counter() + share / 2)
+        _local_search(tables, placements, loads, hw, wl, search, budget, before + share)
         # Compare on the full step time (contention and per-plan constants included): a start
         # that a search made worse is kept as it was.
         results.append(_result("recscale", placements, tables, hw, wl, t0))
         candidates += results
     best = _allowing_for_replicas(candidates, tables, hw, wl, replica_error)
     best.seconds = time.perf_counter() - t0
+    best.search_steps, best.cut_by_time_limit = budget.used, budget.cut
     return best
 
 
@@ -525,22 +576,23 @@ def _average_load_bound(tables: list[TableSpec], hw: Hardware, wl: Workload, all
     return total / hw.world_size
 
 
-def _local_search(tables, placements, loads: _Loads, hw, wl, allowed, deadline: float) -> None:
+def _local_search(tables, placements, loads: _Loads, hw, wl, allowed, budget: _Budget, limit: int) -> None:
     """Re-place the tables of the slowest rank while that lowers the maximum rank time (plus
-    what every rank pays alike for the exchanges)."""
+    what every rank pays alike for the exchanges), until ``budget`` has used ``limit`` steps.
+    Ties go to the lowest rank and, among equally loaded tables, the first name."""
     by_name = {t.name: t for t in tables}
     tabu: set[tuple[str, float]] = set()
     for _ in range(20 * len(tables) + 100):
-        if time.perf_counter() > deadline:
-            return
         worst = max(range(hw.world_size), key=lambda r: loads.time[r])
         current = loads.time[worst] + loads.common
         names = sorted(
             {p.table for p in placements.values() for s in p.shards if s.rank == worst},
-            key=lambda n: -sum(c.time_s for s, c in zip(placements[n].shards, placements[n].costs) if s.rank == worst),
+            key=lambda n: (-sum(c.time_s for s, c in zip(placements[n].shards, placements[n].costs) if s.rank == worst), n),
         )
         improved = False
         for name in names:
+            if not budget.take(limit):
+                return
             old = placements[name]
             loads.apply(old, -1.0)
             new = _best_option(by_name[name], hw, wl, loads, allowed)
@@ -558,21 +610,19 @@ def _local_search(tables, placements, loads: _Loads, hw, wl, allowed, deadline: 
                     break
                 loads.apply(new, -1.0)
             loads.apply(old)
-        if not improved and not _exchange_pass(by_name, placements, loads, hw, wl, allowed, deadline):
+        if not improved and not _exchange_pass(by_name, placements, loads, hw, wl, allowed, budget, limit):
             return
 
 
-def _exchange_pass(by_name, placements, loads: _Loads, hw, wl, allowed, deadline: float) -> bool:
+def _exchange_pass(by_name, placements, loads: _Loads, hw, wl, allowed, budget: _Budget, limit: int) -> bool:
     """Re-place any table, those with the most exchange first, where that lowers the slowest
     rank plus what every rank pays alike: replicating a table that is not on the slowest rank
     can add less to it than the exchange it saves every rank, a move the search of the
     slowest rank's tables never tries."""
     improved = False
     for name in sorted(placements, key=lambda n: (-loads.exchange_of(placements[n]), n)):
-        if time.perf_counter() > deadline:
-            break
         old = placements[name]
-        if loads.exchange_of(old) <= 0.0:
+        if loads.exchange_of(old) <= 0.0 or not budget.take(limit):
             break
         current = max(loads.time) + loads.common
         loads.apply(old, -1.0)

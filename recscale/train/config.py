@@ -211,6 +211,13 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     return cfg
 
 
+def config_from_dict(raw: Any) -> Config:
+    """A config from ``Config.to_dict()`` (a training summary's ``config``), validated."""
+    cfg = _build(Config, raw, "")
+    validate(cfg)
+    return cfg
+
+
 def _apply_override(raw: dict[str, Any], item: str) -> None:
     key, sep, text = item.partition("=")
     parts = key.strip().split(".")

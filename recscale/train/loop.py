@@ -8,7 +8,7 @@ import random
 import time
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from recscale.train.guards import FiniteGuard
 from recscale.train.lr_schedule import set_learning_rates
 from recscale.train.metrics import EvalMetrics, evaluate_predictions
 from recscale.train.pipeline import TrainPipeline, train_step
+from recscale.train.replay import Replay, check_world_size, versions
 
 
 def seed_everything(seed: int) -> None:
@@ -68,10 +69,28 @@ def build_tables(cfg: Config, sparse_names: tuple[str, ...]) -> list[TableConfig
     ]
 
 
+@dataclass(frozen=True)
+class PlanChoice:
+    """The plan a job runs, and for a planned one the hardware description it was costed on
+    and the search's record (``PlanResult.search_record``); None when not planned."""
+
+    plan: ShardingPlan
+    hardware: dict[str, Any] | None = None
+    search: dict[str, Any] | None = None
+
+
 def build_plan(cfg: Config, tables: list[TableConfig], groups: ProcessGroups) -> ShardingPlan:
-    """The plan file when given; else with ``sharding.default = "auto"`` (the default) and no
-    per-table overrides the cost-model planner's plan (made on rank 0, sent to every rank, so
-    all ranks run the same plan); else the default placement with per-table overrides."""
+    return choose_plan(cfg, tables, groups).plan
+
+
+def choose_plan(cfg: Config, tables: list[TableConfig], groups: ProcessGroups, replay: Replay | None = None) -> PlanChoice:
+    """A replay's recorded plan; else the plan file when given; else with ``sharding.default =
+    "auto"`` (the default) and no per-table overrides the cost-model planner's plan (made on
+    rank 0, sent to every rank, so all ranks run the same plan); else the default placement with
+    per-table overrides."""
+    if replay is not None and replay.plan is not None:
+        replay.plan.validate(tables)
+        return PlanChoice(replay.plan, replay.hardware, replay.plan_search)
     if cfg.sharding.plan:
         plan = ShardingPlan.load(cfg.sharding.plan)
         if plan.world_size != groups.world_size:
@@ -80,31 +99,33 @@ def build_plan(cfg: Config, tables: list[TableConfig], groups: ProcessGroups) ->
                 f"the job has {groups.world_size}"
             )
         plan.validate(tables)
-        return plan
+        return PlanChoice(plan)
     overrides = {k: TableSharding(v.type, v.shards) for k, v in cfg.sharding.tables.items()}
     if cfg.sharding.default == "auto" and not overrides:
         return _planned(cfg, tables, groups)
     default = "table_wise" if cfg.sharding.default == "auto" else cfg.sharding.default
-    return default_plan(tables, groups.topology, default, overrides)
+    return PlanChoice(default_plan(tables, groups.topology, default, overrides))
 
 
-def _planned(cfg: Config, tables: list[TableConfig], groups: ProcessGroups) -> ShardingPlan:
+def _planned(cfg: Config, tables: list[TableConfig], groups: ProcessGroups) -> PlanChoice:
     from recscale.train.planning import auto_plan
 
     topo = groups.topology
     box: list[object] = [None]
     if topo.rank == 0:
         try:
-            box[0] = auto_plan(cfg, tables, topo.world_size, topo.ranks_per_host, groups.device.type == "cuda").to_dict()
+            result, hw = auto_plan(cfg, tables, topo.world_size, topo.ranks_per_host, groups.device.type == "cuda")
+            box[0] = (result.plan.to_dict(), asdict(hw), result.search_record())
         except PlanError as e:
             box[0] = f"sharding.default = 'auto': {e}"
     if groups.dense is not None:
         torch.distributed.broadcast_object_list(box, src=0, group=groups.dense)
     if isinstance(box[0], str):
         raise PlanError(box[0])
-    plan = ShardingPlan.from_dict(box[0])  # type: ignore[arg-type]
+    plan_dict, hardware, search = box[0]  # type: ignore[misc]
+    plan = ShardingPlan.from_dict(plan_dict)
     plan.validate(tables)
-    return plan
+    return PlanChoice(plan, hardware, search)
 
 
 def build_model(
@@ -114,7 +135,9 @@ def build_model(
     device: torch.device,
     groups: ProcessGroups | None = None,
     stats: CommStats | None = None,
+    plan: ShardingPlan | None = None,
 ) -> DLRM:
+    """The model; on several ranks its tables are sharded by ``plan`` (default: ``build_plan``)."""
     eo = cfg.embedding_optimizer
     opt_kwargs: dict[str, float] = {"lr": eo.lr}
     if eo.name != "sgd":
@@ -132,7 +155,7 @@ def build_model(
             tables, optimizer, seed=cfg.train.seed, device=device, kernel=cfg.model.embedding_kernel
         )
     else:
-        plan = build_plan(cfg, tables, groups)
+        plan = plan or build_plan(cfg, tables, groups)
         all_gather_object_check(plan.digest(), groups.dense, "sharding plans")
         precision = CommPrecision(cfg.comm.forward, cfg.comm.backward, cfg.comm.loss_scale)
         embeddings = ShardedEmbeddingCollection(
@@ -192,22 +215,24 @@ def config_digest(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()
 
 
-def train(cfg: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Train and evaluate as configured (one process, or every rank of a torchrun job)."""
+def train(cfg: Config, log: Callable[[str], None] = print, replay: Replay | None = None) -> dict[str, Any]:
+    """Train and evaluate as configured (one process, or every rank of a torchrun job);
+    ``replay``: rerun a recorded run (its config is ``cfg``) on its recorded plan."""
+    topology = env_topology(cfg.dist.ranks_per_host)
+    if replay is not None:
+        check_world_size(replay, topology.world_size)  # before any rank waits for another
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     device = pick_device(cfg.train.device)
-    groups = init_process_groups(
-        env_topology(cfg.dist.ranks_per_host), cfg.dist.timeout_s, device=device, shared_memory=cfg.dist.shared_memory
-    )
+    groups = init_process_groups(topology, cfg.dist.timeout_s, device=device, shared_memory=cfg.dist.shared_memory)
     try:
-        return _train(cfg, groups, log if groups.rank == 0 else (lambda _: None))
+        return _train(cfg, groups, log if groups.rank == 0 else (lambda _: None), replay)
     finally:
         if groups.world_size > 1:
             destroy_process_groups()
 
 
-def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None]) -> dict[str, Any]:
+def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], replay: Replay | None = None) -> dict[str, Any]:
     seed_everything(cfg.train.seed)
     device = groups.device
     world, rank = groups.world_size, groups.rank
@@ -216,7 +241,9 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None]) -> di
     data: DataSplits = build_data(cfg, rank, world)
     log(f"data: {data.description}")
     stats = CommStats()
-    model = build_model(cfg, data.sparse_names, data.num_dense, device, groups, stats)
+    choice = choose_plan(cfg, build_tables(cfg, data.sparse_names), groups, replay) if world > 1 else None
+    model = build_model(cfg, data.sparse_names, data.num_dense, device, groups, stats, choice.plan if choice else None)
+    kernel_native = _runs_native_kernels(model, groups)
     dense_params = model.dense_parameters()
     dense_opt = build_dense_optimizer(cfg, dense_params)
     sync = DenseGradSync(dense_params, groups.dense, cfg.comm.dense, cfg.comm.loss_scale, stats)
@@ -225,8 +252,15 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None]) -> di
     log(
         f"model: DLRM, {len(model.embeddings.tables)} tables, "
         f"{sum(t.num_rows for t in model.embeddings.tables):,} embedding rows x dim {cfg.model.embedding_dim}, "
-        f"{sum(p.numel() for p in dense_params):,} dense parameters, device {device}, world size {world}"
+        f"{sum(p.numel() for p in dense_params):,} dense parameters, device {device}, world size {world}, "
+        f"embedding kernel {'native' if kernel_native else 'torch'}"
     )
+    # Reproducible unless the planner's safety time limit cut its search short.
+    reproducible = choice is None or choice.search is None or bool(choice.search.get("reproducible", True))
+    if not reproducible:
+        log("warning: the planner's time limit cut its search short: this plan (and run) is not reproducible")
+    if replay is not None:
+        log(f"replaying {replay.path}" + (f" on its plan {choice.plan.digest()[:12]}" if choice else ""))
     eval_group = groups.dense if world > 1 else None
 
     ckpt = TrainCheckpointing(cfg, model, dense_opt, data, groups, log)
@@ -319,8 +353,29 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None]) -> di
         "data": data.description,
         "evals": evals,
         **ckpt_summary,
+        # What reruns this run (``recscale train --replay``): see recscale/train/replay.py.
+        "config": cfg.to_dict(),
+        "plan": choice.plan.to_dict() if choice else None,
+        "plan_digest": choice.plan.digest() if choice else None,
+        "hardware": choice.hardware if choice else None,
+        "plan_search": choice.search if choice else None,
+        "reproducible": reproducible,
+        "embedding_kernel": "native" if kernel_native else "torch",
+        "embedding_kernel_native": kernel_native,
+        "versions": versions(),
     }
     return summary
+
+
+def _runs_native_kernels(model: DLRM, groups: ProcessGroups) -> bool:
+    """Whether every embedding lookup of every rank runs the native kernels (not the torch ones)."""
+    bags = [m for m in model.embeddings.modules() if isinstance(m, TableBatchedEmbeddingBags)]
+    native = all(b.runs_native() for b in bags)
+    if groups.world_size > 1:
+        flag = torch.tensor([int(native)])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=groups.dense)
+        native = bool(flag.item())
+    return native
 
 
 def _progress(

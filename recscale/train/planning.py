@@ -7,8 +7,7 @@ from recscale.data.synthetic import unique_fraction
 from recscale.embedding import TableConfig
 from recscale.planner.cost_model import TableSpec, Workload
 from recscale.planner.hardware import Hardware, resolve_hardware, this_machine
-from recscale.planner.search import plan_tables
-from recscale.sharding.plan import ShardingPlan
+from recscale.planner.search import PlanResult, plan_tables
 from recscale.train.config import Config, ConfigError
 
 _ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -57,8 +56,9 @@ def training_hardware(cfg: Config, world_size: int, ranks_per_host: int, gpu: bo
 
 
 def auto_plan(cfg: Config, tables: list[TableConfig], world_size: int, ranks_per_host: int, gpu: bool,
-              time_budget_s: float = 5.0) -> ShardingPlan:
-    """The cost-model planner's plan for a training job (``sharding.default = "auto"``)."""
+              hw: Hardware | None = None) -> tuple[PlanResult, Hardware]:
+    """The cost-model planner's plan for a training job (``sharding.default = "auto"``) and the
+    hardware description it costed (``hw`` when given, else ``training_hardware``)."""
     by_name = {s.name: s for s in table_specs(cfg)}
     specs = []
     for t in tables:
@@ -66,13 +66,15 @@ def auto_plan(cfg: Config, tables: list[TableConfig], world_size: int, ranks_per
         specs.append(TableSpec(t.name, t.num_rows, t.dim, s.pooling if s else 1.0, s.unique_fraction if s else 0.5,
                                s.element_bytes if s else 4, s.state_bytes_per_row if s else 4.0,
                                s.state_bytes_per_element if s else 0.0))
-    hw = training_hardware(cfg, world_size, ranks_per_host, gpu)
-    return plan_tables(specs, hw, workload(cfg), time_budget_s=time_budget_s).plan
+    hw = hw or training_hardware(cfg, world_size, ranks_per_host, gpu)
+    return plan_tables(specs, hw, workload(cfg)), hw
 
 
 def check_one_process_inputs(cfg: Config, tables: list[TableConfig]) -> None:
     """One process shards nothing, but a plan file or topology it was given must still be
     valid: a bad file is an error, not silently ignored."""
+    from recscale.sharding.plan import ShardingPlan
+
     if cfg.sharding.plan:
         plan = ShardingPlan.load(cfg.sharding.plan)
         if plan.world_size != 1:
