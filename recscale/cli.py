@@ -12,10 +12,13 @@ from recscale import __version__
 
 
 def _train(args: argparse.Namespace) -> int:
+    from recscale.atomic import check_output_dir, check_output_file
     from recscale.train.config import ConfigError, load_config
     from recscale.train.loop import format_summary, train, write_json_atomic
     from recscale.train.replay import load_replay
 
+    if args.summary_json:  # before any work: a bad path must not cost the run's summary
+        check_output_file(args.summary_json, "--summary-json")
     replay = None
     if args.replay:
         given = [flag for flag, v in (("--config", args.config), ("--set", args.set), ("--resume", args.resume),
@@ -29,6 +32,8 @@ def _train(args: argparse.Namespace) -> int:
         if args.plan:  # --plan FILE is --set sharding.plan="FILE"
             overrides.append(f"sharding.plan={_toml_str(args.plan)}")
         cfg = load_config(args.config, overrides)
+    if cfg.checkpoint.dir:
+        check_output_dir(cfg.checkpoint.dir, "config key 'checkpoint.dir':")
     summary = train(cfg, replay=replay)
     if summary.get("rank", 0) != 0:
         return 0  # rank 0 reports for the whole job
@@ -47,35 +52,66 @@ def _ckpt(args: argparse.Namespace) -> int:
     from recscale.checkpoint import tools
 
     if args.ckpt_command == "list":
-        rows = tools.list_root(args.dir)
-        if not rows:
+        runs = tools.list_root(args.dir)
+        if not runs:
             print(f"no checkpoints under {args.dir}")
-        for r in rows:
-            if r.error:
-                print(f"{r.name}  DAMAGED: {r.error}")
-            else:
-                print(f"{r.name}  step {r.step:>10,}  {r.kind:12s}  {r.bytes:>14,} bytes  restore: {' + '.join(r.chain)}")
+        for run in runs:
+            print(_run_line(run))
+            for r in run.checkpoints:
+                if r.error:
+                    print(f"  {r.name}  DAMAGED: {r.error}")
+                    continue
+                mark = "  <- latest" if r.latest else "  [stale branch]" if r.stale else ""
+                print(f"  {r.name}  step {r.step:>10,}  {r.kind:12s}  {r.bytes:>14,} bytes  "
+                      f"restore: {' + '.join(r.chain)}{mark}")
     elif args.ckpt_command == "inspect":
         print(json.dumps(tools.inspect(args.dir), indent=1, sort_keys=True))
     elif args.ckpt_command == "verify":
-        for line in tools.verify(args.dir):
+        lines = tools.verify(args.dir)
+        for line in lines:
             print(line)
-        print("verified: the checkpoint and its chain are intact")
+        stale = any(line.startswith("stale branch") for line in lines)
+        print("verified: the checkpoint and its chain are intact" + (", but it is on a stale branch" if stale else ""))
     else:
+        from recscale.atomic import check_output_file
+
+        check_output_file(args.out, "--out")
         out, n = tools.export(args.dir, args.out)
         print(f"exported {n} tensors (full precision) to {out}")
     return 0
 
 
+def _run_line(run) -> str:
+    import time
+
+    if not run.run:
+        return "(flat layout, written before run folders)"
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(run.started_unix))
+    p = run.parent
+    if not p:
+        origin = "a fresh start"
+    else:
+        how = "continues it" if p.get("newest") else "a branch from an older checkpoint"
+        origin = f"resumed from {p.get('run') or p.get('path')} {p.get('name')} ({how})"
+    return f"run {run.run}  started {started}, {origin}"
+
+
 def _plan(args: argparse.Namespace) -> int:
     from recscale.planner.hardware import resolve_hardware
     from recscale.planner.report import rank_table, write_html_report
-    from recscale.atomic import write_text_atomic
+    from recscale.atomic import check_output_file, write_text_atomic
     from recscale.planner.search import BASELINES, REPLICA_ERROR, SEARCH_STEPS, TIME_LIMIT_S, baseline_plan, plan_tables
     from recscale.sharding.plan import PlanError
     from recscale.train.config import ConfigError, load_config
     from recscale.train.planning import table_specs, workload
 
+    for flag, value, low in (("--world-size", args.world_size, 1), ("--ranks-per-host", args.ranks_per_host, 1),
+                             ("--time-budget", args.time_budget, 0), ("--replica-error", args.replica_error, 0)):
+        if value is not None and not (low <= value < float("inf")):
+            raise ConfigError(f"{flag}: expected a finite number >= {low}, got {value}")
+    for flag, path in (("--out", args.out), ("--report", args.report)):
+        if path:
+            check_output_file(path, flag)
     cfg = load_config(args.config, args.set)
     try:
         hw = resolve_hardware(args.topology, args.world_size, args.ranks_per_host)
@@ -121,7 +157,13 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     from recscale.planner.hardware import cached_calibration
 
+    from recscale.atomic import check_output_file
+    from recscale.train.config import ConfigError
+
+    if args.ranks < 1:
+        raise ConfigError(f"--ranks: expected an integer >= 1, got {args.ranks}")
     out = args.out or str(cached_calibration(args.ranks))
+    check_output_file(out, "--out")
     hw = calibrate(args.ranks, progress=print if args.verbose else None, quick=args.quick)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     hw.save(out)
@@ -268,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from recscale.atomic import OutputPathError
     from recscale.checkpoint.manifest import CheckpointError
     from recscale.comm.process_group import DistributedError
     from recscale.data.errors import DataFormatError
@@ -276,17 +319,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from recscale.sharding.plan import PlanError
     from recscale.sparse import SparseInputError
     from recscale.train.config import ConfigError
+    from recscale.train.guards import NonFiniteError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (
         ConfigError, DataFormatError, SparseInputError, PlanError, FileNotFoundError, SchemaError, ReaderStateError,
-        FileExistsError, CheckpointError,
+        FileExistsError, CheckpointError, OutputPathError,
     ) as e:
         print(f"recscale: error: {e}", file=sys.stderr)
         return 2
-    except DistributedError as e:
+    except (DistributedError, NonFiniteError) as e:
         print(f"recscale: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -44,7 +44,8 @@ class Storage(ABC):
 
     @abstractmethod
     def commit(self, tmp_dir: str, final_dir: str) -> None:
-        """Make ``tmp_dir`` visible as ``final_dir`` in one step (replacing an older one)."""
+        """Make ``tmp_dir`` visible as ``final_dir`` in one step; an existing ``final_dir`` is
+        never replaced (FileExistsError)."""
 
     @abstractmethod
     def delete_dir(self, path: str) -> None:
@@ -115,13 +116,11 @@ class LocalStorage(Storage):
 
     def commit(self, tmp_dir: str, final_dir: str) -> None:
         src, dst = self._p(tmp_dir), self._p(final_dir)
-        if dst.exists():  # an older timeline's checkpoint of the same step: replace it
-            old = dst.with_name(f".old-{dst.name}-{os.getpid()}")
-            os.rename(dst, old)
-            os.rename(src, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(src, dst)
+        # A checkpoint directory is never replaced: another checkpoint may name it as its base.
+        # (rename() would replace an empty directory silently, so check first; one writer per run folder.)
+        if dst.exists():
+            raise FileExistsError(f"{dst} already exists; a checkpoint directory is never overwritten")
+        os.rename(src, dst)
         _fsync_dir(dst.parent)
 
     def delete_dir(self, path: str) -> None:

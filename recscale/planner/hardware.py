@@ -122,8 +122,8 @@ class Hardware:
         try:
             d = json.loads(p.read_text())
             return Hardware(**d)
-        except (json.JSONDecodeError, TypeError) as e:
-            raise ValueError(f"topology file '{p}' is not a valid hardware description: {e}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
+            raise ValueError(f"topology file '{p}' is not a valid hardware description: {str(e)[:160]}") from None
 
 
 # ZionEX-like (Meta's DLRM training cluster): 8 A100 per host, 320 GB HBM at 12.4 TB/s per

@@ -42,6 +42,13 @@ class Shard:
     num_cols: int
 
 
+def _count(v: object, key: str) -> int:
+    """A plan's integers are JSON integers >= 0 (not strings, booleans or fractions)."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"'{key}' must be an integer >= 0, got {str(v)[:40]!r}")
+    return v
+
+
 # Types that split a table by rows: each id goes only to the shard whose row range holds it.
 ROW_SPLIT_TYPES = frozenset({"row_wise", "table_row_wise"})
 
@@ -97,6 +104,8 @@ class ShardingPlan:
 
     @staticmethod
     def from_dict(d: dict, source: str = "plan") -> ShardingPlan:
+        if not isinstance(d, dict):
+            raise PlanError(f"{source}: a plan is a JSON object, got {type(d).__name__}")
         try:
             if d.get("version") != PLAN_VERSION:
                 raise PlanError(f"{source}: unknown plan version {d.get('version')!r}; expected {PLAN_VERSION}")
@@ -104,14 +113,21 @@ class ShardingPlan:
             for t in d["tables"]:
                 if t["sharding_type"] not in SHARDING_TYPES:
                     raise PlanError(
-                        f"{source}: table '{t['table']}' has sharding_type {t['sharding_type']!r}; "
+                        f"{source}: table '{str(t['table'])[:60]}' has sharding_type {str(t['sharding_type'])[:60]!r}; "
                         f"expected one of {list(SHARDING_TYPES)}"
                     )
-                shards = tuple(Shard(**{k: int(s[k]) for k in Shard.__dataclass_fields__}) for s in t["shards"])
+                shards = tuple(Shard(**{k: _count(s[k], k) for k in Shard.__dataclass_fields__}) for s in t["shards"])
+                if not isinstance(t["table"], str):
+                    raise TypeError(f"table name {str(t['table'])[:40]!r} is not a string")
                 tables.append(TablePlan(t["table"], t["sharding_type"], shards))
-            return ShardingPlan(int(d["world_size"]), int(d["ranks_per_host"]), tuple(tables))
-        except (KeyError, TypeError) as e:
-            raise PlanError(f"{source}: malformed plan ({type(e).__name__}: {e})") from None
+            world, per_host = _count(d["world_size"], "world_size"), _count(d["ranks_per_host"], "ranks_per_host")
+            if world < 1 or per_host < 1:
+                raise ValueError("world_size and ranks_per_host must be >= 1")
+            return ShardingPlan(world, per_host, tuple(tables))
+        except PlanError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise PlanError(f"{source}: malformed plan ({type(e).__name__}: {str(e)[:160]})") from None
 
     @staticmethod
     def load(path: str | Path) -> ShardingPlan:
@@ -120,8 +136,8 @@ class ShardingPlan:
             raise PlanError(f"plan file '{p}' does not exist")
         try:
             d = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise PlanError(f"plan file '{p}' is not valid JSON: {e}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise PlanError(f"plan file '{p}' is not valid JSON: {str(e)[:160]}") from None
         return ShardingPlan.from_dict(d, str(p))
 
     # ------------------------------------------------------------------ checks

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 import types
 import typing
@@ -195,12 +196,14 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     raw: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file '{p}' is a directory; give a TOML file (e.g. configs/criteo_10k.toml)")
         if not p.is_file():
             raise ConfigError(f"config file '{p}' does not exist")
         try:
             raw = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file '{p}' is not valid TOML: {e}") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError, ValueError) as e:
+            raise ConfigError(f"config file '{p}' is not valid TOML: {cut(str(e), 200)}") from None
     for item in overrides or []:
         _apply_override(raw, item)
     cfg = _build(Config, raw, "")
@@ -224,6 +227,8 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         value = text  # a bare word is a string: --set data.source=synthetic
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise ConfigError(f"--set '{cut(item, 60)}': {cut(str(e))}") from None
     section = raw.setdefault(parts[0], {})
     if not isinstance(section, dict):
         raise ConfigError(f"--set '{item}': '{parts[0]}' is not a section")
@@ -255,37 +260,43 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
-            raise ConfigError(f"config key '{name}': expected one of {list(choices)}, got {value!r}")
+            raise ConfigError(f"config key '{name}': expected one of {list(choices)}, got {short(value)}")
         return value
     if origin is dict:
         _, val_tp = typing.get_args(tp)
         if not isinstance(value, dict):
-            raise ConfigError(f"config key '{name}': expected a table, got {value!r}")
+            raise ConfigError(f"config key '{name}': expected a table, got {short(value)}")
         return {str(k): _coerce(val_tp, v, f"{name}.{k}") for k, v in value.items()}
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             value = [value]
         if not isinstance(value, list):
-            raise ConfigError(f"config key '{name}': expected a list, got {value!r}")
+            raise ConfigError(f"config key '{name}': expected a list, got {short(value)}")
         return [_coerce(item_tp, v, f"{name}[{i}]") for i, v in enumerate(value)]
     if origin in (typing.Union, types.UnionType):
         raise ConfigError(f"config key '{name}': unsupported type {tp}")  # not used by any field
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"config key '{name}': expected true or false, got {value!r}")
+            raise ConfigError(f"config key '{name}': expected true or false, got {short(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"config key '{name}': expected an integer, got {value!r}")
+            raise ConfigError(f"config key '{name}': expected an integer, got {short(value)}")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"config key '{name}': expected a number, got {value!r}")
-        return float(value)
+            raise ConfigError(f"config key '{name}': expected a number, got {short(value)}")
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
+            raise ConfigError(f"config key '{name}': expected a finite number, got {short(value)}")
+        return number
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"config key '{name}': expected a string, got {value!r}")
+            raise ConfigError(f"config key '{name}': expected a string, got {short(value)}")
         return value
     raise ConfigError(f"config key '{name}': unsupported type {tp}")  # pragma: no cover
 
@@ -335,7 +346,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'data.eval_fraction': expected a value in [0, 1), got {d.eval_fraction}")
     if d.source == "synthetic":
         _positive("data.num_samples", d.num_samples)
-        _non_negative("data.eval_samples", d.eval_samples)
+        _positive("data.eval_samples", d.eval_samples)  # evaluation needs at least one sample
+        if any(f < 1 for f in d.pooling_factors):
+            raise ConfigError(
+                f"config key 'data.pooling_factors': every mean pooling factor must be >= 1, got {short(d.pooling_factors)}"
+            )
         if d.pooling_factors and len(d.pooling_factors) not in (1, len(m.table_rows)):
             raise ConfigError(
                 f"config key 'data.pooling_factors': expected 1 or {len(m.table_rows)} values "
@@ -366,10 +381,23 @@ def validate(cfg: Config) -> None:
 
 
 def _positive(name: str, v: float) -> None:
-    if v <= 0:
-        raise ConfigError(f"config key '{name}': expected a value > 0, got {v}")
+    if not v > 0 or v == math.inf:
+        raise ConfigError(f"config key '{name}': expected a value > 0 and finite, got {short(v)}")
 
 
 def _non_negative(name: str, v: float) -> None:
-    if v < 0:
-        raise ConfigError(f"config key '{name}': expected a value >= 0, got {v}")
+    if not v >= 0 or v == math.inf:
+        raise ConfigError(f"config key '{name}': expected a value >= 0 and finite, got {short(v)}")
+
+
+def short(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to a readable length: an error message stays one short line."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int too long to convert to text
+        return "an integer of thousands of digits"
+    return cut(text, limit)
+
+
+def cut(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else f"{text[: limit - 20]}...{text[-12:]} ({len(text):,} characters)"

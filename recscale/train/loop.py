@@ -32,6 +32,7 @@ from recscale.sharding.plan import PlanError, ShardingPlan
 from recscale.train.checkpointing import Progress, TrainCheckpointing
 from recscale.train.config import Config, ConfigError
 from recscale.train.datasets import DataSplits, build_data
+from recscale.train.guards import FiniteGuard
 from recscale.train.lr_schedule import set_learning_rates
 from recscale.train.metrics import EvalMetrics, evaluate_predictions
 from recscale.train.pipeline import TrainPipeline, train_step
@@ -48,7 +49,7 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device = 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
+        raise ConfigError("config key 'train.device': 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
     return torch.device(name)
 
 
@@ -147,6 +148,9 @@ def build_model(
     tables = build_tables(cfg, sparse_names)
     embeddings: torch.nn.Module
     if groups is None or groups.world_size == 1:
+        from recscale.train.planning import check_one_process_inputs
+
+        check_one_process_inputs(cfg, tables)
         embeddings = TableBatchedEmbeddingBags(
             tables, optimizer, seed=cfg.train.seed, device=device, kernel=cfg.model.embedding_kernel
         )
@@ -261,6 +265,8 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], repla
 
     ckpt = TrainCheckpointing(cfg, model, dense_opt, data, groups, log)
     start = ckpt.restore()
+    dense_named = [(k, p) for k, p in model.named_parameters() if not k.startswith("embeddings.")]
+    guard = FiniteGuard(dense_named, groups.dense if world > 1 else None)
     state = TrainState(start.step, start.samples, start.train_seconds)
     evals: list[dict[str, float]] = start.evals
     max_steps = cfg.train.max_steps or None
@@ -297,7 +303,9 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], repla
             state.samples += model.embeddings.global_batch_size
             running_loss += loss_sum
             running_n += batch.batch_size
+            guard.observe(state.step, loss_sum)
             if state.step % 20 == 0 or state.step == total_steps:
+                guard.check(state.step, False, ckpt.last_checkpoint)  # where the loop syncs anyway
                 elapsed = state.train_seconds + time.perf_counter() - t0
                 extra = {"lr_factor": f"{lr_factor:.3g}"} if lr_factor is not None else {}
                 bar.set_postfix(loss=f"{float(running_loss) / max(running_n, 1):.4f}", samples_per_s=f"{state.samples / elapsed:,.0f}", **extra)
@@ -309,7 +317,8 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], repla
                 if rank == 0:
                     bar.write(f"step {state.step}: eval auc {m.auc:.4f}, logloss {m.logloss:.4f}, ne {m.ne:.4f}")
                 t0 = time.perf_counter()
-            ckpt.after_step(state.step, lambda: _progress(state, epoch, next_batch, running_loss, running_n, evals, t0))
+            ckpt.after_step(state.step, lambda: _progress(state, epoch, next_batch, running_loss, running_n, evals, t0),
+                            lambda: guard.check(state.step, True, ckpt.last_checkpoint))
             if max_steps and state.step >= max_steps:
                 done = True
                 break
@@ -318,6 +327,7 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], repla
         if done:
             break
     bar.close()
+    guard.check(state.step, True, ckpt.last_checkpoint)
     ckpt_summary = ckpt.finish(_progress(state, epoch, next_batch, running_loss, running_n, evals, None))
     if world > 1:  # the training loss over every rank's samples
         totals = torch.tensor([float(running_loss), float(running_n)], dtype=torch.float64)

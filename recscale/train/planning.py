@@ -68,3 +68,20 @@ def auto_plan(cfg: Config, tables: list[TableConfig], world_size: int, ranks_per
                                s.state_bytes_per_element if s else 0.0))
     hw = hw or training_hardware(cfg, world_size, ranks_per_host, gpu)
     return plan_tables(specs, hw, workload(cfg)), hw
+
+
+def check_one_process_inputs(cfg: Config, tables: list[TableConfig]) -> None:
+    """One process shards nothing, but a plan file or topology it was given must still be
+    valid: a bad file is an error, not silently ignored."""
+    from recscale.sharding.plan import ShardingPlan
+
+    if cfg.sharding.plan:
+        plan = ShardingPlan.load(cfg.sharding.plan)
+        if plan.world_size != 1:
+            raise ConfigError(
+                f"config key 'sharding.plan': '{cfg.sharding.plan}' is for {plan.world_size} ranks, the job has 1 "
+                "(run it under torchrun with that many ranks, or leave the plan out)"
+            )
+        plan.validate(tables)
+    if cfg.sharding.topology:
+        training_hardware(cfg, 1, 1, gpu=False)
