@@ -34,7 +34,7 @@ from recscale.comm.process_group import ProcessGroups
 from recscale.embedding import SparseOptimizer, TableBatchedEmbeddingBags, TableConfig, native
 from recscale.embedding.table_batched import init_rows, output_feature_order, row_gradients
 from recscale.sharding.hierarchical import HostBlock, TableRowWiseHierarchy
-from recscale.sharding.plan import ShardingPlan
+from recscale.sharding.plan import PlanError, ShardingPlan
 from recscale.sharding.column_runs import ColumnRun, column_runs, place, take
 from recscale.sharding.replica_gradients import ReplicaGradients, Reduction
 from recscale.sparse import JaggedBatch, SparseInputError, permute_bags
@@ -135,7 +135,8 @@ class ShardedEmbeddingCollection(nn.Module):
         super().__init__()
         plan.validate(tables)
         if plan.world_size != groups.world_size:
-            raise SparseInputError(f"the plan is for {plan.world_size} ranks but the job has {groups.world_size}")
+            raise PlanError(f"the plan is for {plan.world_size} ranks but the job has {groups.world_size}; plan again for "
+                            f"{groups.world_size} ranks (or start {plan.world_size})")
         self.tables = list(tables)
         self.optimizer = optimizer
         self.plan = plan
@@ -168,23 +169,23 @@ class ShardedEmbeddingCollection(nn.Module):
         local_tables: list[list[TableConfig]] = [[] for _ in range(self.world)]
         origin: dict[str, tuple[TableConfig, object, int]] = {}
         self._dp_tables: list[TableConfig] = []
-        for tp in plan.tables:
-            t = by_name[tp.table]
-            if tp.sharding_type == "data_parallel":
+        for table_plan in plan.tables:
+            t = by_name[table_plan.table]
+            if table_plan.sharding_type == "data_parallel":
                 self._dp_tables.append(t)
                 continue
-            for i, s in enumerate(tp.shards):
+            for i, s in enumerate(table_plan.shards):
                 name = _shard_table_name(t.name, i)
                 local_tables[s.rank].append(
                     TableConfig(name, s.num_rows, s.num_cols, tuple(f"{f}#{i}" for f in t.features), "sum", None, t.dtype)
                 )
-                origin[name] = (t, s, tp.routes_by_row)
+                origin[name] = (t, s, table_plan.routes_by_row)
         # Column-shard tables whose optimizer keeps a whole-row statistic (row-wise Adagrad):
         # their shards update with it, in operator groups apart from the other tables.
         self._cw_row_stat = [
-            tp for tp in plan.tables if tp.sharding_type == "column_wise" and len(tp.shards) > 1
+            table_plan for table_plan in plan.tables if table_plan.sharding_type == "column_wise" and len(table_plan.shards) > 1
         ] if optimizer.uses_row_mean_sq else []
-        row_stat_tables = frozenset(_shard_table_name(tp.table, i) for tp in self._cw_row_stat for i in range(len(tp.shards)))
+        row_stat_tables = frozenset(_shard_table_name(table_plan.table, i) for table_plan in self._cw_row_stat for i in range(len(table_plan.shards)))
         self._served: list[list[_ShardFeature]] = []
         for r in range(self.world):
             served = []
@@ -193,19 +194,19 @@ class ShardedEmbeddingCollection(nn.Module):
                 t, s, by_row = origin[_shard_table_name(table_of_feature[feature].name, int(idx))]
                 served.append(_ShardFeature(key, feature, t.name, s.row_offset, s.num_rows, s.col_offset, s.num_cols, by_row))
             self._served.append(served)
-        self._local_dims = [sum(sf.num_cols for sf in served) for served in self._served]
+        self._local_dims = [sum(shard_feature.num_cols for shard_feature in served) for served in self._served]
 
         def shard_init(local: TableConfig) -> torch.Tensor:
             t, s, _ = origin[local.name]
             return init_rows(t, seed, s.row_offset, s.num_rows, s.col_offset, s.num_cols)
 
         device = groups.device
-        self._cw_msq: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._column_shard_row_mean_sq: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._local_col = {}
         col = 0
-        for sf in self._served[self.rank]:
-            self._local_col[sf.key] = col
-            col += sf.num_cols
+        for shard_feature in self._served[self.rank]:
+            self._local_col[shard_feature.key] = col
+            col += shard_feature.num_cols
         self.local = (
             TableBatchedEmbeddingBags(
                 local_tables[self.rank], optimizer, seed, device, init_fn=shard_init,
@@ -224,17 +225,17 @@ class ShardedEmbeddingCollection(nn.Module):
             else None
         )
         self._hier = self._table_row_wise_hierarchy(plan, groups.topology, device) if hierarchical else None
-        hier_tables = {tp.table for tp in plan.tables if tp.sharding_type == "table_row_wise"} if self._hier else set()
+        hier_tables = {table_plan.table for table_plan in plan.tables if table_plan.sharding_type == "table_row_wise"} if self._hier else set()
         # What each owner sends every source flat: all its shards but the hierarchical ones.
-        flat = [[sf for sf in served if sf.table not in hier_tables] for served in self._served]
+        flat = [[shard_feature for shard_feature in served if shard_feature.table not in hier_tables] for served in self._served]
         self._flat_local_cols = torch.tensor(
-            [self._local_col[sf.key] + c for sf in flat[self.rank] for c in range(sf.num_cols)], dtype=torch.int64, device=device
+            [self._local_col[shard_feature.key] + c for shard_feature in flat[self.rank] for c in range(shard_feature.num_cols)], dtype=torch.int64, device=device
         )
-        flat_dims = [sum(sf.num_cols for sf in f) for f in flat]
+        flat_dims = [sum(shard_feature.num_cols for shard_feature in f) for f in flat]
         # Output columns each owner's flat shards fill, in that owner's output order; with the
         # hierarchy, the owner of local index j also sends sources of index j its host's block.
         colmaps = [
-            [self._feature_col[sf.feature] + sf.col_offset + c for sf in f for c in range(sf.num_cols)] for f in flat
+            [self._feature_col[shard_feature.feature] + shard_feature.col_offset + c for shard_feature in f for c in range(shard_feature.num_cols)] for f in flat
         ]
         me = self.rank
         extra = self._hier.extra_cols if self._hier else (lambda sender, receiver: 0)
@@ -252,9 +253,9 @@ class ShardedEmbeddingCollection(nn.Module):
         common = dims.pop() if len(dims) == 1 else None
         order = {f: i for i, f in enumerate(self.feature_names)}
         self._feature_slots = [
-            torch.tensor([order[sf.feature] for sf in served], dtype=torch.int64, device=device)
+            torch.tensor([order[shard_feature.feature] for shard_feature in served], dtype=torch.int64, device=device)
             if common is not None and served and self._hier is None and all(
-                not sf.routes_by_row and sf.col_offset == 0 and sf.num_cols == common for sf in served)
+                not shard_feature.routes_by_row and shard_feature.col_offset == 0 and shard_feature.num_cols == common for shard_feature in served)
             else None
             for served in self._served
         ]
@@ -264,8 +265,8 @@ class ShardedEmbeddingCollection(nn.Module):
         written = [False] * self.total_dim
         for served, slots in zip(self._served, self._feature_slots):
             if slots is not None:
-                for sf in served:
-                    written[self._feature_col[sf.feature] : self._feature_col[sf.feature] + sf.num_cols] = [True] * sf.num_cols
+                for shard_feature in served:
+                    written[self._feature_col[shard_feature.feature] : self._feature_col[shard_feature.feature] + shard_feature.num_cols] = [True] * shard_feature.num_cols
         self._in_runs = [() if slots is not None else column_runs(cols, written) for cols, slots in zip(in_cols, self._feature_slots)]
         # Every table data-parallel, pooled in output order: each rank looks up its own batch,
         # so there are no ids to exchange and the replicas' output is the output (no scatter).
@@ -277,12 +278,12 @@ class ShardedEmbeddingCollection(nn.Module):
             )
             self._dp_only = not any(self._local_dims) and list(self.dp.feature_names) == list(self.feature_names)
         self._row_bounds = {
-            tp.table: torch.tensor([s.row_offset for s in tp.shards] + [by_name[tp.table].num_rows], device=device)
-            for tp in plan.tables
-            if tp.routes_by_row
+            table_plan.table: torch.tensor([s.row_offset for s in table_plan.shards] + [by_name[table_plan.table].num_rows], device=device)
+            for table_plan in plan.tables
+            if table_plan.routes_by_row
         }
         self._shard_index = {
-            (tp.table, s.row_offset, s.col_offset): i for tp in plan.tables for i, s in enumerate(tp.shards)
+            (table_plan.table, s.row_offset, s.col_offset): i for table_plan in plan.tables for i, s in enumerate(table_plan.shards)
         }
         # Every output column is written by a copy: no need to zero the output first.
         self._output_all_copied = all(written)
@@ -293,17 +294,17 @@ class ShardedEmbeddingCollection(nn.Module):
     def _table_row_wise_hierarchy(self, plan: ShardingPlan, topology, device) -> TableRowWiseHierarchy | None:
         """The two-stage output path of table-row-wise tables, when there are several hosts and
         each such table has one shard on every rank of its host (else the flat path)."""
-        twrw = [tp for tp in plan.tables if tp.sharding_type == "table_row_wise"]
-        if not twrw or topology.num_hosts < 2 or topology.world_size != self.world:
+        table_row_wise_plans = [table_plan for table_plan in plan.tables if table_plan.sharding_type == "table_row_wise"]
+        if not table_row_wise_plans or topology.num_hosts < 2 or topology.world_size != self.world:
             return None
         blocks: list[list[tuple[str, int]]] = [[] for _ in range(topology.num_hosts)]
-        for tp in twrw:
-            host = topology.host_of(tp.shards[0].rank)
-            if sorted(s.rank for s in tp.shards) != topology.ranks_of_host(host):
+        for table_plan in table_row_wise_plans:
+            host = topology.host_of(table_plan.shards[0].rank)
+            if sorted(s.rank for s in table_plan.shards) != topology.ranks_of_host(host):
                 return None
-            t = self._by_name[tp.table]
+            t = self._by_name[table_plan.table]
             blocks[host].extend((f, t.dim) for f in t.features)
-        key_of = {sf.feature: sf.key for sf in self._served[self.rank] if sf.routes_by_row}
+        key_of = {shard_feature.feature: shard_feature.key for shard_feature in self._served[self.rank] if shard_feature.routes_by_row}
         mine = blocks[topology.host_of(self.rank)]
         cols = [self._local_col[key_of[f]] + c for f, d in mine for c in range(d)]
         return TableRowWiseHierarchy(
@@ -390,11 +391,11 @@ class ShardedEmbeddingCollection(nn.Module):
         len_splits, val_splits = [], []
         for served in self._served:
             n_vals = 0
-            for sf in served:
-                if sf.routes_by_row:
-                    vals, lens, w = routed[(sf.table, sf.row_offset, sf.feature)]
+            for shard_feature in served:
+                if shard_feature.routes_by_row:
+                    vals, lens, w = routed[(shard_feature.table, shard_feature.row_offset, shard_feature.feature)]
                 else:
-                    vals, lens, w = per_feature[sf.feature]
+                    vals, lens, w = per_feature[shard_feature.feature]
                 lens_out.append(lens)
                 vals_out.append(vals)
                 if need_weights:
@@ -463,18 +464,18 @@ class ShardedEmbeddingCollection(nn.Module):
                 self._bag_order_cache.clear()
             self._bag_order_cache[key] = order
         vals, lens, wts = permute_bags(vals_recv, lens_recv, wts_recv, order)
-        return JaggedBatch(tuple(sf.key for sf in mine), vals, lens, wts)
+        return JaggedBatch(tuple(shard_feature.key for shard_feature in mine), vals, lens, wts)
 
     def _route_row_split(self, per_feature, b: int):
         """For row-split tables: per (table, shard row offset, feature) the ids in that shard's
         row range, rebased to the shard, in sample order, with per-sample counts."""
         routed = {}
-        for tp in self.plan.tables:
-            if not tp.routes_by_row:
+        for table_plan in self.plan.tables:
+            if not table_plan.routes_by_row:
                 continue
-            bounds = self._row_bounds[tp.table]
-            n_shards = len(tp.shards)
-            t = self._by_name[tp.table]
+            bounds = self._row_bounds[table_plan.table]
+            n_shards = len(table_plan.shards)
+            t = self._by_name[table_plan.table]
             for f in t.features:
                 if f not in per_feature:
                     continue
@@ -487,9 +488,9 @@ class ShardedEmbeddingCollection(nn.Module):
                 sorted_w = None if w is None else w[order]
                 per_shard = counts.sum(1).tolist()
                 start = 0
-                for i, s in enumerate(tp.shards):
+                for i, s in enumerate(table_plan.shards):
                     n = per_shard[i]
-                    routed[(tp.table, s.row_offset, f)] = (
+                    routed[(table_plan.table, s.row_offset, f)] = (
                         sorted_vals[start : start + n],
                         counts[i],
                         None if sorted_w is None else sorted_w[start : start + n],
@@ -508,9 +509,9 @@ class ShardedEmbeddingCollection(nn.Module):
         """
         me, pg = self.rank, self.groups.embedding
         counts, parts = [], []
-        for tp in self._cw_row_stat:
-            t = self._by_name[tp.table]
-            for i, s in enumerate(tp.shards):
+        for table_plan in self._cw_row_stat:
+            t = self._by_name[table_plan.table]
+            for i, s in enumerate(table_plan.shards):
                 if s.rank != me:
                     continue
                 keys = tuple(f"{f}#{i}" for f in t.features)
@@ -519,7 +520,7 @@ class ShardedEmbeddingCollection(nn.Module):
                     [grad_pooled[:, self._local_col[k] : self._local_col[k] + s.num_cols] for k in keys]
                 )
                 unique, summed = row_gradients(sub.values, sub.offsets(), bag_grads, sub.weights)
-                self._cw_msq[_shard_table_name(t.name, i)] = (unique, summed.new_empty(0))
+                self._column_shard_row_mean_sq[_shard_table_name(t.name, i)] = (unique, summed.new_empty(0))
                 parts.append(summed.square().sum(1))
                 counts.append(unique.numel())
         dev = grad_pooled.device
@@ -532,34 +533,34 @@ class ShardedEmbeddingCollection(nn.Module):
         for r in range(self.world):
             cursor, n = 0, 0
             sizes = all_counts[r].view(-1).tolist()
-            for tp in self._cw_row_stat:
-                for i, s in enumerate(tp.shards):
+            for table_plan in self._cw_row_stat:
+                for i, s in enumerate(table_plan.shards):
                     if s.rank == r:
-                        found[(tp.table, i)] = all_parts[r][cursor : cursor + sizes[n], 0]
+                        found[(table_plan.table, i)] = all_parts[r][cursor : cursor + sizes[n], 0]
                         cursor += sizes[n]
                         n += 1
-        for tp in self._cw_row_stat:
-            t = self._by_name[tp.table]
-            for i, s in enumerate(tp.shards):
+        for table_plan in self._cw_row_stat:
+            t = self._by_name[table_plan.table]
+            for i, s in enumerate(table_plan.shards):
                 if s.rank == me:
-                    unique, _ = self._cw_msq[_shard_table_name(t.name, i)]
-                    total = found[(tp.table, 0)].clone()
-                    for j in range(1, len(tp.shards)):
-                        total += found[(tp.table, j)]
-                    self._cw_msq[_shard_table_name(t.name, i)] = (unique, total / t.dim)
+                    unique, _ = self._column_shard_row_mean_sq[_shard_table_name(t.name, i)]
+                    total = found[(table_plan.table, 0)].clone()
+                    for j in range(1, len(table_plan.shards)):
+                        total += found[(table_plan.table, j)]
+                    self._column_shard_row_mean_sq[_shard_table_name(t.name, i)] = (unique, total / t.dim)
 
     def _row_mean_sq(self, group, unique: torch.Tensor, summed: torch.Tensor) -> torch.Tensor:
         """Per unique row of one operator group: its mean square gradient over the whole row."""
         msq = summed.square().mean(dim=1)
         # ``unique`` is ascending, so each table's rows are one slice of it (found by bisection:
         # a mask per table would cost rows x tables).
-        named = [(t, off) for t, off in zip(group.tables, group.table_row_offsets) if t.name in self._cw_msq]
+        named = [(t, off) for t, off in zip(group.tables, group.table_row_offsets) if t.name in self._column_shard_row_mean_sq]
         if not named:
             return msq
         bounds = torch.tensor([[off, off + t.num_rows] for t, off in named], dtype=unique.dtype, device=unique.device)
         cuts = torch.searchsorted(unique, bounds.view(-1)).view(-1, 2).tolist()
         for (t, off), (lo, hi) in zip(named, cuts):
-            rows, full = self._cw_msq[t.name]
+            rows, full = self._column_shard_row_mean_sq[t.name]
             if hi - lo != rows.numel() or not torch.equal(unique[lo:hi] - off, rows):
                 raise RuntimeError(f"column shard {t.name}: rows differ between lookup and update")
             msq[lo:hi] = full
@@ -579,14 +580,14 @@ class ShardedEmbeddingCollection(nn.Module):
         return out
 
     def _assemble(self, name: str, get, state_cols: int | None = None) -> torch.Tensor:
-        tp = self.plan.table(name)
+        table_plan = self.plan.table(name)
         t = self._by_name[name]
-        if tp.sharding_type == "data_parallel":
+        if table_plan.sharding_type == "data_parallel":
             return get(self.dp, name).clone()
         elementwise = state_cols is None or state_cols == t.dim  # shaped like the weights
         width = t.dim if state_cols is None else state_cols
         full = torch.zeros(t.num_rows, width, device=self.groups.device)
-        for i, s in enumerate(tp.shards):
+        for i, s in enumerate(table_plan.shards):
             shape = (s.num_rows, s.num_cols if elementwise else width)
             if s.rank == self.rank:
                 part = get(self.local, _shard_table_name(name, i)).float().contiguous()

@@ -133,31 +133,31 @@ class ShardingPlan:
         extra = sorted(set(planned) - set(by_name))
         if missing or extra or len(planned) != len(set(planned)):
             raise PlanError(f"plan and model disagree: unplanned tables {missing}, unknown tables {extra}")
-        for tp in self.tables:
-            cfg = by_name[tp.table]
-            if not tp.shards:
-                raise PlanError(f"table '{tp.table}': no shards")
-            for s in tp.shards:
+        for table_plan in self.tables:
+            cfg = by_name[table_plan.table]
+            if not table_plan.shards:
+                raise PlanError(f"table '{table_plan.table}': no shards")
+            for s in table_plan.shards:
                 if not 0 <= s.rank < self.world_size:
-                    raise PlanError(f"table '{tp.table}': shard on rank {s.rank}, outside world size {self.world_size}")
+                    raise PlanError(f"table '{table_plan.table}': shard on rank {s.rank}, outside world size {self.world_size}")
                 if s.num_rows <= 0 or s.num_cols <= 0 or s.row_offset < 0 or s.col_offset < 0:
-                    raise PlanError(f"table '{tp.table}': empty or negative shard {s}")
+                    raise PlanError(f"table '{table_plan.table}': empty or negative shard {s}")
                 if s.row_offset + s.num_rows > cfg.num_rows or s.col_offset + s.num_cols > cfg.dim:
-                    raise PlanError(f"table '{tp.table}': shard {s} exceeds the table ({cfg.num_rows} x {cfg.dim})")
-            if tp.sharding_type == "data_parallel":
-                if sorted(s.rank for s in tp.shards) != list(range(self.world_size)) or any(
-                    (s.num_rows, s.num_cols) != (cfg.num_rows, cfg.dim) for s in tp.shards
+                    raise PlanError(f"table '{table_plan.table}': shard {s} exceeds the table ({cfg.num_rows} x {cfg.dim})")
+            if table_plan.sharding_type == "data_parallel":
+                if sorted(s.rank for s in table_plan.shards) != list(range(self.world_size)) or any(
+                    (s.num_rows, s.num_cols) != (cfg.num_rows, cfg.dim) for s in table_plan.shards
                 ):
-                    raise PlanError(f"table '{tp.table}': data_parallel needs a whole copy on every rank")
+                    raise PlanError(f"table '{table_plan.table}': data_parallel needs a whole copy on every rank")
                 continue
-            area = sum(s.num_rows * s.num_cols for s in tp.shards)
+            area = sum(s.num_rows * s.num_cols for s in table_plan.shards)
             if area != cfg.num_rows * cfg.dim:
-                raise PlanError(f"table '{tp.table}': shards cover {area} of {cfg.num_rows * cfg.dim} cells; they must tile it once")
-            if tp.routes_by_row and any(s.num_cols != cfg.dim for s in tp.shards):
-                raise PlanError(f"table '{tp.table}': {tp.sharding_type} shards must span every column")
-            if tp.sharding_type in ("table_wise", "column_wise") and any(s.num_rows != cfg.num_rows for s in tp.shards):
-                raise PlanError(f"table '{tp.table}': {tp.sharding_type} shards must span every row")
-            if tp.sharding_type == "table_row_wise":
-                hosts = {s.rank // self.ranks_per_host for s in tp.shards}
+                raise PlanError(f"table '{table_plan.table}': shards cover {area} of {cfg.num_rows * cfg.dim} cells; they must tile it once")
+            if table_plan.routes_by_row and any(s.num_cols != cfg.dim for s in table_plan.shards):
+                raise PlanError(f"table '{table_plan.table}': {table_plan.sharding_type} shards must span every column")
+            if table_plan.sharding_type in ("table_wise", "column_wise") and any(s.num_rows != cfg.num_rows for s in table_plan.shards):
+                raise PlanError(f"table '{table_plan.table}': {table_plan.sharding_type} shards must span every row")
+            if table_plan.sharding_type == "table_row_wise":
+                hosts = {s.rank // self.ranks_per_host for s in table_plan.shards}
                 if len(hosts) != 1:
-                    raise PlanError(f"table '{tp.table}': table_row_wise shards must all be on one host, got hosts {sorted(hosts)}")
+                    raise PlanError(f"table '{table_plan.table}': table_row_wise shards must all be on one host, got hosts {sorted(hosts)}")
