@@ -172,7 +172,7 @@ def test_search_is_never_worse_than_an_all_table_row_wise_plan():
     # Starts the per-rank search cannot reach alone: uniform plans that save what every rank
     # pays alike (here: the row-statistic gathers of column shards).
     from recscale.sharding.plan import ShardingPlan, TablePlan, Shard
-    from recscale.sharding.types._split import even_split
+    from recscale.sharding.types.base import even_split
     from recscale.planner.search import score_plan
 
     # MLPerf DLRM-DCNv2's tables (../shared/data/tables/criteo_table_sizes.json): at 128 ranks

@@ -10,7 +10,8 @@ JSON layout (version 1)::
 Every shard is a rectangle of its table (a row range times a column range) on one rank.
 Table-wise: one shard, the whole table. Column-wise: column ranges. Row-wise: row ranges over
 every rank. Table-row-wise: row ranges over the ranks of one host. Data-parallel: the whole
-table on every rank.
+table on every rank. The types themselves, and what makes a plan of each valid, live in
+``recscale.sharding.types``.
 """
 
 from __future__ import annotations
@@ -19,13 +20,12 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
 
 from recscale.atomic import write_text_atomic
 from recscale.embedding import TableConfig
 
-ShardingType = Literal["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]
-SHARDING_TYPES: tuple[str, ...] = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
+# The name of a sharding type: a key of ``recscale.sharding.types.SHARDING_TYPES``.
+ShardingTypeName = str
 PLAN_VERSION = 1
 
 
@@ -42,20 +42,16 @@ class Shard:
     num_cols: int
 
 
-# Types that split a table by rows: each id goes only to the shard whose row range holds it.
-ROW_SPLIT_TYPES = frozenset({"row_wise", "table_row_wise"})
-
-
 @dataclass(frozen=True)
 class TablePlan:
     table: str
-    sharding_type: ShardingType
+    sharding_type: ShardingTypeName
     shards: tuple[Shard, ...]
 
     @property
     def routes_by_row(self) -> bool:
         """Row-split types send each id only to the shard whose row range holds it."""
-        return self.sharding_type in ROW_SPLIT_TYPES
+        return _registry()[self.sharding_type].routes_by_row
 
 
 @dataclass(frozen=True)
@@ -102,10 +98,10 @@ class ShardingPlan:
                 raise PlanError(f"{source}: unknown plan version {d.get('version')!r}; expected {PLAN_VERSION}")
             tables = []
             for t in d["tables"]:
-                if t["sharding_type"] not in SHARDING_TYPES:
+                if t["sharding_type"] not in _registry():
                     raise PlanError(
                         f"{source}: table '{t['table']}' has sharding_type {t['sharding_type']!r}; "
-                        f"expected one of {list(SHARDING_TYPES)}"
+                        f"expected one of {list(_registry())}"
                     )
                 shards = tuple(Shard(**{k: int(s[k]) for k in Shard.__dataclass_fields__}) for s in t["shards"])
                 tables.append(TablePlan(t["table"], t["sharding_type"], shards))
@@ -144,20 +140,11 @@ class ShardingPlan:
                     raise PlanError(f"table '{table_plan.table}': empty or negative shard {s}")
                 if s.row_offset + s.num_rows > cfg.num_rows or s.col_offset + s.num_cols > cfg.dim:
                     raise PlanError(f"table '{table_plan.table}': shard {s} exceeds the table ({cfg.num_rows} x {cfg.dim})")
-            if table_plan.sharding_type == "data_parallel":
-                if sorted(s.rank for s in table_plan.shards) != list(range(self.world_size)) or any(
-                    (s.num_rows, s.num_cols) != (cfg.num_rows, cfg.dim) for s in table_plan.shards
-                ):
-                    raise PlanError(f"table '{table_plan.table}': data_parallel needs a whole copy on every rank")
-                continue
-            area = sum(s.num_rows * s.num_cols for s in table_plan.shards)
-            if area != cfg.num_rows * cfg.dim:
-                raise PlanError(f"table '{table_plan.table}': shards cover {area} of {cfg.num_rows * cfg.dim} cells; they must tile it once")
-            if table_plan.routes_by_row and any(s.num_cols != cfg.dim for s in table_plan.shards):
-                raise PlanError(f"table '{table_plan.table}': {table_plan.sharding_type} shards must span every column")
-            if table_plan.sharding_type in ("table_wise", "column_wise") and any(s.num_rows != cfg.num_rows for s in table_plan.shards):
-                raise PlanError(f"table '{table_plan.table}': {table_plan.sharding_type} shards must span every row")
-            if table_plan.sharding_type == "table_row_wise":
-                hosts = {s.rank // self.ranks_per_host for s in table_plan.shards}
-                if len(hosts) != 1:
-                    raise PlanError(f"table '{table_plan.table}': table_row_wise shards must all be on one host, got hosts {sorted(hosts)}")
+            _registry()[table_plan.sharding_type].check(table_plan, cfg, self)
+
+
+def _registry() -> dict:
+    """The sharding types by name (imported late: each type's module imports this one)."""
+    from recscale.sharding.types import SHARDING_TYPES
+
+    return SHARDING_TYPES
