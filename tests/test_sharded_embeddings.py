@@ -240,7 +240,7 @@ def hierarchy_worker(rank, world, ranks_per_host, hierarchical, precision):
         outs.append(out.detach().clone())
         out.backward(grad[start : start + sizes[rank]])
     return {"outs": outs, "tables": {t.name: coll.full_table(t.name) for t in TABLES},
-            "hier": coll._hier is not None, "cross": dict(coll.stats.cross_host_bytes),
+            "hier": coll.output_dist.hierarchy is not None, "cross": dict(coll.stats.cross_host_bytes),
             "bytes": coll.stats.snapshot()}
 
 

@@ -49,7 +49,7 @@ def local_shards(embeddings: nn.Module, rank: int = 0) -> list[LocalShard]:
     """Every embedding shard on this rank, for either kind of embedding module."""
     if isinstance(embeddings, TableBatchedEmbeddingBags):
         return [LocalShard(embeddings, t.name, t, 0, t.num_rows, 0, t.dim, True) for t in embeddings.tables]
-    from recscale.sharding.collection import ShardedEmbeddingCollection, _shard_table_name
+    from recscale.sharding.collection import ShardedEmbeddingCollection, shard_table_name
 
     if not isinstance(embeddings, ShardedEmbeddingCollection):
         raise TypeError(f"cannot checkpoint embeddings of type {type(embeddings).__name__}")
@@ -65,7 +65,7 @@ def local_shards(embeddings: nn.Module, rank: int = 0) -> list[LocalShard]:
             if s.rank == rank:
                 assert embeddings.local is not None
                 out.append(
-                    LocalShard(embeddings.local, _shard_table_name(t.name, i), t, s.row_offset, s.num_rows,
+                    LocalShard(embeddings.local, shard_table_name(t.name, i), t, s.row_offset, s.num_rows,
                                s.col_offset, s.num_cols, True)
                 )
     return out

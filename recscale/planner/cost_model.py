@@ -238,7 +238,7 @@ def shard_cost(t: TableSpec, sharding_type: str, rows: int, cols: int, hw: Hardw
         comm = _others_link_time(unique * (w - 1) * (cols * 4 + 8), hw)
         compute += unique * w * (hw.id_s + cols * 4 * 2 / hw.memory_bw + (cols * 4 + 8) * hw.replica_byte_s)
     elif hier:
-        # Hierarchical (``sharding/hierarchical.py``): the partial sums of all B samples are
+        # Hierarchical (``sharding/types/table_row_wise.py``): the partial sums of all B samples are
         # reduce-scattered inside the host, then this rank's 1/R of the finished sums goes to
         # its sources, (H-1)/H of them on other hosts; gradients come back the same way. (A
         # table with fewer rows than the host has ranks cannot have a shard on each: flat.)

@@ -17,8 +17,4 @@ SHARDING_TYPES: dict[str, ShardingType] = {
 }
 
 
-def sharding_type(name: str) -> ShardingType:
-    return SHARDING_TYPES[name]
-
-
-__all__ = ["Rect", "SHARDING_TYPES", "ShardingType", "TypeRuntime", "sharding_type"]
+__all__ = ["Rect", "SHARDING_TYPES", "ShardingType", "TypeRuntime"]

@@ -4,10 +4,16 @@ every replica alike."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from recscale.comm.process_group import Topology
-from recscale.embedding import TableConfig
+from recscale.embedding import TableBatchedEmbeddingBags, TableConfig
 from recscale.sharding.plan import PlanError, Shard, ShardingPlan, TablePlan
-from recscale.sharding.types.base import Rect, ShardingType
+from recscale.sharding.replica_gradients import ReplicaGradients
+from recscale.sharding.types.base import Rect, ShardingType, TypeRuntime
+
+if TYPE_CHECKING:
+    from recscale.sharding.context import ShardingContext
 
 
 class DataParallel(ShardingType):
@@ -29,3 +35,17 @@ class DataParallel(ShardingType):
             (s.num_rows, s.num_cols) != (table.num_rows, table.dim) for s in table_plan.shards
         ):
             raise PlanError(f"table '{table.name}': data_parallel needs a whole copy on every rank")
+
+    def runtime(self, context: ShardingContext) -> TypeRuntime | None:
+        """The replicas' own operator: it pools this rank's batch, and its update combines every
+        replica's row gradients first, so that all replicas stay equal."""
+        tables = [context.by_name[table_plan.table] for table_plan in context.plan.tables
+                  if table_plan.sharding_type == self.name]
+        if not tables:
+            return None
+        runtime = TypeRuntime()
+        runtime.lookup = TableBatchedEmbeddingBags(
+            tables, context.optimizer, context.seed, context.device, kernel=context.kernel,
+            grad_reducer=ReplicaGradients(context.groups.embedding_grads, context.stats, context.replica_reduction),
+        )
+        return runtime
