@@ -25,6 +25,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from recscale.comm.codecs import get_codec
 from recscale.comm.collectives import CommStats
 from recscale.comm.process_group import ProcessGroups
 from recscale.embedding import SparseOptimizer, TableBatchedEmbeddingBags, TableConfig
@@ -97,7 +98,8 @@ class ShardedEmbeddingCollection(nn.Module):
         self.stats.ranks_per_host = groups.topology.ranks_per_host
         ctx = self.context = ShardingContext(list(tables), optimizer, plan, groups, seed, precision, self.stats, kernel,
                                              hierarchical, dp_reduction)
-        ctx.forward_codec, ctx.backward_codec  # an unknown wire precision fails here, not in the first step
+        for codec in (precision.forward, precision.backward):  # an unknown one fails here, not in the first step
+            get_codec(codec)
         self.feature_names = ctx.feature_names
         self.feature_dims = ctx.feature_dims
         self.num_rows_by_feature = {f: t.num_rows for t in tables for f in t.features}
