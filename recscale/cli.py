@@ -117,14 +117,14 @@ def _plan(args: argparse.Namespace) -> int:
         hw = resolve_hardware(args.topology, args.world_size, args.ranks_per_host)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    tables, wl = table_specs(cfg), workload(cfg)
+    tables, batch_workload = table_specs(cfg), workload(cfg)
     steps = SEARCH_STEPS if args.search_steps is None else args.search_steps
     limit = TIME_LIMIT_S if args.time_budget is None else args.time_budget
     if steps < 0 or not limit > 0:
         raise ConfigError(f"--search-steps must be >= 0 (got {steps}) and --time-budget > 0 seconds (got {limit:g})")
-    result = plan_tables(tables, hw, wl, search_steps=steps, time_limit_s=limit,
+    result = plan_tables(tables, hw, batch_workload, search_steps=steps, time_limit_s=limit,
                          replica_error=REPLICA_ERROR if args.replica_error is None else args.replica_error)
-    print(f"{len(tables)} tables on {hw.world_size} ranks ({hw.ranks_per_host} per host) of '{hw.name}', global batch {wl.batch_size}")
+    print(f"{len(tables)} tables on {hw.world_size} ranks ({hw.ranks_per_host} per host) of '{hw.name}', global batch {batch_workload.batch_size}")
     print(rank_table(result))
     if result.note:
         print(f"note: {result.note}")
@@ -135,7 +135,7 @@ def _plan(args: argparse.Namespace) -> int:
     lines = []
     for method in BASELINES:
         try:
-            b = baseline_plan(method, tables, hw, wl)
+            b = baseline_plan(method, tables, hw, batch_workload)
             lines.append(f"  {method:28s} {b.max_rank_s * 1e3:10.3f} ms  ({100 * (1 - result.max_rank_s / b.max_rank_s):+.1f}% by recscale)")
         except PlanError as e:
             lines.append(f"  {method:28s} does not fit ({str(e)[:80]})")

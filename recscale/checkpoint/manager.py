@@ -12,6 +12,7 @@ parent run once its own first checkpoint is committed.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -28,6 +29,8 @@ from recscale.checkpoint.shards import LocalShard, row_state_names
 from recscale.checkpoint.storage import Storage
 from recscale.checkpoint.tracker import RowTracker
 from recscale.checkpoint.writer import CheckpointWriter, ShardSnapshot, WriteJob, WriteReport
+
+log = logging.getLogger(__name__)
 
 # Sums a list of numbers over every rank (identity on one rank).
 SumFn = Callable[[list[float]], list[float]]
@@ -202,8 +205,9 @@ class CheckpointManager:
         for n in restorable:
             try:
                 needed |= set(load_manifest(self.storage, n).chain)
-            except CheckpointError:
-                pass
+            except CheckpointError as e:  # its own folder is kept; the bases it names cannot be known
+                log.warning("checkpoint retention: cannot read the manifest of %s, so the checkpoints it builds on "
+                            "may be deleted: %s", n, e)
         for n in names:
             if n not in needed and n < latest.name:
                 self.storage.delete_dir(n)

@@ -25,6 +25,7 @@ from torch import nn
 
 from recscale.embedding import native
 from recscale.embedding.config import TableConfig, check_tables
+from recscale.embedding.module import EmbeddingInput, LocalInput, ReadyOutput
 from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.storage import DenseRowStorage, RowStorage
 from recscale.host_memory import advise_huge_pages
@@ -164,8 +165,8 @@ class TableBatchedEmbeddingBags(nn.Module):
             native.require()
         elif self.kernel == "auto" and self.device.type == "cpu":
             native.load()  # a first-use compile happens here, not inside the first (timed) step
+        self.seed = seed
         self._init_fn = init_fn or (lambda t: init_table_rows(t, seed))
-        self.global_batch_size = 0
         self.groups: list[TableGroup] = []
         for members in group_tables(tables, self.row_stat_tables):
             self.groups.append(self._build_group(members[0].dim, members[0].torch_dtype, members, seed))
@@ -185,27 +186,39 @@ class TableBatchedEmbeddingBags(nn.Module):
         # One buffer filled table by table: a concatenation would hold every table twice at peak.
         weight = torch.empty(rows, dim, dtype=dtype, device=self.device)
         advise_huge_pages(weight)  # before the first write: random rows, fewer TLB misses
-        for t, off in zip(tables, offsets):
+        # On the meta device (a model about to be sharded: ``recscale.sharding.shard``) the module
+        # only describes its tables; no rows exist, so none are drawn.
+        for t, off in zip(tables, offsets) if weight.device.type != "meta" else ():
             weight[off : off + t.num_rows].copy_(self._init_fn(t))
         storage = DenseRowStorage(weight, self.optimizer.state_columns(dim))
         features = tuple(f for t in tables for f in t.features)
         feat_off = [off for t, off in zip(tables, offsets) for _ in t.features]
         feat_mean = [t.pooling == "mean" for t in tables for _ in t.features]
+        index_device = self.device if self.device.type != "meta" else torch.device("cpu")  # small, read on the host
         return TableGroup(
             dim=dim,
             dtype=dtype,
             tables=tables,
             features=features,
             table_row_offsets=offsets,
-            feature_row_offset=torch.tensor(feat_off, dtype=torch.int64, device=self.device),
-            feature_is_mean=torch.tensor(feat_mean, dtype=torch.bool, device=self.device),
+            feature_row_offset=torch.tensor(feat_off, dtype=torch.int64, device=index_device),
+            feature_is_mean=torch.tensor(feat_mean, dtype=torch.bool, device=index_device),
             storage=storage,
             feature_num_rows=torch.tensor([t.num_rows for t in tables for _ in t.features], dtype=torch.int64),
         )
 
     # ------------------------------------------------------------------ forward
-    def forward(self, batch: JaggedBatch) -> torch.Tensor:
-        self.global_batch_size = batch.batch_size
+    def start_input_dist(self, batch: JaggedBatch) -> LocalInput:
+        """Nothing travels: the batch is pooled here (``EmbeddingModule``)."""
+        return LocalInput(batch)
+
+    def start_forward(self, batch: JaggedBatch | EmbeddingInput) -> ReadyOutput:
+        ids = batch if isinstance(batch, JaggedBatch) else batch.wait()
+        return ReadyOutput(self(ids), ids.batch_size)
+
+    def forward(self, batch: JaggedBatch | EmbeddingInput) -> torch.Tensor:
+        if not isinstance(batch, JaggedBatch):
+            batch = batch.wait()
         outs, offsets = [], None
         for g in self.groups:
             mod = self._native_kernels(g)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from recscale.planner.cost_model import (TableSpec, Workload, collective_s, dp_group_flags, dp_reduces_dense,
                                          group_collectives, routing_s, unique_rows)
 from recscale.planner.search import PlanResult, score_plan
-from recscale.sharding.plan import ROW_SPLIT_TYPES, ShardingPlan
+from recscale.sharding.plan import ShardingPlan
 from recscale.sim import traffic
 from recscale.sim.dense import DenseModel, buckets
 from recscale.sim.engine import Op, Simulation
@@ -62,7 +62,7 @@ def _volumes(inp: StepInputs, topo: ClusterTopology) -> tuple[list[float], list[
         if tp.sharding_type == "data_parallel":
             continue
         for s in tp.shards:
-            n = wl.batch_size * t.pooling * (s.num_rows / t.rows if tp.sharding_type in ROW_SPLIT_TYPES else 1.0)
+            n = wl.batch_size * t.pooling * (s.num_rows / t.rows if tp.routes_by_row else 1.0)
             hierarchical = tp.sharding_type == "table_row_wise" and h > 1 and t.rows >= r
             cols = s.num_cols / r if hierarchical else s.num_cols
             ids[s.rank] += n * wl.id_bytes / w

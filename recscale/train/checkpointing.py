@@ -44,6 +44,8 @@ from recscale.checkpoint.shards import local_shards
 from recscale.checkpoint.storage import LocalStorage
 from recscale.checkpoint.writer import rank_file
 from recscale.comm.process_group import ProcessGroups
+from recscale.model import DLRM
+from recscale.sharding.collection import ShardedEmbeddingCollection
 from recscale.train.config import Config
 from recscale.train.datasets import DataSplits
 
@@ -93,13 +95,13 @@ def check_checkpoint_dir(path: str) -> str:
 class TrainCheckpointing:
     """Checkpoint and resume for one rank of a training job (inactive when not configured)."""
 
-    def __init__(self, cfg: Config, model: torch.nn.Module, dense_opt: torch.optim.Optimizer, data: DataSplits,
+    def __init__(self, cfg: Config, model: DLRM, dense_opt: torch.optim.Optimizer, data: DataSplits,
                  groups: ProcessGroups, log: Callable[[str], None] = print) -> None:
         self.settings = cfg.checkpoint
         self.model, self.dense_opt, self.groups, self.log = model, dense_opt, groups, log
         self.rank, self.world = groups.rank, groups.world_size
         self.fingerprint = data_fingerprint(cfg, data)
-        self.shards = local_shards(model.embeddings, self.rank)  # type: ignore[arg-type]
+        self.shards = local_shards(model.embeddings, self.rank)
         self.resumed_from: str | None = None
         self.restore_info: dict[str, Any] = {}
         self.manager: CheckpointManager | None = None
@@ -111,7 +113,7 @@ class TrainCheckpointing:
             if self.world > 1:  # one run identity for every rank
                 torch.distributed.broadcast_object_list(names, src=0, group=self.groups.dense)
             run = RunContext(root, RunInfo(names[0], time.time(), self.world))
-            plan = getattr(model.embeddings, "plan", None)
+            plan = model.embeddings.plan if isinstance(model.embeddings, ShardedEmbeddingCollection) else None
             self.manager = CheckpointManager(
                 self.settings, run.storage, self.shards, self.rank, self.world,
                 plan.to_dict() if plan is not None else None, self._sum_over_ranks, log, cfg.train.seed, run,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from recscale.checkpoint.settings import CheckpointSettings
+from recscale.sharding.types import SHARDING_TYPES
 from recscale.train.lr_schedule import LRScheduleConfig
 
 if sys.version_info >= (3, 11):
@@ -124,7 +125,9 @@ class TrainConfig:
     retain_host_memory: bool = True
 
 
-ShardingTypeName = Literal["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]
+# Every registered sharding type (recscale/sharding/types/__init__.py), so that adding one needs
+# no edit here.
+ShardingTypeName = Literal[tuple(SHARDING_TYPES)]  # type: ignore[valid-type]
 Precision = Literal["fp32", "fp16", "bf16", "int8"]
 
 
@@ -140,7 +143,7 @@ class ShardingConfig:
     # Sharding type of every table without an entry in [sharding.tables]; "auto": the
     # cost-model planner chooses type and ranks per table (tables listed in [sharding.tables]
     # keep their type, the others are table-wise).
-    default: Literal["auto", "table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"] = "auto"
+    default: Literal[("auto", *SHARDING_TYPES)] = "auto"  # type: ignore[valid-type]
     # A plan JSON file; when set it replaces the default placement.
     plan: str = ""
     # What the "auto" planner costs plans on: a preset (zionex, torchrec-defaults, local-cpu) or a

@@ -26,9 +26,10 @@ from recscale.host_memory import retain_freed_memory
 from recscale.model import DLRM
 from recscale.model.native import interaction_kernels
 from recscale.native_build import cpu_multiplies_bf16
-from recscale.sharding.collection import CommPrecision, ShardedEmbeddingCollection
+from recscale.sharding.collection import CommPrecision
 from recscale.sharding.default_plan import TableSharding, default_plan
 from recscale.sharding.plan import PlanError, ShardingPlan
+from recscale.sharding.shard import shard
 from recscale.train.checkpointing import Progress, TrainCheckpointing
 from recscale.train.config import Config, ConfigError
 from recscale.train.datasets import DataSplits, build_data
@@ -146,22 +147,21 @@ def build_model(
         opt_kwargs.update(beta1=eo.beta1, beta2=eo.beta2)
     optimizer = make_optimizer(eo.name, **opt_kwargs)
     tables = build_tables(cfg, sparse_names)
-    embeddings: torch.nn.Module
-    if groups is None or groups.world_size == 1:
+    sharded = groups is not None and groups.world_size > 1
+    if not sharded:
         from recscale.train.planning import check_one_process_inputs
 
         check_one_process_inputs(cfg, tables)
-        embeddings = TableBatchedEmbeddingBags(
-            tables, optimizer, seed=cfg.train.seed, device=device, kernel=cfg.model.embedding_kernel
-        )
-    else:
+    # To be sharded, the tables are only described here (meta device): no rank holds them all.
+    embeddings = TableBatchedEmbeddingBags(tables, optimizer, seed=cfg.train.seed,
+                                           device="meta" if sharded else device, kernel=cfg.model.embedding_kernel)
+    model = DLRM(embeddings, num_dense, cfg.model.bottom_mlp, cfg.model.top_mlp, cfg.model.mlp_precision)
+    if sharded:
+        assert groups is not None
         plan = plan or build_plan(cfg, tables, groups)
         all_gather_object_check(plan.digest(), groups.dense, "sharding plans")
         precision = CommPrecision(cfg.comm.forward, cfg.comm.backward, cfg.comm.loss_scale)
-        embeddings = ShardedEmbeddingCollection(
-            tables, optimizer, plan, groups, cfg.train.seed, precision, stats, kernel=cfg.model.embedding_kernel
-        )
-    model = DLRM(embeddings, num_dense, cfg.model.bottom_mlp, cfg.model.top_mlp, cfg.model.mlp_precision)  # type: ignore[arg-type]
+        model = shard(model, plan, groups, precision, stats)
     if cfg.model.mlp_precision == "bf16" and device.type == "cpu" and not cpu_multiplies_bf16():
         warnings.warn(
             "model.mlp_precision = 'bf16' on a CPU without AVX-512 BF16 or AMX: its bf16 matmuls are emulated "
@@ -300,7 +300,7 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], repla
             # Embedding rows are updated inside backward, fused into it.
             loss_sum = train_step(model, batch, sparse, dense_opt, sync)
             state.step += 1
-            state.samples += model.embeddings.global_batch_size
+            state.samples += sparse.global_batch_size
             running_loss += loss_sum
             running_n += batch.batch_size
             guard.observe(state.step, loss_sum)
