@@ -65,7 +65,8 @@ def _plan(args: argparse.Namespace) -> int:
     from recscale.train.config import ConfigError, load_config
     from recscale.train.planning import table_specs, workload
 
-    cfg = load_config(args.config, args.set)
+    data = [f"data.source=\"prepared\"", f"data.train_path={_toml_str(args.data)}"] if args.data else []
+    cfg = load_config(args.config, data + list(args.set))
     try:
         hw = resolve_hardware(args.topology, args.world_size, args.ranks_per_host)
     except ValueError as e:
@@ -189,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("plan", help="plan how a config's tables are sharded over ranks, with a cost model")
     q.add_argument("--config", help="TOML training config (its tables, batch and wire precisions)")
+    q.add_argument("--data", metavar="DIR", help="plan for a prepared directory (`recscale data prepare`): its tables "
+                   "and each feature's pooling and skew from its stats.json (= --set data.source=prepared "
+                   "--set data.train_path=DIR)")
     q.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     q.add_argument("--world-size", type=int, help="ranks to plan for (default: the topology's)")
     q.add_argument("--ranks-per-host", type=int, help="ranks per host (default: the topology's)")

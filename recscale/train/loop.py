@@ -31,7 +31,7 @@ from recscale.sharding.default_plan import TableSharding, default_plan
 from recscale.sharding.plan import PlanError, ShardingPlan
 from recscale.train.checkpointing import Progress, TrainCheckpointing
 from recscale.train.config import Config, ConfigError
-from recscale.train.datasets import DataSplits, build_data
+from recscale.train.datasets import DataSplits, build_data, with_table_rows
 from recscale.train.lr_schedule import set_learning_rates
 from recscale.train.metrics import EvalMetrics, evaluate_predictions
 from recscale.train.pipeline import TrainPipeline, train_step
@@ -67,7 +67,7 @@ def build_tables(cfg: Config, sparse_names: tuple[str, ...]) -> list[TableConfig
     ]
 
 
-def build_plan(cfg: Config, tables: list[TableConfig], groups: ProcessGroups) -> ShardingPlan:
+def build_plan(cfg: Config, tables: list[TableConfig], groups: ProcessGroups, data: DataSplits | None = None) -> ShardingPlan:
     """The plan file when given; else with ``sharding.default = "auto"`` (the default) and no
     per-table overrides the cost-model planner's plan (made on rank 0, sent to every rank, so
     all ranks run the same plan); else the default placement with per-table overrides."""
@@ -82,19 +82,20 @@ def build_plan(cfg: Config, tables: list[TableConfig], groups: ProcessGroups) ->
         return plan
     overrides = {k: TableSharding(v.type, v.shards) for k, v in cfg.sharding.tables.items()}
     if cfg.sharding.default == "auto" and not overrides:
-        return _planned(cfg, tables, groups)
+        return _planned(cfg, tables, groups, data)
     default = "table_wise" if cfg.sharding.default == "auto" else cfg.sharding.default
     return default_plan(tables, groups.topology, default, overrides)
 
 
-def _planned(cfg: Config, tables: list[TableConfig], groups: ProcessGroups) -> ShardingPlan:
+def _planned(cfg: Config, tables: list[TableConfig], groups: ProcessGroups, data: DataSplits | None) -> ShardingPlan:
     from recscale.train.planning import auto_plan
 
     topo = groups.topology
     box: list[object] = [None]
     if topo.rank == 0:
         try:
-            box[0] = auto_plan(cfg, tables, topo.world_size, topo.ranks_per_host, groups.device.type == "cuda").to_dict()
+            box[0] = auto_plan(cfg, tables, topo.world_size, topo.ranks_per_host, groups.device.type == "cuda",
+                               data=data).to_dict()
         except PlanError as e:
             box[0] = f"sharding.default = 'auto': {e}"
     if groups.dense is not None:
@@ -113,6 +114,7 @@ def build_model(
     device: torch.device,
     groups: ProcessGroups | None = None,
     stats: CommStats | None = None,
+    data: DataSplits | None = None,
 ) -> DLRM:
     eo = cfg.embedding_optimizer
     opt_kwargs: dict[str, float] = {"lr": eo.lr}
@@ -128,7 +130,7 @@ def build_model(
             tables, optimizer, seed=cfg.train.seed, device=device, kernel=cfg.model.embedding_kernel
         )
     else:
-        plan = build_plan(cfg, tables, groups)
+        plan = build_plan(cfg, tables, groups, data)
         all_gather_object_check(plan.digest(), groups.dense, "sharding plans")
         precision = CommPrecision(cfg.comm.forward, cfg.comm.backward, cfg.comm.loss_scale)
         embeddings = ShardedEmbeddingCollection(
@@ -211,8 +213,9 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None]) -> di
         all_gather_object_check(config_digest(cfg), groups.dense, "configs")
     data: DataSplits = build_data(cfg, rank, world)
     log(f"data: {data.description}")
+    cfg = with_table_rows(cfg, data.table_rows, log)
     stats = CommStats()
-    model = build_model(cfg, data.sparse_names, data.num_dense, device, groups, stats)
+    model = build_model(cfg, data.sparse_names, data.num_dense, device, groups, stats, data)
     dense_params = model.dense_parameters()
     dense_opt = build_dense_optimizer(cfg, dense_params)
     sync = DenseGradSync(dense_params, groups.dense, cfg.comm.dense, cfg.comm.loss_scale, stats)
