@@ -125,8 +125,17 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def _data_prepare(args: argparse.Namespace) -> int:
     from recscale.data.prepare import PrepareOptions, build_schema, prepare, resolve_inputs
+    from recscale.data.prepared import PreparedDataset
+    from recscale.data.schema import SchemaError, load_schema
 
-    schema = build_schema(args.format, args.schema, args.table_rows, args.vocab_min_count)
+    if args.vocab_from:
+        if args.table_rows or args.vocab_min_count:
+            raise SchemaError("--vocab-from: the table sizes and vocabularies come from that directory; "
+                              "drop --table-rows and --vocab-min-count")
+        # The column layout from --schema when given, else as the earlier directory read its input.
+        schema = load_schema(args.schema) if args.schema else PreparedDataset.open(args.vocab_from).schema
+    else:
+        schema = build_schema(args.format, args.schema, args.table_rows, args.vocab_min_count)
     opts = PrepareOptions(
         inputs=resolve_inputs(args.input),
         fmt=args.format,
@@ -139,6 +148,7 @@ def _data_prepare(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         progress=not args.no_progress,
         compression=args.compression,
+        vocab_from=args.vocab_from or "",
     )
     r = prepare(opts)
     print(
@@ -148,6 +158,9 @@ def _data_prepare(args: argparse.Namespace) -> int:
     if r.skipped_rows:
         print(f"skipped {r.skipped_rows:,} bad rows, e.g.:\n  " + "\n  ".join(r.skipped_examples))
     print(f"table rows per feature: {list(r.table_rows.values())}")
+    if r.oov:
+        print("values outside the vocabulary (out-of-vocabulary id 1): "
+              + ", ".join(f"{n} {k:,} lookups ({100 * share:.1f}%)" for n, (k, share) in r.oov.items()))
     print(f"statistics: {r.out}/stats.json; train with --set data.source=prepared --set data.train_path={r.out}")
     return 0
 
@@ -224,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hash categorical values into tables of N rows (one value, or 26 for criteo-tsv)")
     d.add_argument("--vocab-min-count", type=int, metavar="K",
                    help="instead of hashing: a vocabulary of the values seen at least K times (MLPerf-style)")
+    d.add_argument("--vocab-from", metavar="DIR",
+                   help="encode like this earlier prepared directory (its vocabularies and hashing settings; "
+                        "unseen values get the out-of-vocabulary id): prepare eval data with the training data's")
     d.add_argument("--workers", type=int, default=2, help="worker processes (0: in this process)")
     d.add_argument("--block-mb", type=float, default=32, help="input read per block (one shard per block; memory grows with it)")
     d.add_argument("--row-group-rows", type=int, default=32768, help="rows per Parquet row group (the unit ranks split)")
