@@ -100,7 +100,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     from recscale.planner.hardware import cached_calibration
 
-    out = args.out or str(cached_calibration(args.ranks))
+    out = args.out or str(cached_calibration(args.ranks, quick=args.quick))
     hw = calibrate(args.ranks, progress=print if args.verbose else None, quick=args.quick)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     hw.save(out)
@@ -223,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", help="hardware JSON to write (default: this machine's cached calibration, "
                    "~/.cache/recscale/topology-local-RANKS.json, which the trainer's planner reads)")
     c.add_argument("--verbose", action="store_true", help="print every probe as it is measured")
-    c.add_argument("--quick", action="store_true", help="fewer, smaller probes (seconds; rougher constants)")
+    c.add_argument("--quick", action="store_true", help="fewer, smaller probes (seconds; rougher constants; the "
+                   "trainer's planner makes this one on first use, cached as topology-local-RANKS-quick.json)")
     c.set_defaults(func=_calibrate)
 
     data = sub.add_parser("data", help="prepare click logs into sharded Parquet for fast, resumable reading")

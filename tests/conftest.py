@@ -48,3 +48,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     print(f"native kernels: embedding {'ready' if ok[0] else 'unavailable'}, interaction "
           f"{'ready' if ok[1] else 'unavailable'} ({time.monotonic() - t0:.0f} s)", flush=True)
 
+
+
+# Tests plan on the built-in CPU description or an explicit topology: no process measures the
+# machine on first use (a user's first multi-rank run does, once; see planner.hardware).
+os.environ.setdefault("RECSCALE_CALIBRATE", "off")
