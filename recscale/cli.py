@@ -123,6 +123,25 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kernels(args: argparse.Namespace) -> int:
+    import time
+    import warnings
+
+    from recscale import native_build
+    from recscale.embedding import native
+    from recscale.model.native import interaction_kernels
+
+    t0 = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # said below, once
+        embedding, interaction = native.load(), interaction_kernels()
+    print(f"native kernels in {native_build.cache_root()}: embedding {'ready' if embedding else 'unavailable'}, "
+          f"dot interaction {'ready' if interaction else 'unavailable'} ({time.monotonic() - t0:.0f} s)")
+    if embedding is None:
+        print(f"recscale: the pure-PyTorch kernels will run (same results, slower): {native.failure()}", file=sys.stderr)
+    return 0
+
+
 def _data_prepare(args: argparse.Namespace) -> int:
     from recscale.data.prepare import PrepareOptions, build_schema, prepare, resolve_inputs
     from recscale.data.prepared import PreparedDataset
@@ -226,6 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quick", action="store_true", help="fewer, smaller probes (seconds; rougher constants; the "
                    "trainer's planner makes this one on first use, cached as topology-local-RANKS-quick.json)")
     c.set_defaults(func=_calibrate)
+
+    kb = sub.add_parser("kernels", help="compile the native CPU kernels now (make setup does), not on first use")
+    kbs = kb.add_subparsers(dest="kernels_command", required=True)
+    kbs.add_parser("build", help="compile (or load from the cache) the embedding and interaction kernels")
+    kb.set_defaults(func=_kernels)
 
     data = sub.add_parser("data", help="prepare click logs into sharded Parquet for fast, resumable reading")
     dsub = data.add_subparsers(dest="data_command", required=True)
