@@ -158,3 +158,18 @@ def test_criteo_tsv_auto_sizes_are_a_vocabulary_of_the_training_values(tmp_path)
         expect = np.where(raw[:, j] > 0, np.searchsorted(distinct, raw[:, j]) + 2, 0)
         assert np.array_equal(ids[:, j], expect)
     assert max(int(b.sparse.values.max()) for b in data.eval) < max(data.table_rows)
+
+
+def test_errors_a_new_rating_log_meets_name_the_fix(logs, capsys):
+    """A rating as the label names label_threshold; a header line read as data names "header"."""
+    base = ["data", "prepare", "--input", str(logs / "train.csv"), "--format", "csv", "--out", str(logs / "o"),
+            "--workers", "0", "--no-progress"]
+    for change, fix in (({"label_threshold": None}, 'set "label_threshold" in the schema'),
+                        ({"header": False, "columns": ["user", "item", "age", "genres", "rating"]}, 'set "header": true')):
+        schema = {k: v for k, v in {**SCHEMA, **change}.items() if v is not None}
+        (logs / "s.json").write_text(json.dumps(schema))
+        assert main(base + ["--schema", str(logs / "s.json")]) == 2
+        assert fix in capsys.readouterr().err
+    cfg = ["--set", "data.source=prepared", "--set", "train.progress=false"]
+    assert main(["train", *cfg]) == 2
+    assert "'data.train_path': required for data.source = 'prepared'" in capsys.readouterr().err

@@ -339,7 +339,7 @@ def validate(cfg: Config) -> None:
     if m.bottom_mlp[-1] != m.embedding_dim:
         raise ConfigError(
             f"config key 'model.bottom_mlp': must end with model.embedding_dim ({m.embedding_dim}), "
-            f"got {m.bottom_mlp}"
+            f"got {m.bottom_mlp}; e.g. model.bottom_mlp = {[*m.bottom_mlp[:-1], m.embedding_dim]}"
         )
     if m.top_mlp[-1] != 1:
         raise ConfigError(f"config key 'model.top_mlp': must end with 1 (the logit), got {m.top_mlp}")
@@ -373,7 +373,12 @@ def validate(cfg: Config) -> None:
         _positive("data.prefetch", d.prefetch)
         for key in ("train_path", "eval_path"):
             p = getattr(d, key)
-            if (p or key == "train_path") and not Path(p).is_dir():
+            if key == "train_path" and not p:
+                raise ConfigError(
+                    "config key 'data.train_path': required for data.source = 'prepared' "
+                    "(a directory made by `recscale data prepare`)"
+                )
+            if p and not Path(p).is_dir():
                 raise ConfigError(
                     f"config key 'data.{key}': '{p}' is not a directory; data.source = 'prepared' reads a "
                     "directory made by `recscale data prepare`"
