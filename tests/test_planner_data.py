@@ -87,3 +87,28 @@ def test_unique_fraction_from_statistics_matches_drawn_batches():
     # Uniform ids over few values: almost every id of a big batch repeats.
     flat = loads_from_ids(("f",), rng.integers(0, 100, (10_000, 1)))["f"]
     assert flat.cardinality == 100 and flat.unique_fraction(4096) == pytest.approx(100 / 4096, rel=0.01)
+
+
+def test_criteo_file_specs_come_from_its_ids(tmp_path):
+    """A pre-encoded Criteo CSV: the file's feature names, its sizes (largest id + 1) and the
+    skew of its own ids, not a fixed half of the ids distinct."""
+    rng = np.random.default_rng(0)
+    n = 600
+    ids = rng.integers(0, 5000, (n, 26))
+    ids[:, 0] = rng.integers(0, 3, n)  # C1: three values, every batch repeats them
+    ids[:, 1] = np.arange(n)  # C2: every id once
+    rows = np.concatenate([rng.integers(0, 2, (n, 1)), rng.integers(0, 9, (n, 13)), ids], axis=1)
+    path = tmp_path / "enc.csv"
+    np.savetxt(path, rows, fmt="%d", delimiter=",")
+    cfg = load_config(None, ["data.source=criteo_encoded_csv", f"data.train_path=\"{path}\"", "data.eval_fraction=0.1",
+                             "train.batch_size=256"])
+    specs = table_specs(cfg)
+    assert [s.name for s in specs] == [f"t_C{i + 1}" for i in range(26)]
+    train_ids = ids[: n - 60]  # the held-out tail is not training data
+    assert [s.rows for s in specs] == [int(v) + 1 for v in ids.max(axis=0)]
+    assert all(s.pooling == 1.0 for s in specs)
+    assert specs[0].unique_fraction == pytest.approx(3 / 256, rel=0.05)
+    # 540 ids seen once each: a batch of 256 drawn alike repeats some of them
+    assert specs[1].unique_fraction == pytest.approx(540 * (1 - (1 - 1 / 540) ** 256) / 256, rel=1e-3)
+    expect = loads_from_ids(("C3",), train_ids[:, 2:3])["C3"].unique_fraction(256)
+    assert specs[2].unique_fraction == pytest.approx(expect) and specs[2].unique_fraction != 0.5
