@@ -6,10 +6,10 @@ from __future__ import annotations
 from recscale.data.synthetic import unique_fraction
 from recscale.embedding import TableConfig
 from recscale.planner.cost_model import TableSpec, Workload
+from recscale.planner.feature_stats import loads_from_ids, loads_from_prepared
 from recscale.planner.hardware import Hardware, resolve_hardware, this_machine
 from recscale.planner.search import plan_tables
 from recscale.sharding.plan import ShardingPlan
-from recscale.planner.feature_stats import loads_from_ids, loads_from_prepared
 from recscale.train.config import SYNTHETIC_TABLE_ROWS, Config, ConfigError
 from recscale.train.datasets import DataSplits, build_data
 
