@@ -112,7 +112,8 @@ def _plan(args: argparse.Namespace) -> int:
     for flag, path in (("--out", args.out), ("--report", args.report)):
         if path:
             check_output_file(path, flag)
-    cfg = load_config(args.config, args.set)
+    data = ["data.source=\"prepared\"", f"data.train_path={_toml_str(args.data)}"] if args.data else []
+    cfg = load_config(args.config, data + list(args.set))
     try:
         hw = resolve_hardware(args.topology, args.world_size, args.ranks_per_host)
     except ValueError as e:
@@ -162,7 +163,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     if args.ranks < 1:
         raise ConfigError(f"--ranks: expected an integer >= 1, got {args.ranks}")
-    out = args.out or str(cached_calibration(args.ranks))
+    out = args.out or str(cached_calibration(args.ranks, quick=args.quick))
     check_output_file(out, "--out")
     hw = calibrate(args.ranks, progress=print if args.verbose else None, quick=args.quick)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -186,10 +187,38 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kernels(args: argparse.Namespace) -> int:
+    import time
+    import warnings
+
+    from recscale import native_build
+    from recscale.embedding import native
+    from recscale.model.native import interaction_kernels
+
+    t0 = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # said below, once
+        embedding, interaction = native.load(), interaction_kernels()
+    print(f"native kernels in {native_build.cache_root()}: embedding {'ready' if embedding else 'unavailable'}, "
+          f"dot interaction {'ready' if interaction else 'unavailable'} ({time.monotonic() - t0:.0f} s)")
+    if embedding is None:
+        print(f"recscale: the pure-PyTorch kernels will run (same results, slower): {native.failure()}", file=sys.stderr)
+    return 0
+
+
 def _data_prepare(args: argparse.Namespace) -> int:
     from recscale.data.prepare import PrepareOptions, build_schema, prepare, resolve_inputs
+    from recscale.data.prepared import PreparedDataset
+    from recscale.data.schema import SchemaError, load_schema
 
-    schema = build_schema(args.format, args.schema, args.table_rows, args.vocab_min_count)
+    if args.vocab_from:
+        if args.table_rows or args.vocab_min_count:
+            raise SchemaError("--vocab-from: the table sizes and vocabularies come from that directory; "
+                              "drop --table-rows and --vocab-min-count")
+        # The column layout from --schema when given, else as the earlier directory read its input.
+        schema = load_schema(args.schema) if args.schema else PreparedDataset.open(args.vocab_from).schema
+    else:
+        schema = build_schema(args.format, args.schema, args.table_rows, args.vocab_min_count)
     opts = PrepareOptions(
         inputs=resolve_inputs(args.input),
         fmt=args.format,
@@ -202,6 +231,7 @@ def _data_prepare(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         progress=not args.no_progress,
         compression=args.compression,
+        vocab_from=args.vocab_from or "",
     )
     r = prepare(opts)
     print(
@@ -211,6 +241,9 @@ def _data_prepare(args: argparse.Namespace) -> int:
     if r.skipped_rows:
         print(f"skipped {r.skipped_rows:,} bad rows, e.g.:\n  " + "\n  ".join(r.skipped_examples))
     print(f"table rows per feature: {list(r.table_rows.values())}")
+    if r.oov:
+        print("values outside the vocabulary (out-of-vocabulary id 1): "
+              + ", ".join(f"{n} {k:,} lookups ({100 * share:.1f}%)" for n, (k, share) in r.oov.items()))
     print(f"statistics: {r.out}/stats.json; train with --set data.source=prepared --set data.train_path={r.out}")
     return 0
 
@@ -256,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("plan", help="plan how a config's tables are sharded over ranks, with a cost model")
     q.add_argument("--config", help="TOML training config (its tables, batch and wire precisions)")
+    q.add_argument("--data", metavar="DIR", help="plan for a prepared directory (`recscale data prepare`): its tables "
+                   "and each feature's pooling and skew from its stats.json (= --set data.source=prepared "
+                   "--set data.train_path=DIR)")
     q.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     q.add_argument("--world-size", type=int, help="ranks to plan for (default: the topology's)")
     q.add_argument("--ranks-per-host", type=int, help="ranks per host (default: the topology's)")
@@ -277,8 +313,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", help="hardware JSON to write (default: this machine's cached calibration, "
                    "~/.cache/recscale/topology-local-RANKS.json, which the trainer's planner reads)")
     c.add_argument("--verbose", action="store_true", help="print every probe as it is measured")
-    c.add_argument("--quick", action="store_true", help="fewer, smaller probes (seconds; rougher constants)")
+    c.add_argument("--quick", action="store_true", help="fewer, smaller probes (seconds; rougher constants; the "
+                   "trainer's planner makes this one on first use, cached as topology-local-RANKS-quick.json)")
     c.set_defaults(func=_calibrate)
+
+    kb = sub.add_parser("kernels", help="compile the native CPU kernels now (make setup does), not on first use")
+    kbs = kb.add_subparsers(dest="kernels_command", required=True)
+    kbs.add_parser("build", help="compile (or load from the cache) the embedding and interaction kernels")
+    kb.set_defaults(func=_kernels)
 
     data = sub.add_parser("data", help="prepare click logs into sharded Parquet for fast, resumable reading")
     dsub = data.add_subparsers(dest="data_command", required=True)
@@ -291,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hash categorical values into tables of N rows (one value, or 26 for criteo-tsv)")
     d.add_argument("--vocab-min-count", type=int, metavar="K",
                    help="instead of hashing: a vocabulary of the values seen at least K times (MLPerf-style)")
+    d.add_argument("--vocab-from", metavar="DIR",
+                   help="encode like this earlier prepared directory (its vocabularies and hashing settings; "
+                        "unseen values get the out-of-vocabulary id): prepare eval data with the training data's")
     d.add_argument("--workers", type=int, default=2, help="worker processes (0: in this process)")
     d.add_argument("--block-mb", type=float, default=32, help="input read per block (one shard per block; memory grows with it)")
     d.add_argument("--row-group-rows", type=int, default=32768, help="rows per Parquet row group (the unit ranks split)")

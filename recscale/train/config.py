@@ -30,6 +30,9 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the key or path and the fix."""
 
 
+# The synthetic generator's tables when model.table_rows = "auto": 26 Criteo-like features.
+SYNTHETIC_TABLE_ROWS: tuple[int, ...] = (100_000,) * 26
+
 DataSource = Literal["synthetic", "criteo_tsv", "criteo_encoded_csv", "prepared"]
 
 
@@ -59,8 +62,10 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     embedding_dim: int = 16
-    # One table per sparse feature; a single number applies to every feature.
-    table_rows: list[int] = field(default_factory=lambda: [100_000] * 26)
+    # One table per sparse feature: "auto" takes each table's rows from the data (a prepared
+    # directory's manifest, the ids or vocabulary of a Criteo file, the synthetic generator's
+    # default shape); a list gives them (checked against the data), a single number applies to all.
+    table_rows: list[int] | Literal["auto"] = "auto"
     pooling: Literal["sum", "mean"] = "sum"
     embedding_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
     # Embedding kernels: native C++ on the CPU where it builds ("auto"), always ("native"), or
@@ -72,7 +77,10 @@ class ModelConfig:
     mlp_precision: Literal["fp32", "bf16"] = "fp32"
 
     def rows_for(self, num_features: int) -> list[int]:
-        """Rows of each feature's table: one value applies to all, else one per feature."""
+        """Rows of each feature's table: one value applies to all, else one per feature
+        (``"auto"`` must have been resolved from the data first: ``train.table_sizes``)."""
+        if isinstance(self.table_rows, str):
+            raise ConfigError("config key 'model.table_rows': 'auto' was not resolved from the data")
         if len(self.table_rows) == 1:
             return self.table_rows * num_features
         if len(self.table_rows) != num_features:
@@ -256,6 +264,15 @@ def _build(cls: type, data: Any, where: str) -> Any:
     return cls(**kwargs)
 
 
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " or ".join(repr(c) for c in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(tp)[0])}s"
+    return {int: "integer", float: "number", str: "string", bool: "true or false"}.get(tp, str(tp))
+
+
 def _coerce(tp: Any, value: Any, name: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, name)
@@ -278,7 +295,18 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
             raise ConfigError(f"config key '{name}': expected a list, got {short(value)}")
         return [_coerce(item_tp, v, f"{name}[{i}]") for i, v in enumerate(value)]
     if origin in (typing.Union, types.UnionType):
-        raise ConfigError(f"config key '{name}': unsupported type {tp}")  # not used by any field
+        # Each arm in turn (e.g. a list of sizes or "auto"); the error names every form accepted.
+        arms = typing.get_args(tp)
+        errors = {}
+        for arm in arms:
+            try:
+                return _coerce(arm, value, name)
+            except ConfigError as e:
+                errors[typing.get_origin(arm)] = e
+        if isinstance(value, list) and list in errors:
+            raise errors[list]  # it names the bad item
+        forms = " or ".join(_describe(arm) for arm in typing.get_args(tp))
+        raise ConfigError(f"config key '{name}': expected {forms}, got {value!r}")
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"config key '{name}': expected true or false, got {short(value)}")
@@ -320,8 +348,11 @@ def validate(cfg: Config) -> None:
     _positive("dense_optimizer.lr", cfg.dense_optimizer.lr)
     _non_negative("dense_optimizer.initial_accumulator_value", cfg.dense_optimizer.initial_accumulator_value)
     _positive("dense_optimizer.eps", cfg.dense_optimizer.eps)
-    if not m.table_rows or any(r <= 0 for r in m.table_rows):
-        raise ConfigError("config key 'model.table_rows': expected positive row counts, one per sparse feature")
+    if m.table_rows != "auto" and (not m.table_rows or any(r <= 0 for r in m.table_rows)):
+        raise ConfigError(
+            "config key 'model.table_rows': expected positive row counts, one per sparse feature "
+            "(or \"auto\": sizes from the data)"
+        )
     for key in ("bottom_mlp", "top_mlp"):
         sizes = getattr(m, key)
         if not sizes or any(s <= 0 for s in sizes):
@@ -329,7 +360,7 @@ def validate(cfg: Config) -> None:
     if m.bottom_mlp[-1] != m.embedding_dim:
         raise ConfigError(
             f"config key 'model.bottom_mlp': must end with model.embedding_dim ({m.embedding_dim}), "
-            f"got {m.bottom_mlp}"
+            f"got {m.bottom_mlp}; e.g. model.bottom_mlp = {[*m.bottom_mlp[:-1], m.embedding_dim]}"
         )
     if m.top_mlp[-1] != 1:
         raise ConfigError(f"config key 'model.top_mlp': must end with 1 (the logit), got {m.top_mlp}")
@@ -354,9 +385,10 @@ def validate(cfg: Config) -> None:
             raise ConfigError(
                 f"config key 'data.pooling_factors': every mean pooling factor must be >= 1, got {short(d.pooling_factors)}"
             )
-        if d.pooling_factors and len(d.pooling_factors) not in (1, len(m.table_rows)):
+        tables = len(SYNTHETIC_TABLE_ROWS) if m.table_rows == "auto" else len(m.table_rows)
+        if d.pooling_factors and len(d.pooling_factors) not in (1, tables):
             raise ConfigError(
-                f"config key 'data.pooling_factors': expected 1 or {len(m.table_rows)} values "
+                f"config key 'data.pooling_factors': expected 1 or {tables} values "
                 f"(one per table), got {len(d.pooling_factors)}"
             )
         if d.zipf_alpha <= 0:
@@ -366,7 +398,12 @@ def validate(cfg: Config) -> None:
         _positive("data.prefetch", d.prefetch)
         for key in ("train_path", "eval_path"):
             p = getattr(d, key)
-            if (p or key == "train_path") and not Path(p).is_dir():
+            if key == "train_path" and not p:
+                raise ConfigError(
+                    "config key 'data.train_path': required for data.source = 'prepared' "
+                    "(a directory made by `recscale data prepare`)"
+                )
+            if p and not Path(p).is_dir():
                 raise ConfigError(
                     f"config key 'data.{key}': '{p}' is not a directory; data.source = 'prepared' reads a "
                     "directory made by `recscale data prepare`"

@@ -32,7 +32,7 @@ from recscale.sharding.plan import PlanError, ShardingPlan
 from recscale.sharding.shard import shard
 from recscale.train.checkpointing import Progress, TrainCheckpointing
 from recscale.train.config import Config, ConfigError
-from recscale.train.datasets import DataSplits, build_data
+from recscale.train.datasets import DataSplits, build_data, with_table_rows
 from recscale.train.guards import FiniteGuard
 from recscale.train.lr_schedule import set_learning_rates
 from recscale.train.metrics import EvalMetrics, evaluate_predictions
@@ -80,11 +80,12 @@ class PlanChoice:
     search: dict[str, Any] | None = None
 
 
-def build_plan(cfg: Config, tables: list[TableConfig], groups: ProcessGroups) -> ShardingPlan:
-    return choose_plan(cfg, tables, groups).plan
+def build_plan(cfg: Config, tables: list[TableConfig], groups: ProcessGroups, data: DataSplits | None = None) -> ShardingPlan:
+    return choose_plan(cfg, tables, groups, data=data).plan
 
 
-def choose_plan(cfg: Config, tables: list[TableConfig], groups: ProcessGroups, replay: Replay | None = None) -> PlanChoice:
+def choose_plan(cfg: Config, tables: list[TableConfig], groups: ProcessGroups, replay: Replay | None = None,
+                data: DataSplits | None = None) -> PlanChoice:
     """A replay's recorded plan; else the plan file when given; else with ``sharding.default =
     "auto"`` (the default) and no per-table overrides the cost-model planner's plan (made on
     rank 0, sent to every rank, so all ranks run the same plan); else the default placement with
@@ -103,19 +104,20 @@ def choose_plan(cfg: Config, tables: list[TableConfig], groups: ProcessGroups, r
         return PlanChoice(plan)
     overrides = {k: TableSharding(v.type, v.shards) for k, v in cfg.sharding.tables.items()}
     if cfg.sharding.default == "auto" and not overrides:
-        return _planned(cfg, tables, groups)
+        return _planned(cfg, tables, groups, data)
     default = "table_wise" if cfg.sharding.default == "auto" else cfg.sharding.default
     return PlanChoice(default_plan(tables, groups.topology, default, overrides))
 
 
-def _planned(cfg: Config, tables: list[TableConfig], groups: ProcessGroups) -> PlanChoice:
+def _planned(cfg: Config, tables: list[TableConfig], groups: ProcessGroups, data: DataSplits | None) -> PlanChoice:
     from recscale.train.planning import auto_plan
 
     topo = groups.topology
     box: list[object] = [None]
     if topo.rank == 0:
         try:
-            result, hw = auto_plan(cfg, tables, topo.world_size, topo.ranks_per_host, groups.device.type == "cuda")
+            result, hw = auto_plan(cfg, tables, topo.world_size, topo.ranks_per_host, groups.device.type == "cuda",
+                                  data=data)
             box[0] = (result.plan.to_dict(), asdict(hw), result.search_record())
         except PlanError as e:
             box[0] = f"sharding.default = 'auto': {e}"
@@ -137,6 +139,7 @@ def build_model(
     groups: ProcessGroups | None = None,
     stats: CommStats | None = None,
     plan: ShardingPlan | None = None,
+    data: DataSplits | None = None,
 ) -> DLRM:
     """The model; on several ranks its tables are sharded by ``plan`` (default: ``build_plan``)."""
     eo = cfg.embedding_optimizer
@@ -158,7 +161,7 @@ def build_model(
     model = DLRM(embeddings, num_dense, cfg.model.bottom_mlp, cfg.model.top_mlp, cfg.model.mlp_precision)
     if sharded:
         assert groups is not None
-        plan = plan or build_plan(cfg, tables, groups)
+        plan = plan or build_plan(cfg, tables, groups, data)
         all_gather_object_check(plan.digest(), groups.dense, "sharding plans")
         precision = CommPrecision(cfg.comm.forward, cfg.comm.backward, cfg.comm.loss_scale)
         model = shard(model, plan, groups, precision, stats)
@@ -240,9 +243,10 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], repla
         all_gather_object_check(config_digest(cfg), groups.dense, "configs")
     data: DataSplits = build_data(cfg, rank, world)
     log(f"data: {data.description}")
+    cfg = with_table_rows(cfg, data.table_rows, log)
     stats = CommStats()
-    choice = choose_plan(cfg, build_tables(cfg, data.sparse_names), groups, replay) if world > 1 else None
-    model = build_model(cfg, data.sparse_names, data.num_dense, device, groups, stats, choice.plan if choice else None)
+    choice = choose_plan(cfg, build_tables(cfg, data.sparse_names), groups, replay, data) if world > 1 else None
+    model = build_model(cfg, data.sparse_names, data.num_dense, device, groups, stats, choice.plan if choice else None, data)
     kernel_native = _runs_native_kernels(model, groups)
     dense_params = model.dense_parameters()
     dense_opt = build_dense_optimizer(cfg, dense_params)
