@@ -56,15 +56,15 @@ def test_plan_follows_the_pooling_in_stats_json(tmp_path, capsys):
     assert hot_specs[0].unique_fraction < 0.5 * hot_specs[1].unique_fraction
 
     hw, wl = LOCAL_CPU.with_world(2, 2), workload(_cfg(hot))
-    hot_plan = plan_tables(hot_specs, hw, wl, time_budget_s=1.0)
-    flat_plan = plan_tables(flat_specs, hw, wl, time_budget_s=1.0)
+    hot_plan = plan_tables(hot_specs, hw, wl)
+    flat_plan = plan_tables(flat_specs, hw, wl)
     kind = {name: {t.table: t.sharding_type for t in r.plan.tables} for name, r in (("hot", hot_plan), ("flat", flat_plan))}
     assert kind["hot"]["t_a"] != kind["flat"]["t_a"]
     uniform_on_hot = score_plan(flat_plan.plan, hot_specs, hw, wl).max_rank_s
     assert hot_plan.max_rank_s < uniform_on_hot
     assert hot_plan.max_rank_s > flat_plan.max_rank_s  # the 50 ids per sample cost time
 
-    assert main(["plan", "--data", str(hot), "--topology", "local-cpu", "--world-size", "2", "--time-budget", "0.5",
+    assert main(["plan", "--data", str(hot), "--topology", "local-cpu", "--world-size", "2",
                  "--set", "model.embedding_dim=64", "--set", "model.bottom_mlp=[64, 64]"]) == 0
     out = capsys.readouterr().out
     assert "4 tables on 2 ranks" in out and "t_a" in out
