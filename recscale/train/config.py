@@ -68,6 +68,12 @@ class ModelConfig:
     top_mlp: list[int] = field(default_factory=lambda: [64, 1])
     # MLP and interaction precision: "bf16" = bf16 matmuls with fp32 master weights (opt-in).
     mlp_precision: Literal["fp32", "bf16"] = "fp32"
+    # How the bottom-MLP output and the pooled embeddings meet: DLRM's pairwise dot products
+    # ("dot"), or DCNv2's low-rank cross network ("dcn": dcn_layers layers of x0 * (W (V x) + b) + x,
+    # V and W of rank dcn_low_rank, over all features concatenated; MLPerf DLRM-DCNv2 uses 3 and 512).
+    interaction: Literal["dot", "dcn"] = "dot"
+    dcn_layers: int = 3
+    dcn_low_rank: int = 512
 
     def rows_for(self, num_features: int) -> list[int]:
         """Rows of each feature's table: one value applies to all, else one per feature."""
@@ -312,6 +318,9 @@ def validate(cfg: Config) -> None:
         )
     if m.top_mlp[-1] != 1:
         raise ConfigError(f"config key 'model.top_mlp': must end with 1 (the logit), got {m.top_mlp}")
+    if m.interaction == "dcn":
+        _positive("model.dcn_layers", m.dcn_layers)
+        _positive("model.dcn_low_rank", m.dcn_low_rank)
     _positive("dist.timeout_s", cfg.dist.timeout_s)
     _non_negative("dist.ranks_per_host", cfg.dist.ranks_per_host)
     _positive("comm.loss_scale", cfg.comm.loss_scale)

@@ -134,14 +134,16 @@ def build_model(
         embeddings = ShardedEmbeddingCollection(
             tables, optimizer, plan, groups, cfg.train.seed, precision, stats, kernel=cfg.model.embedding_kernel
         )
-    model = DLRM(embeddings, num_dense, cfg.model.bottom_mlp, cfg.model.top_mlp, cfg.model.mlp_precision)  # type: ignore[arg-type]
+    m = cfg.model
+    model = DLRM(embeddings, num_dense, m.bottom_mlp, m.top_mlp, m.mlp_precision,  # type: ignore[arg-type]
+                 m.interaction, m.dcn_layers, m.dcn_low_rank)
     if cfg.model.mlp_precision == "bf16" and device.type == "cpu" and not cpu_multiplies_bf16():
         warnings.warn(
             "model.mlp_precision = 'bf16' on a CPU without AVX-512 BF16 or AMX: its bf16 matmuls are emulated "
             "and run many times slower than fp32 (a CI machine: 1 against 174 GFLOP/s); set it to 'fp32' here",
             stacklevel=2,
         )
-    if device.type == "cpu" and model.interaction.native:
+    if device.type == "cpu" and getattr(model.interaction, "native", False):
         interaction_kernels()  # a first-use compile happens now, not inside the first (timed) step
     return model.to(device)
 
