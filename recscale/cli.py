@@ -232,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "func", None) is _train:
+        from recscale.train.process_tuning import prefer_passive_openmp, tuning_requested
+
+        if tuning_requested(args.config, args.set):  # before torch loads its OpenMP runtime
+            prefer_passive_openmp()
     from recscale.checkpoint.manifest import CheckpointError
     from recscale.comm.process_group import DistributedError
     from recscale.data.errors import DataFormatError
@@ -241,7 +247,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from recscale.sparse import SparseInputError
     from recscale.train.config import ConfigError
 
-    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (

@@ -38,7 +38,11 @@ class DataConfig:
     eval_path: str = ""
     # Share of the training file held out for evaluation when eval_path is empty.
     eval_fraction: float = 0.1
-    num_workers: int = 1
+    # Loader worker processes per rank. "auto": none when the rank has 2 usable CPUs or fewer
+    # (batches are loaded in the training process between steps, which measured faster than a
+    # worker taking a training thread's CPU), else 1 (one worker feeds more than twice the
+    # trainer's rate); see recscale/train/process_tuning.py. 0: load in the training process.
+    num_workers: int | Literal["auto"] = "auto"
     skip_bad_rows: bool = False
     shuffle: bool = True
     # Synthetic data only.
@@ -118,14 +122,21 @@ class TrainConfig:
     eval_every_steps: int = 0
     eval_batch_size: int = 4096
     seed: int = 0
-    # torch threads (0: leave PyTorch's default).
+    # Training (torch) threads per rank. 0: the CPUs this process may use (affinity mask and
+    # cgroup quota) split evenly over the ranks of the host, less the loader workers, at least 1.
     threads: int = 0
+    # Process-wide tuning (recscale/train/process_tuning.py, logged in one line): size threads
+    # and workers as above, let idle OpenMP threads sleep instead of spinning (OMP_WAIT_POLICY),
+    # keep freed host memory for reuse. false: PyTorch's and the OS's defaults, threads and
+    # workers as given ("auto" workers: none).
+    tune_process: bool = True
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: bool = True
     # Prepare batch i+1 (load, move, validate, send its ids to their owners) while batch i computes.
     pipeline: bool = True
     # Keep freed host memory in the process for the next step instead of returning it to the
-    # OS (glibc malloc thresholds, recscale/host_memory.py): fewer page faults per step.
+    # OS (glibc malloc thresholds, recscale/host_memory.py): fewer page faults per step. Part of
+    # the process tuning: off when train.tune_process is false.
     retain_host_memory: bool = True
 
 
@@ -268,8 +279,13 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"config key '{name}': expected a list, got {value!r}")
         return [_coerce(item_tp, v, f"{name}[{i}]") for i, v in enumerate(value)]
-    if origin in (typing.Union, types.UnionType):
-        raise ConfigError(f"config key '{name}': unsupported type {tp}")  # not used by any field
+    if origin in (typing.Union, types.UnionType):  # e.g. int | Literal["auto"]: the first that fits
+        for arm in typing.get_args(tp):
+            try:
+                return _coerce(arm, value, name)
+            except ConfigError:
+                pass
+        raise ConfigError(f"config key '{name}': expected {_describe(tp)}, got {value!r}")
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"config key '{name}': expected true or false, got {value!r}")
@@ -289,6 +305,14 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
     raise ConfigError(f"config key '{name}': unsupported type {tp}")  # pragma: no cover
 
 
+def _describe(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " or ".join(repr(c) for c in typing.get_args(tp))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+
+
 # ---------------------------------------------------------------------- validation
 def validate(cfg: Config) -> None:
     """Value checks that types alone cannot express."""
@@ -299,7 +323,8 @@ def validate(cfg: Config) -> None:
     _non_negative("train.max_steps", t.max_steps)
     _non_negative("train.eval_every_steps", t.eval_every_steps)
     _non_negative("train.threads", t.threads)
-    _non_negative("data.num_workers", d.num_workers)
+    if d.num_workers != "auto":
+        _non_negative("data.num_workers", d.num_workers)
     _positive("model.embedding_dim", m.embedding_dim)
     _positive("embedding_optimizer.lr", cfg.embedding_optimizer.lr)
     _positive("dense_optimizer.lr", cfg.dense_optimizer.lr)

@@ -22,7 +22,6 @@ from recscale.comm.dense_sync import DenseGradSync
 from recscale.comm.process_group import ProcessGroups, destroy_process_groups, env_topology, init_process_groups
 from recscale.data import Batch
 from recscale.embedding import TableBatchedEmbeddingBags, TableConfig, make_optimizer
-from recscale.host_memory import retain_freed_memory
 from recscale.model import DLRM
 from recscale.model.native import interaction_kernels
 from recscale.native_build import cpu_multiplies_bf16
@@ -35,6 +34,7 @@ from recscale.train.datasets import DataSplits, build_data
 from recscale.train.lr_schedule import set_learning_rates
 from recscale.train.metrics import EvalMetrics, evaluate_predictions
 from recscale.train.pipeline import TrainPipeline, train_step
+from recscale.train.process_tuning import ProcessTuning, tune_process
 
 
 def seed_everything(seed: int) -> None:
@@ -192,34 +192,33 @@ def config_digest(cfg: Config) -> str:
 
 def train(cfg: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train and evaluate as configured (one process, or every rank of a torchrun job)."""
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    topology = env_topology(cfg.dist.ranks_per_host)
+    t = cfg.train
+    tuning = tune_process(t.threads, cfg.data.num_workers, topology.ranks_per_host, t.tune_process, t.retain_host_memory)
     device = pick_device(cfg.train.device)
-    groups = init_process_groups(
-        env_topology(cfg.dist.ranks_per_host), cfg.dist.timeout_s, device=device, shared_memory=cfg.dist.shared_memory
-    )
+    groups = init_process_groups(topology, cfg.dist.timeout_s, device=device, shared_memory=cfg.dist.shared_memory)
     try:
-        return _train(cfg, groups, log if groups.rank == 0 else (lambda _: None))
+        return _train(cfg, groups, log if groups.rank == 0 else (lambda _: None), tuning)
     finally:
         if groups.world_size > 1:
             destroy_process_groups()
 
 
-def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None]) -> dict[str, Any]:
+def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], tuning: ProcessTuning) -> dict[str, Any]:
     seed_everything(cfg.train.seed)
     device = groups.device
     world, rank = groups.world_size, groups.rank
     if world > 1:
         all_gather_object_check(config_digest(cfg), groups.dense, "configs")
-    data: DataSplits = build_data(cfg, rank, world)
+    data: DataSplits = build_data(cfg, rank, world, tuning.plan.workers)
     log(f"data: {data.description}")
     stats = CommStats()
     model = build_model(cfg, data.sparse_names, data.num_dense, device, groups, stats)
     dense_params = model.dense_parameters()
     dense_opt = build_dense_optimizer(cfg, dense_params)
     sync = DenseGradSync(dense_params, groups.dense, cfg.comm.dense, cfg.comm.loss_scale, stats)
-    if cfg.train.retain_host_memory:  # after the build: its one-off temporaries go back to the OS
-        retain_freed_memory()
+    tuning.after_build()  # after the build: its one-off temporaries go back to the OS
+    log(tuning.describe())
     log(
         f"model: DLRM, {len(model.embeddings.tables)} tables, "
         f"{sum(t.num_rows for t in model.embeddings.tables):,} embedding rows x dim {cfg.model.embedding_dim}, "
