@@ -116,3 +116,14 @@ def test_cli_sets_the_wait_policy_before_torch_loads() -> None:
     off = subprocess.run([sys.executable, "-c", code.replace("'missing.toml'", "'missing.toml', '--set', 'train.tune_process=false'")],
                          env=env, capture_output=True, text=True, timeout=120)
     assert off.stdout.strip().splitlines()[-1] == "None", off.stderr
+
+
+def test_one_log_line_says_what_was_decided() -> None:
+    from recscale.train.process_tuning import CpuBudget, ProcessTuning, ThreadPlan
+
+    on = ProcessTuning(True, CpuBudget(3, "cgroup quota 3.5 CPUs"), ThreadPlan(2, 1, "3 CPUs per rank"), True)
+    line = on.describe()
+    assert "\n" not in line and "3 usable CPUs (cgroup quota 3.5 CPUs)" in line
+    assert "2 training threads + 1 loader worker (" in line and "allocator unchanged" in line
+    off = ProcessTuning(False, CpuBudget(2, ""), ThreadPlan(1, 0, "as configured"), True).describe()
+    assert off.startswith("process tuning off (train.tune_process = false): 1 torch thread, 0 loader workers")

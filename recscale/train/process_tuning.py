@@ -175,6 +175,10 @@ def openmp_wait_description(environ: Mapping[str, str] = os.environ) -> str:
 
 
 # ---------------------------------------------------------------------- applying
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 @dataclass
 class ProcessTuning:
     """What ``tune_process`` decided; ``describe()`` is its one log line."""
@@ -187,13 +191,13 @@ class ProcessTuning:
 
     def describe(self) -> str:
         if not self.enabled:
-            return (f"process tuning off (train.tune_process = false): {self.plan.threads} torch threads, "
-                    f"{self.plan.workers} loader workers")
+            return (f"process tuning off (train.tune_process = false): {_count(self.plan.threads, 'torch thread')}, "
+                    f"{_count(self.plan.workers, 'loader worker')}")
         memory = "freed host memory kept for reuse" if self.memory_retained else "allocator unchanged"
         return (
-            f"process: {self.budget.cpus} usable CPUs ({self.budget.reason}); {self.plan.threads} training "
-            f"threads + {self.plan.workers} loader workers ({self.plan.reason}); "
-            f"{openmp_wait_description()}; {memory}"
+            f"process: {_count(self.budget.cpus, 'usable CPU')} ({self.budget.reason}); "
+            f"{_count(self.plan.threads, 'training thread')} + {_count(self.plan.workers, 'loader worker')} "
+            f"({self.plan.reason}); {openmp_wait_description()}; {memory}"
         )
 
     def after_build(self) -> None:
