@@ -193,8 +193,7 @@ def config_digest(cfg: Config) -> str:
 def train(cfg: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train and evaluate as configured (one process, or every rank of a torchrun job)."""
     topology = env_topology(cfg.dist.ranks_per_host)
-    t = cfg.train
-    tuning = tune_process(t.threads, cfg.data.num_workers, topology.ranks_per_host, t.tune_process, t.retain_host_memory)
+    tuning = _tune(cfg, topology.ranks_per_host)
     device = pick_device(cfg.train.device)
     groups = init_process_groups(topology, cfg.dist.timeout_s, device=device, shared_memory=cfg.dist.shared_memory)
     try:
@@ -204,7 +203,14 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
             destroy_process_groups()
 
 
-def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], tuning: ProcessTuning) -> dict[str, Any]:
+def _tune(cfg: Config, ranks_per_host: int) -> ProcessTuning:
+    t = cfg.train
+    return tune_process(t.threads, cfg.data.num_workers, ranks_per_host, t.tune_process, t.retain_host_memory)
+
+
+def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], tuning: ProcessTuning | None = None) -> dict[str, Any]:
+    if tuning is None:
+        tuning = _tune(cfg, groups.topology.ranks_per_host)
     seed_everything(cfg.train.seed)
     device = groups.device
     world, rank = groups.world_size, groups.rank
