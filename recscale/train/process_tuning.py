@@ -16,7 +16,7 @@ of them train and how many load data, how OpenMP threads wait, and how freed mem
 - **OpenMP waiting**: PyTorch's OpenMP threads spin for a while after each parallel region.
   When another process is busy on one of the CPUs, a spinning thread holds its CPU time slice
   while the thread the region waits for sits descheduled, so every region costs a time slice:
-  a 1-second run took 15-30 s. ``OMP_WAIT_POLICY=PASSIVE`` makes idle threads sleep instead;
+  the Criteo 10k run took 4-28 s instead of 0.3-0.8 s. ``OMP_WAIT_POLICY=PASSIVE`` makes idle threads sleep instead;
   it has to be set before torch is imported (``prefer_passive_openmp``, called by the CLI), and a
   value the user set is kept.
 - **Memory**: glibc keeps freed buffers for the next step (``recscale.host_memory``).
