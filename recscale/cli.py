@@ -355,6 +355,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "func", None) is _train:
+        from recscale.train.process_tuning import prefer_passive_openmp, tuning_requested
+
+        if tuning_requested(args.config, args.set):  # before torch loads its OpenMP runtime
+            prefer_passive_openmp()
     from recscale.atomic import OutputPathError
     from recscale.checkpoint.manifest import CheckpointError
     from recscale.comm.process_group import DistributedError
@@ -366,7 +372,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from recscale.train.config import ConfigError
     from recscale.train.guards import NonFiniteError
 
-    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (

@@ -104,3 +104,11 @@ def test_cli_reports_config_errors_on_one_line_with_exit_2(tmp_path, capsys):
 def test_cli_missing_config_file(capsys):
     assert main(["train", "--config", "does/not/exist.toml"]) == 2
     assert "does/not/exist.toml" in capsys.readouterr().err
+
+
+def test_num_workers_is_auto_or_a_count() -> None:
+    assert load_config(None).data.num_workers == "auto"
+    assert load_config(None, ["data.num_workers=2"]).data.num_workers == 2
+    for bad, what in (("many", "expected an integer or 'auto'"), ("-1", "expected a value >= 0")):
+        with pytest.raises(ConfigError, match=rf"data\.num_workers'.*{what}"):
+            load_config(None, [f"data.num_workers={bad}"])

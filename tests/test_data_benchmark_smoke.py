@@ -28,3 +28,17 @@ def test_data_benchmark_quick(tmp_path: Path) -> None:
     assert set(data["reader"]) == {"0", "1", "2"} and all(r["samples"] == 10_000 for r in data["reader"].values())
     assert data["trainer"]["synthetic_source_samples_per_s"] > 0 and data["reader_1worker_over_trainer"] > 0
     assert [p.name for p in tmp_path.iterdir()] == ["data.json"]  # generated files are removed
+
+
+def test_loader_rates_times_a_loader_on_one_cpu_and_gives_the_cpus_back() -> None:
+    import os
+
+    import torch
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from loader_rates import loader_rate
+
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    rate, built, batch = loader_rate(None, ["data.num_samples=4096", "train.batch_size=512"], 0.2)
+    assert rate > 0 and built >= 0 and batch == 512
+    assert os.sched_getaffinity(0) == affinity and torch.get_num_threads() == threads

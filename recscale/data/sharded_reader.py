@@ -207,6 +207,13 @@ class _Chunks(Dataset):
         return self.decoder.chunk(self.plan, first, stop)
 
 
+def _one_cpu_worker(_: int) -> None:
+    """A loader worker is sized to one CPU (the trainer's threads have the others): pyarrow's
+    decoding pool would otherwise start a thread per CPU next to them (torch already runs its
+    workers single-threaded)."""
+    pa.set_cpu_count(1)
+
+
 class ShardedReader:
     """Batches of a prepared dataset for one rank; iterate it once per epoch.
 
@@ -319,6 +326,7 @@ class ShardedReader:
                 num_workers=self.num_workers,
                 prefetch_factor=self.prefetch,
                 persistent_workers=False,
+                worker_init_fn=_one_cpu_worker,
             )
         for chunk in source:
             for batch in chunk.batches():

@@ -1,4 +1,5 @@
-"""The DLRM model: bottom MLP, table-batched embedding bags, dot interaction, top MLP."""
+"""The DLRM model: bottom MLP, table-batched embedding bags, an interaction (DLRM's pairwise
+dot products, or DCNv2's low-rank cross network), top MLP."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from torch import nn
 
 from recscale.embedding.module import EmbeddingInput, EmbeddingModule
+from recscale.model.dcn import DCNInteraction
 from recscale.model.interaction import DotInteraction
 from recscale.model.mlp import MLP
 from recscale.sparse import JaggedBatch
@@ -24,27 +26,39 @@ class DLRM(nn.Module):
         bottom_mlp: Sequence[int],
         top_mlp: Sequence[int],
         mlp_precision: str = "fp32",
+        interaction: str = "dot",
+        dcn_layers: int = 3,
+        dcn_low_rank: int = 512,
     ) -> None:
         """``mlp_precision="bf16"`` runs the MLPs and the interaction in bf16 (autocast: bf16
-        matmuls, fp32 master weights and gradients); the embeddings and the loss stay fp32."""
+        matmuls, fp32 master weights and gradients); the embeddings and the loss stay fp32.
+        ``interaction="dcn"``: ``dcn_layers`` low-rank cross layers of rank ``dcn_low_rank``
+        (``recscale.model.dcn``) instead of the dot products."""
         super().__init__()
         if mlp_precision not in ("fp32", "bf16"):
             raise ValueError(f"mlp_precision must be 'fp32' or 'bf16', got {mlp_precision!r}")
+        if interaction not in ("dot", "dcn"):
+            raise ValueError(f"interaction must be 'dot' or 'dcn', got {interaction!r}")
         self.mlp_precision = mlp_precision
         dims = set(embeddings.feature_dims)
         if len(dims) != 1:
-            raise ValueError(f"dot interaction needs one embedding dim for every feature, got {sorted(dims)}")
+            raise ValueError(f"the interaction needs one embedding dim for every feature, got {sorted(dims)}")
         dim = dims.pop()
         if bottom_mlp[-1] != dim:
             raise ValueError(
                 f"model.bottom_mlp must end with the embedding dim {dim} (got {list(bottom_mlp)}); "
-                "the interaction takes dot products of equal-length vectors"
+                "the interaction combines equal-length vectors"
             )
         if top_mlp[-1] != 1:
             raise ValueError(f"model.top_mlp must end with 1 output (the logit), got {list(top_mlp)}")
         self.embeddings = embeddings
         self.bottom = MLP(num_dense, bottom_mlp)
-        self.interaction = DotInteraction(len(embeddings.feature_names) + 1, dim)
+        num_vectors = len(embeddings.feature_names) + 1
+        self.interaction: DotInteraction | DCNInteraction
+        if interaction == "dot":
+            self.interaction = DotInteraction(num_vectors, dim)
+        else:
+            self.interaction = DCNInteraction(num_vectors, dim, dcn_layers, dcn_low_rank)
         self.top = MLP(self.interaction.out_features, top_mlp, final_activation=False)
 
     def forward(self, dense: torch.Tensor, sparse: JaggedBatch | EmbeddingInput) -> torch.Tensor:

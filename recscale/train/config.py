@@ -43,7 +43,11 @@ class DataConfig:
     eval_path: str = ""
     # Share of the training file held out for evaluation when eval_path is empty.
     eval_fraction: float = 0.1
-    num_workers: int = 1
+    # Loader worker processes per rank. "auto": none when the rank has 2 usable CPUs or fewer
+    # (batches are loaded in the training process between steps, which measured faster than a
+    # worker taking a training thread's CPU), else 1 (one worker feeds more than twice the
+    # trainer's rate); see recscale/train/process_tuning.py. 0: load in the training process.
+    num_workers: int | Literal["auto"] = "auto"
     skip_bad_rows: bool = False
     shuffle: bool = True
     # Synthetic data only.
@@ -75,6 +79,12 @@ class ModelConfig:
     top_mlp: list[int] = field(default_factory=lambda: [64, 1])
     # MLP and interaction precision: "bf16" = bf16 matmuls with fp32 master weights (opt-in).
     mlp_precision: Literal["fp32", "bf16"] = "fp32"
+    # How the bottom-MLP output and the pooled embeddings meet: DLRM's pairwise dot products
+    # ("dot"), or DCNv2's low-rank cross network ("dcn": dcn_layers layers of x0 * (W (V x) + b) + x,
+    # V and W of rank dcn_low_rank, over all features concatenated; MLPerf DLRM-DCNv2 uses 3 and 512).
+    interaction: Literal["dot", "dcn"] = "dot"
+    dcn_layers: int = 3
+    dcn_low_rank: int = 512
 
     def rows_for(self, num_features: int) -> list[int]:
         """Rows of each feature's table: one value applies to all, else one per feature
@@ -122,14 +132,21 @@ class TrainConfig:
     eval_every_steps: int = 0
     eval_batch_size: int = 4096
     seed: int = 0
-    # torch threads (0: leave PyTorch's default).
+    # Training (torch) threads per rank. 0: the CPUs this process may use (affinity mask and
+    # cgroup quota) split evenly over the ranks of the host, less the loader workers, at least 1.
     threads: int = 0
+    # Process-wide tuning (recscale/train/process_tuning.py, logged in one line): size threads
+    # and workers as above, let idle OpenMP threads sleep instead of spinning (OMP_WAIT_POLICY),
+    # keep freed host memory for reuse. false: PyTorch's and the OS's defaults, threads and
+    # workers as given ("auto" workers: none).
+    tune_process: bool = True
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: bool = True
     # Prepare batch i+1 (load, move, validate, send its ids to their owners) while batch i computes.
     pipeline: bool = True
     # Keep freed host memory in the process for the next step instead of returning it to the
-    # OS (glibc malloc thresholds, recscale/host_memory.py): fewer page faults per step.
+    # OS (glibc malloc thresholds, recscale/host_memory.py): fewer page faults per step. Part of
+    # the process tuning: off when train.tune_process is false.
     retain_host_memory: bool = True
 
 
@@ -270,6 +287,8 @@ def _describe(tp: Any) -> str:
         return " or ".join(repr(c) for c in typing.get_args(tp))
     if origin is list:
         return f"a list of {_describe(typing.get_args(tp)[0])}s"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
     return {int: "integer", float: "number", str: "string", bool: "true or false"}.get(tp, str(tp))
 
 
@@ -306,7 +325,7 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
         if isinstance(value, list) and list in errors:
             raise errors[list]  # it names the bad item
         forms = " or ".join(_describe(arm) for arm in typing.get_args(tp))
-        raise ConfigError(f"config key '{name}': expected {forms}, got {value!r}")
+        raise ConfigError(f"config key '{name}': expected {forms}, got {short(value)}")
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"config key '{name}': expected true or false, got {short(value)}")
@@ -342,7 +361,8 @@ def validate(cfg: Config) -> None:
     _non_negative("train.max_steps", t.max_steps)
     _non_negative("train.eval_every_steps", t.eval_every_steps)
     _non_negative("train.threads", t.threads)
-    _non_negative("data.num_workers", d.num_workers)
+    if d.num_workers != "auto":
+        _non_negative("data.num_workers", d.num_workers)
     _positive("model.embedding_dim", m.embedding_dim)
     _positive("embedding_optimizer.lr", cfg.embedding_optimizer.lr)
     _positive("dense_optimizer.lr", cfg.dense_optimizer.lr)
@@ -364,6 +384,9 @@ def validate(cfg: Config) -> None:
         )
     if m.top_mlp[-1] != 1:
         raise ConfigError(f"config key 'model.top_mlp': must end with 1 (the logit), got {m.top_mlp}")
+    if m.interaction == "dcn":
+        _positive("model.dcn_layers", m.dcn_layers)
+        _positive("model.dcn_low_rank", m.dcn_low_rank)
     _positive("dist.timeout_s", cfg.dist.timeout_s)
     _non_negative("dist.ranks_per_host", cfg.dist.ranks_per_host)
     _positive("comm.loss_scale", cfg.comm.loss_scale)

@@ -71,13 +71,17 @@ def _hold_out(data: ClickData, fraction: float) -> tuple[ClickData, ClickData]:
     return data.slice(0, cut), data.slice(cut, n)
 
 
-def build_data(cfg: Config, rank: int = 0, world_size: int = 1) -> DataSplits:
-    """Train and eval batches; with several ranks each rank builds only its share of every batch."""
+def build_data(cfg: Config, rank: int = 0, world_size: int = 1, num_workers: int | None = None) -> DataSplits:
+    """Train and eval batches; with several ranks each rank builds only its share of every batch.
+    ``num_workers``: loader worker processes (None: ``data.num_workers``, "auto" meaning none;
+    the trainer passes what ``recscale.train.process_tuning`` sized)."""
     d, t = cfg.data, cfg.train
+    if num_workers is None:
+        num_workers = 0 if d.num_workers == "auto" else d.num_workers
     if d.source == "prepared":
         from recscale.train.prepared_data import build_prepared
 
-        return build_prepared(cfg, rank, world_size)
+        return build_prepared(cfg, rank, world_size, num_workers)
     if d.source == "synthetic":
         rows = list(SYNTHETIC_TABLE_ROWS) if cfg.model.table_rows == "auto" else cfg.model.table_rows
         pf = d.pooling_factors or [1]
@@ -130,4 +134,4 @@ def build_data(cfg: Config, rank: int = 0, world_size: int = 1) -> DataSplits:
     train = ClickBatches(train_src, t.batch_size, d.shuffle, t.seed, drop_last=False, rank=rank, world_size=world_size)
     evaluation = ClickBatches(eval_src, t.eval_batch_size, False, t.seed, drop_last=False, rank=rank, world_size=world_size)
     ids = None if d.source == "synthetic" else train_src.sparse
-    return DataSplits(train, evaluation, d.num_workers, tuple(names), num_dense, desc, tuple(rows), train_ids=ids)
+    return DataSplits(train, evaluation, num_workers, tuple(names), num_dense, desc, tuple(rows), train_ids=ids)

@@ -22,7 +22,6 @@ from recscale.comm.dense_sync import DenseGradSync
 from recscale.comm.process_group import ProcessGroups, destroy_process_groups, env_topology, init_process_groups
 from recscale.data import Batch
 from recscale.embedding import TableBatchedEmbeddingBags, TableConfig, make_optimizer
-from recscale.host_memory import retain_freed_memory
 from recscale.model import DLRM
 from recscale.model.native import interaction_kernels
 from recscale.native_build import cpu_multiplies_bf16
@@ -38,6 +37,7 @@ from recscale.train.lr_schedule import set_learning_rates
 from recscale.train.metrics import EvalMetrics, evaluate_predictions
 from recscale.train.pipeline import TrainPipeline, train_step
 from recscale.train.replay import Replay, check_world_size, versions
+from recscale.train.process_tuning import ProcessTuning, tune_process
 
 
 def seed_everything(seed: int) -> None:
@@ -158,7 +158,8 @@ def build_model(
     # To be sharded, the tables are only described here (meta device): no rank holds them all.
     embeddings = TableBatchedEmbeddingBags(tables, optimizer, seed=cfg.train.seed,
                                            device="meta" if sharded else device, kernel=cfg.model.embedding_kernel)
-    model = DLRM(embeddings, num_dense, cfg.model.bottom_mlp, cfg.model.top_mlp, cfg.model.mlp_precision)
+    m = cfg.model
+    model = DLRM(embeddings, num_dense, m.bottom_mlp, m.top_mlp, m.mlp_precision, m.interaction, m.dcn_layers, m.dcn_low_rank)
     if sharded:
         assert groups is not None
         plan = plan or build_plan(cfg, tables, groups, data)
@@ -171,7 +172,7 @@ def build_model(
             "and run many times slower than fp32 (a CI machine: 1 against 174 GFLOP/s); set it to 'fp32' here",
             stacklevel=2,
         )
-    if device.type == "cpu" and model.interaction.native:
+    if device.type == "cpu" and getattr(model.interaction, "native", False):
         interaction_kernels()  # a first-use compile happens now, not inside the first (timed) step
     return model.to(device)
 
@@ -224,24 +225,31 @@ def train(cfg: Config, log: Callable[[str], None] = print, replay: Replay | None
     topology = env_topology(cfg.dist.ranks_per_host)
     if replay is not None:
         check_world_size(replay, topology.world_size)  # before any rank waits for another
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    tuning = _tune(cfg, topology.ranks_per_host)
     device = pick_device(cfg.train.device)
     groups = init_process_groups(topology, cfg.dist.timeout_s, device=device, shared_memory=cfg.dist.shared_memory)
     try:
-        return _train(cfg, groups, log if groups.rank == 0 else (lambda _: None), replay)
+        return _train(cfg, groups, log if groups.rank == 0 else (lambda _: None), replay, tuning)
     finally:
         if groups.world_size > 1:
             destroy_process_groups()
 
 
-def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], replay: Replay | None = None) -> dict[str, Any]:
+def _tune(cfg: Config, ranks_per_host: int) -> ProcessTuning:
+    t = cfg.train
+    return tune_process(t.threads, cfg.data.num_workers, ranks_per_host, t.tune_process, t.retain_host_memory)
+
+
+def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], replay: Replay | None = None,
+           tuning: ProcessTuning | None = None) -> dict[str, Any]:
+    if tuning is None:
+        tuning = _tune(cfg, groups.topology.ranks_per_host)
     seed_everything(cfg.train.seed)
     device = groups.device
     world, rank = groups.world_size, groups.rank
     if world > 1:
         all_gather_object_check(config_digest(cfg), groups.dense, "configs")
-    data: DataSplits = build_data(cfg, rank, world)
+    data: DataSplits = build_data(cfg, rank, world, tuning.plan.workers)
     log(f"data: {data.description}")
     cfg = with_table_rows(cfg, data.table_rows, log)
     stats = CommStats()
@@ -251,8 +259,8 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], repla
     dense_params = model.dense_parameters()
     dense_opt = build_dense_optimizer(cfg, dense_params)
     sync = DenseGradSync(dense_params, groups.dense, cfg.comm.dense, cfg.comm.loss_scale, stats)
-    if cfg.train.retain_host_memory:  # after the build: its one-off temporaries go back to the OS
-        retain_freed_memory()
+    tuning.after_build()  # after the build: its one-off temporaries go back to the OS
+    log(tuning.describe())
     log(
         f"model: DLRM, {len(model.embeddings.tables)} tables, "
         f"{sum(t.num_rows for t in model.embeddings.tables):,} embedding rows x dim {cfg.model.embedding_dim}, "

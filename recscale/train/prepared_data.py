@@ -55,11 +55,11 @@ def vocab_checksums(ds: PreparedDataset) -> dict[str, str]:
     return {Path(v["file"]).stem: v["sha256"] for v in ds.manifest.get("vocab", [])}
 
 
-def build_prepared(cfg: Config, rank: int = 0, world_size: int = 1) -> DataSplits:
+def build_prepared(cfg: Config, rank: int = 0, world_size: int = 1, num_workers: int = 0) -> DataSplits:
     d, t = cfg.data, cfg.train
     train_ds = PreparedDataset.open(d.train_path, verify_checksums=d.verify_checksums)
     rows = _check_tables(cfg, train_ds)
-    common = dict(rank=rank, world_size=world_size, num_workers=d.num_workers, prefetch=d.prefetch)
+    common = dict(rank=rank, world_size=world_size, num_workers=num_workers, prefetch=d.prefetch)
     n = train_ds.num_rows
     if d.eval_path:
         eval_ds = PreparedDataset.open(d.eval_path, verify_checksums=d.verify_checksums)
@@ -82,5 +82,5 @@ def build_prepared(cfg: Config, rank: int = 0, world_size: int = 1) -> DataSplit
         f"{eval_from}; {len(m['shards'])} shards, positive rate {m['positive_rate']:.3f}"
         f"{f', {skipped} bad rows skipped when prepared' if skipped else ''})"
     )
-    return DataSplits(train, evaluation, d.num_workers, train_ds.sparse_names, len(train_ds.dense_names), desc,
+    return DataSplits(train, evaluation, num_workers, train_ds.sparse_names, len(train_ds.dense_names), desc,
                       tuple(rows), stats_dir=str(train_ds.root))
