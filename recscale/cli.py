@@ -354,13 +354,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if getattr(args, "func", None) is _train:
-        from recscale.train.process_tuning import prefer_passive_openmp, tuning_requested
+def _prefer_passive_openmp_for_train(argv: Sequence[str] | None) -> None:
+    """``train``: let idle OpenMP threads sleep, decided before anything loads torch (building
+    the parser does) and its OpenMP runtime reads the policy."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    if not words or words[0] != "train":
+        return
+    from recscale.train.process_tuning import prefer_passive_openmp, tuning_requested
 
-        if tuning_requested(args.config, args.set):  # before torch loads its OpenMP runtime
-            prefer_passive_openmp()
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    pre.add_argument("--set", action="append", default=[])
+    known, _ = pre.parse_known_args(words[1:])
+    if tuning_requested(known.config, known.set):
+        prefer_passive_openmp()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    _prefer_passive_openmp_for_train(argv)
+    args = build_parser().parse_args(argv)
     from recscale.atomic import OutputPathError
     from recscale.checkpoint.manifest import CheckpointError
     from recscale.comm.process_group import DistributedError

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import tempfile
+import types
 import typing
 from pathlib import Path
 
@@ -156,6 +157,8 @@ def conforms(value, tp) -> bool:
         return isinstance(value, list) and all(conforms(v, typing.get_args(tp)[0]) for v in value)
     if origin is dict:
         return isinstance(value, dict)
+    if origin in (typing.Union, types.UnionType):
+        return any(conforms(value, arm) for arm in typing.get_args(tp))
     if tp is float:
         return isinstance(value, float) and math.isfinite(value)
     if tp is int:

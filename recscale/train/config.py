@@ -83,7 +83,9 @@ class ModelConfig:
     # ("dot"), or DCNv2's low-rank cross network ("dcn": dcn_layers layers of x0 * (W (V x) + b) + x,
     # V and W of rank dcn_low_rank, over all features concatenated; MLPerf DLRM-DCNv2 uses 3 and 512).
     interaction: Literal["dot", "dcn"] = "dot"
+    # dcn: cross layers (MLPerf DLRM-DCNv2: 3)
     dcn_layers: int = 3
+    # dcn: rank of each layer's low-rank weight W = U V (MLPerf DLRM-DCNv2: 512)
     dcn_low_rank: int = 512
 
     def rows_for(self, num_features: int) -> list[int]:
@@ -281,15 +283,18 @@ def _build(cls: type, data: Any, where: str) -> Any:
     return cls(**kwargs)
 
 
-def _describe(tp: Any) -> str:
+def _describe(tp: Any, article: bool = True) -> str:
+    """A type in words for an error message: "an integer", "a list of integers", "'auto'"."""
     origin = typing.get_origin(tp)
     if origin is Literal:
         return " or ".join(repr(c) for c in typing.get_args(tp))
     if origin is list:
-        return f"a list of {_describe(typing.get_args(tp)[0])}s"
+        return f"a list of {_describe(typing.get_args(tp)[0], article=False)}s"
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in typing.get_args(tp))
-    return {int: "integer", float: "number", str: "string", bool: "true or false"}.get(tp, str(tp))
+        return " or ".join(_describe(a, article) for a in typing.get_args(tp))
+    names = {int: ("an integer", "integer"), float: ("a number", "number"), str: ("a string", "string"),
+             bool: ("true or false", "boolean")}
+    return names[tp][0 if article else 1] if tp in names else str(tp)
 
 
 def _coerce(tp: Any, value: Any, name: str) -> Any:
