@@ -179,15 +179,16 @@ class TieredRowStorage(RowStorage):
         for seg in self.segments:
             lo, hi = torch.searchsorted(uniq, torch.tensor([seg.row_start, seg.row_start + seg.table.num_rows])).tolist()
             if hi > lo:
-                self._serve(seg, uniq[lo:hi] - seg.row_start)
+                self._serve(seg, uniq[lo:hi] - seg.row_start, self.stats if torch.is_grad_enabled() else TierStats())
         slots = self._map[flat].to(torch.int64)
         if torch.is_grad_enabled():
             self._dirty[slots] = True
         return slots.view(rows.shape)
 
     # ------------------------------------------------------------------ cache
-    def _serve(self, seg: _Segment, rows: torch.Tensor) -> None:
-        """Make the unique table rows ``rows`` resident (pinned for this call) and count them."""
+    def _serve(self, seg: _Segment, rows: torch.Tensor, stats: TierStats) -> None:
+        """Make the unique table rows ``rows`` resident (pinned for this call); ``stats`` counts
+        the lookups and the wait (training lookups only: evaluation is not the step)."""
         n = rows.numel()
         if n > seg.slots:
             raise TierError(
@@ -197,12 +198,12 @@ class TieredRowStorage(RowStorage):
             )
         slots = self._map[rows + seg.row_start].to(torch.int64)
         missing = rows[slots < 0]
-        self.stats.lookups += n
-        self.stats.hits += n - missing.numel()
+        stats.lookups += n
+        stats.hits += n - missing.numel()
         if missing.numel():
             t0 = time.perf_counter()
             self._admit(seg, missing, pinned=slots[slots >= 0] - seg.base)
-            self.stats.stall_seconds += time.perf_counter() - t0
+            stats.stall_seconds += time.perf_counter() - t0
             slots = self._map[rows + seg.row_start].to(torch.int64)
         seg.policy.used(slots - seg.base, self._tick)
 
@@ -381,15 +382,31 @@ def tiered_storage_factory(placement: dict[str, tuple[Placement, int]], settings
 
 def tiered_storages(module: torch.nn.Module) -> list[tuple[object, TieredRowStorage]]:
     """(group, storage) of every tiered group of a ``TableBatchedEmbeddingBags``."""
-    return [(g, g.storage) for g in getattr(module, "groups", []) if isinstance(g.storage, TieredRowStorage)]
+    groups = module.groups if isinstance(getattr(module, "groups", None), list) else []
+    return [(g, g.storage) for g in groups if isinstance(getattr(g, "storage", None), TieredRowStorage)]
+
+
+def _group_rows(g, batch) -> torch.Tensor:
+    sub = batch.select(g.features)
+    per_key = sub.lengths.view(len(g.features), sub.batch_size).sum(1)
+    return sub.values.to(torch.int64) + torch.repeat_interleave(g.feature_row_offset, per_key, output_size=sub.values.numel())
 
 
 def announce_batch(module: torch.nn.Module, batch) -> None:
     """Tell each tiered group of ``module`` the rows a future ``JaggedBatch`` looks up."""
     for g, st in tiered_storages(module):
-        sub = batch.select(g.features)
-        per_key = sub.lengths.view(len(g.features), sub.batch_size).sum(1)
-        st.announce(sub.values.to(torch.int64) + torch.repeat_interleave(g.feature_row_offset, per_key, output_size=sub.values.numel()))
+        st.announce(_group_rows(g, batch))
+
+
+def fits_caches(module: torch.nn.Module, batch) -> bool:
+    """Whether every cache of ``module`` can hold the distinct rows ``batch`` looks up."""
+    for g, st in tiered_storages(module):
+        uniq = torch.unique(_group_rows(g, batch))
+        for seg in st.segments:
+            lo, hi = torch.searchsorted(uniq, torch.tensor([seg.row_start, seg.row_start + seg.table.num_rows])).tolist()
+            if hi - lo > seg.slots:
+                return False
+    return True
 
 
 def begin_batch(module: torch.nn.Module) -> None:

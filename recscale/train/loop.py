@@ -22,6 +22,7 @@ from recscale.comm.dense_sync import DenseGradSync
 from recscale.comm.process_group import ProcessGroups, destroy_process_groups, env_topology, init_process_groups
 from recscale.data import Batch
 from recscale.embedding import TableBatchedEmbeddingBags, TableConfig, make_optimizer
+from recscale.embedding.tiered import close_tiers
 from recscale.host_memory import retain_freed_memory
 from recscale.model import DLRM
 from recscale.model.native import interaction_kernels
@@ -36,6 +37,7 @@ from recscale.train.lr_schedule import set_learning_rates
 from recscale.train.metrics import EvalMetrics, evaluate_predictions
 from recscale.train.pipeline import TrainPipeline, train_step
 from recscale.train.replay import Replay, check_world_size, versions
+from recscale.train.tiers import tier_factory, tier_summary
 
 
 def seed_everything(seed: int) -> None:
@@ -148,9 +150,11 @@ def build_model(
     embeddings: torch.nn.Module
     if groups is None or groups.world_size == 1:
         embeddings = TableBatchedEmbeddingBags(
-            tables, optimizer, seed=cfg.train.seed, device=device, kernel=cfg.model.embedding_kernel
+            tables, optimizer, seed=cfg.train.seed, device=device, kernel=cfg.model.embedding_kernel,
+            storage_factory=tier_factory(cfg, tables, optimizer, 1),
         )
     else:
+        tier_factory(cfg, tables, optimizer, groups.world_size)  # a clear error: one process only
         plan = plan or build_plan(cfg, tables, groups)
         all_gather_object_check(plan.digest(), groups.dense, "sharding plans")
         precision = CommPrecision(cfg.comm.forward, cfg.comm.backward, cfg.comm.loss_scale)
@@ -285,7 +289,8 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], repla
         data.train.set_epoch(epoch)
         t0 = time.perf_counter()
         first = start.next_batch if epoch == start.epoch else 0  # a resumed run skips what it trained
-        pipeline = TrainPipeline(data.train_loader(first), model.embeddings, device, cfg.train.pipeline)
+        pipeline = TrainPipeline(data.train_loader(first), model.embeddings, device, cfg.train.pipeline,
+                                 cfg.tiers.lookahead_batches)
         for next_batch, (batch, sparse) in enumerate(pipeline, start=first + 1):
             f = schedule.factor(state.step, schedule_steps) if schedule.enabled else None
             if f is not None and f != lr_factor:
@@ -300,6 +305,7 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], repla
             if state.step % 20 == 0 or state.step == total_steps:
                 elapsed = state.train_seconds + time.perf_counter() - t0
                 extra = {"lr_factor": f"{lr_factor:.3g}"} if lr_factor is not None else {}
+                extra.update({k: f"{v:.3g}" for k, v in tier_summary(model.embeddings, state.step, elapsed).items() if k != "prefetched_rows"})
                 bar.set_postfix(loss=f"{float(running_loss) / max(running_n, 1):.4f}", samples_per_s=f"{state.samples / elapsed:,.0f}", **extra)
             bar.update(1)
             if cfg.train.eval_every_steps and state.step % cfg.train.eval_every_steps == 0:
@@ -353,7 +359,9 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], repla
         "embedding_kernel": "native" if kernel_native else "torch",
         "embedding_kernel_native": kernel_native,
         "versions": versions(),
+        **tier_summary(model.embeddings, state.step, state.train_seconds),
     }
+    close_tiers(model.embeddings)  # every row written back: the tier files are complete
     return summary
 
 

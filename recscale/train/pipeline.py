@@ -12,6 +12,7 @@ the same operators, only earlier.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 from recscale.comm.dense_sync import DenseGradSync
 from recscale.data import Batch
+from recscale.embedding.tiered import announce_batch, begin_batch, tiered_storages
 from recscale.model import DLRM
 from recscale.sparse import JaggedBatch
 
@@ -33,17 +35,24 @@ class TrainPipeline:
     already started for the next batch is waited for rather than left dangling.
     """
 
-    def __init__(self, batches: Iterable[Batch], embeddings: torch.nn.Module, device: torch.device, enabled: bool = True):
+    def __init__(self, batches: Iterable[Batch], embeddings: torch.nn.Module, device: torch.device, enabled: bool = True,
+                 lookahead: int = 1):
+        """``lookahead``: with tables on the SSD tier, batches whose rows are announced to it
+        (and read in the background) ahead of the one training."""
         self._batches = batches
         self._embeddings = embeddings
         self._device = device
         self._enabled = enabled
         self._start = getattr(embeddings, "start_input_dist", None)
-        self._ahead: Prepared | None = None
+        self._tiered = enabled and lookahead > 0 and bool(tiered_storages(embeddings))
+        self._depth = max(1, lookahead) if self._tiered else 1
+        self._ahead: deque[Prepared] = deque()
 
     def _prepare(self, batch: Batch) -> Prepared:
         batch = batch.to(self._device, non_blocking=True)
         self._embeddings.validate(batch.sparse)
+        if self._tiered:  # its missing rows start loading now, while earlier batches train
+            announce_batch(self._embeddings, batch.sparse)
         if self._enabled and self._start is not None:
             return batch, self._start(batch.sparse)
         return batch, batch.sparse
@@ -54,24 +63,25 @@ class TrainPipeline:
             for batch in it:
                 yield self._prepare(batch)
             return
-        first = next(it, None)
-        if first is None:
-            return
-        self._ahead = self._prepare(first)
-        while self._ahead is not None:
-            current = self._ahead
-            following = next(it, None)
-            # Batch i+1's ids start travelling before batch i computes.
-            self._ahead = self._prepare(following) if following is not None else None
-            yield current
+        for batch in it:
+            self._ahead.append(self._prepare(batch))
+            if len(self._ahead) > self._depth:
+                # Batch i+1's ids start travelling (and up to i+k's rows loading) before batch i computes.
+                yield self._next()
+        while self._ahead:
+            yield self._next()
+
+    def _next(self) -> Prepared:
+        if self._tiered:
+            begin_batch(self._embeddings)
+        return self._ahead.popleft()
 
     def close(self) -> None:
-        """Finish an exchange started for a batch that will not be trained."""
-        if self._ahead is not None:
-            sparse = self._ahead[1]
+        """Finish exchanges started for batches that will not be trained."""
+        while self._ahead:
+            sparse = self._ahead.popleft()[1]
             if not isinstance(sparse, JaggedBatch):
                 sparse.wait()
-            self._ahead = None
 
 
 def train_step(model: DLRM, batch: Batch, sparse: Any, dense_opt: torch.optim.Optimizer, sync: DenseGradSync) -> torch.Tensor:
