@@ -7,10 +7,12 @@ is one read and one write.
 
 The page cache is kept from becoming a second, unbounded cache with ``posix_fadvise`` rather
 than ``O_DIRECT``: direct I/O needs block-aligned records (a 768-byte row would be padded to
-4 KiB) and fails on tmpfs. The file is opened ``POSIX_FADV_RANDOM`` (no read-ahead), every read
-is followed by ``DONTNEED`` on the range it touched, and written pages are flushed
-(``fdatasync``) and dropped once ``FLUSH_BYTES`` have been written, so the page cache holds at
-most that much of the file plus the reads in flight.
+4 KiB) and fails on tmpfs. The file is opened ``POSIX_FADV_RANDOM`` (no read-ahead); every page
+a read or write touches is counted, and once ``FLUSH_BYTES`` of pages have been touched the file
+is flushed (``fdatasync``) and all its pages dropped (``DONTNEED``), so the page cache holds at
+most that much of the file plus the reads in flight. Pages are not dropped after every read: a
+row written back soon after it was read then finds its page cached, where a dropped page would
+make each small write a synchronous read-modify-write.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import errno
 import json
 import os
 import shutil
+import threading
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import asdict, dataclass
@@ -78,9 +81,10 @@ class RowFile:
     def __init__(self, path: Path, meta: TierFileMeta, fd: int) -> None:
         self.path, self.meta, self.fd = path, meta, fd
         self.record_bytes = meta.record_bytes
-        self._unflushed = 0
-        self.read_bytes = 0
-        self.write_bytes = 0
+        # Page-cache bytes a record's read or write may bring in (it can straddle two pages).
+        self._page_bytes = ((meta.record_bytes + 4095) // 4096 + 1) * 4096
+        self._touched = 0
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -186,10 +190,8 @@ class RowFile:
                 if n <= 0:
                     raise TierError(f"table '{self.meta.table}': tier file '{self.path}' is shorter than its header says; delete it")
                 got += n
-        if rows.size:
-            lo = HEADER_BYTES + int(rows[0]) * rec
-            os.posix_fadvise(self.fd, lo, HEADER_BYTES + (int(rows[-1]) + 1) * rec - lo, os.POSIX_FADV_DONTNEED)
-        self.read_bytes += rows.size * rec
+        with self._lock:
+            self._touched += rows.size * self._page_bytes
 
     def read_async(self, rows: np.ndarray, out: np.ndarray, pool: Executor | None) -> list:
         """Start reading ``rows`` into ``out`` on ``pool`` in chunks; the futures to wait for."""
@@ -200,17 +202,29 @@ class RowFile:
         return [pool.submit(self.read, rows[i : i + chunk], out[i : i + chunk]) for i in range(0, rows.size, chunk)]
 
     def write(self, rows: np.ndarray, data: np.ndarray) -> None:
-        """Records of ``rows`` (ascending) from ``data``; flushed and dropped from the page cache
-        every ``FLUSH_BYTES``."""
+        """Records of ``rows`` (ascending) from ``data``."""
         rec = self.record_bytes
         for a, b in _runs(rows):
             _pwrite_all(self.fd, memoryview(data[a:b]).cast("B"), HEADER_BYTES + int(rows[a]) * rec)
-        self.write_bytes += rows.size * rec
-        self._unflushed += rows.size * rec
-        if self._unflushed >= FLUSH_BYTES:
+        with self._lock:
+            self._touched += rows.size * self._page_bytes
+
+    def write_async(self, rows: np.ndarray, data: np.ndarray, pool: Executor | None) -> list:
+        """Start writing ``rows`` from ``data`` on ``pool`` in chunks; the futures to wait for."""
+        if pool is None or rows.size <= INLINE_ROWS:
+            self.write(rows, data)
+            return []
+        chunk = max(INLINE_ROWS, rows.size // 16)
+        return [pool.submit(self.write, rows[i : i + chunk], data[i : i + chunk]) for i in range(0, rows.size, chunk)]
+
+    def drop_pages(self, force: bool = False) -> None:
+        """Flush and drop the file's pages once ``FLUSH_BYTES`` of them may be cached (call
+        between batches, with no write in flight)."""
+        if force or self._touched >= FLUSH_BYTES:
             os.fdatasync(self.fd)
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            self._unflushed = 0
+            with self._lock:
+                self._touched = 0
 
 
 def _pwrite_all(fd: int, view: memoryview, off: int) -> None:

@@ -227,6 +227,7 @@ class TieredRowStorage(RowStorage):
         seg.row_of_slot[target] = missing
         self._map[missing + seg.row_start] = cache_slots.to(torch.int32)
         seg.policy.admitted(target)
+        seg.file.drop_pages()
 
     def _write_back(self, seg: _Segment, victims: torch.Tensor) -> None:
         cache_slots = victims + seg.base
@@ -240,7 +241,9 @@ class TieredRowStorage(RowStorage):
         w = self._cache.weight.index_select(0, cache_slots)  # storage dtype, not float32
         state = {k: v.index_select(0, cache_slots) for k, v in self._cache.state_tensors().items()}
         seg.gen[rows] += 1  # before the write: a read issued earlier is now known stale
-        seg.file.write(rows.numpy(), encode(seg.file.meta, w, state).numpy())
+        # Waited for here: a read issued after this returns sees the written records.
+        for f in seg.file.write_async(rows.numpy(), encode(seg.file.meta, w, state).numpy(), self.pool):
+            f.result()
         self.stats.write_bytes += rows.numel() * seg.file.record_bytes
         self._dirty[cache_slots] = False
 
