@@ -157,7 +157,7 @@ def main() -> None:
     args = ap.parse_args()
     threads = set_threads(args.threads)
     if args.quick:
-        n_tables, rows, dim, batch, pooling, steps, sim_steps = 2, 20_000, 16, 256, 8, 24, 40
+        n_tables, rows, dim, batch, pooling, steps, sim_steps = 2, 8_000, 16, 128, 8, 16, 24
     else:
         n_tables, rows, dim, batch, pooling, steps, sim_steps = 8, 4_000_000, 64, 4096, 20, 120, 200
     ssd_dir = args.ssd_dir or tempfile.mkdtemp(prefix="recscale-tiers-")
@@ -197,7 +197,7 @@ def main() -> None:
     print(format_table(["run (25% cache, zipf 1.05)", "samples/s", "share", "io_stall_fraction"], tp_rows))
 
     # Disk random reads of one record.
-    reads = 2_000 if args.quick else 50_000
+    reads = 1_000 if args.quick else 50_000
     qd1 = random_read_rate(ssd_dir, rows, dim, reads, 1)
     qd32 = random_read_rate(ssd_dir, rows, dim, reads, 32)
     miss_rows = (1 - result["hit_rate"]["zipf1.05_cache0.25"]["lookahead"]) * low * n_tables

@@ -353,6 +353,8 @@ class TieredRowStorage(RowStorage):
                 read.wait()
             seg.reads.clear()
             seg.file.close()
+        if self.pool is not None:  # shared by the groups of one module, all closed together
+            self.pool.shutdown(wait=True)
 
     def native_lookup(self, feature_offsets: torch.Tensor, bounds: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Slot ids for ``values``, where each id's group row is ``values + feature_offsets``
