@@ -227,3 +227,51 @@ def test_tier_file_is_complete_only_after_close(tmp_path):
     f.close()
     with pytest.raises(TierError, match=r"another table shape or seed: seed 7 \(expected 8\)"):
         RowFile.open_existing(tmp_path, TierFileMeta("t", 30, 0, 4, "fp32", meta.state, 8))
+
+
+def _resident_pages(path) -> int:
+    """Pages of ``path`` in the page cache (mincore over a read-only mapping)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * pages)()
+        assert libc.mincore(ctypes.c_void_p(addr), size, vec) == 0, ctypes.get_errno()
+        libc.munmap(ctypes.c_void_p(addr), size)
+        return sum(v & 1 for v in vec)
+    finally:
+        os.close(fd)
+
+
+def test_page_cache_holds_a_bounded_part_of_the_tier_file(tmp_path, monkeypatch):
+    """Rows read and written back through the page cache are dropped every FLUSH_BYTES of
+    touched pages: the file's resident pages stay under that bound (plus one batch)."""
+    from recscale.embedding import tier_file
+
+    bound = 1 << 20
+    monkeypatch.setattr(tier_file, "FLUSH_BYTES", bound)
+    t = TableConfig("t", 40_000, 16, ("f",))  # a 5 MiB file with Adagrad state
+    batches = _batches([t], 60, batch_size=16, max_len=4, seed=5)
+    factory = tiered_storage_factory({"t": ("ssd", 64)}, TierSettings(str(tmp_path), "lru", 2, 2), seed=0)
+    m = TableBatchedEmbeddingBags([t], Adagrad(lr=0.1), storage_factory=factory)
+    path = m.groups[0].storage.segments[0].file.path
+    worst = 0
+    for b in batches:
+        announce_batch(m, b)
+        begin_batch(m)
+        m(b).sum().backward()
+        worst = max(worst, _resident_pages(path))
+    pages_per_batch = 2 * 16 * 4 * 2  # two pages per record, a read and a write of every id
+    assert 0 < worst * 4096 <= bound + pages_per_batch * 4096, worst
+    rows_read = tier_stats(m).read_bytes // m.groups[0].storage.segments[0].file.record_bytes
+    assert rows_read * 4096 > 3 * bound  # the reads touched far more pages than the bound
+    close_tiers(m)

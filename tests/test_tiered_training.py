@@ -36,12 +36,15 @@ def _tables(cache: dict[str, int]) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad"])
-def test_training_on_the_ssd_tier_equals_training_in_ram(tmp_path, optimizer):
+@pytest.mark.parametrize("optimizer, extra", [
+    ("adam", []),
+    ("rowwise_adagrad", ["train.pipeline=false", "tiers.policy=lru"]),  # no prefetch
+])
+def test_training_on_the_ssd_tier_equals_training_in_ram(tmp_path, optimizer, extra):
     opt = [f"embedding_optimizer.name={optimizer}"]
-    ram = train(load_config(None, BASE + opt), log=lambda _: None)
+    ram = train(load_config(None, BASE + opt + extra[:1]), log=lambda _: None)
     tables = '{ t_s0 = { placement = "ssd", cache_rows = 40 }, t_s1 = { placement = "ssd", cache_rows = 120 } }'
-    cfg = load_config(None, BASE + opt + TIERED + [f"tiers.ssd_dir={tmp_path}", f"tiers.tables={tables}"])
+    cfg = load_config(None, BASE + opt + TIERED + extra + [f"tiers.ssd_dir={tmp_path}", f"tiers.tables={tables}"])
     tier = train(cfg, log=lambda _: None)
     assert tier["steps"] == ram["steps"] >= 200
     for k in ("eval_auc", "eval_logloss", "eval_ne", "train_logloss"):
@@ -50,6 +53,7 @@ def test_training_on_the_ssd_tier_equals_training_in_ram(tmp_path, optimizer):
     assert 0 < tier["cache_hit_rate"] < 1
     assert tier["ssd_read_mb_per_step"] > 0 and tier["ssd_write_mb_per_step"] > 0
     assert 0 <= tier["io_stall_fraction"] < 1
+    assert (tier["prefetched_rows"] > 0) == (cfg.train.pipeline)
     assert "cache_hit_rate" not in ram
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t_s0.0.tier", "t_s1.0.tier"]
 
