@@ -152,6 +152,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small tables, seconds")
     ap.add_argument("--ssd-dir", default="", help="directory of the tier files (default: a temporary one)")
+    ap.add_argument("--window", type=int, default=4, help="lookahead window (batches) of the hit-rate runs")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default="", help="also write the figures here")
     args = ap.parse_args()
@@ -162,7 +163,7 @@ def main() -> None:
         n_tables, rows, dim, batch, pooling, steps, sim_steps = 8, 4_000_000, 64, 4096, 20, 120, 200
     ssd_dir = args.ssd_dir or tempfile.mkdtemp(prefix="recscale-tiers-")
     tables = [TableConfig(f"t{i}", rows, dim, (f"f{i}",)) for i in range(n_tables)]
-    result: dict = {"environment": environment(), "threads": threads, "rows": rows, "tables": n_tables, "dim": dim,
+    result: dict = {"environment": environment(), "threads": threads, "window": args.window, "rows": rows, "tables": n_tables, "dim": dim,
                     "batch": batch, "pooling": pooling, "hit_rate": {}, "throughput": {}}
 
     # Hit rates on one table's trace.
@@ -175,7 +176,7 @@ def main() -> None:
             cache = max(low, int(share * rows))
             row = {"belady": belady_hit_rate(uniq, cache)}
             for policy in ("lru", "lfu", "lookahead"):
-                row[policy] = policy_hit_rate(tables[0], trace, cache, policy, 4, ssd_dir)
+                row[policy] = policy_hit_rate(tables[0], trace, cache, policy, args.window, ssd_dir)
             result["hit_rate"][f"zipf{alpha}_cache{share:.2f}"] = {"cache_rows": cache, **row}
             hit_rows.append([f"{alpha}", f"{share:.0%}", f"{cache:,}"] + [f"{row[k]:.3f}" for k in ("lru", "lfu", "lookahead", "belady")])
     print(format_table(["zipf", "cache", "rows", "lru", "lfu", "lookahead", "belady"], hit_rows))
