@@ -275,3 +275,28 @@ def test_page_cache_holds_a_bounded_part_of_the_tier_file(tmp_path, monkeypatch)
     rows_read = tier_stats(m).read_bytes // m.groups[0].storage.segments[0].file.record_bytes
     assert rows_read * 4096 > 3 * bound  # the reads touched far more pages than the bound
     close_tiers(m)
+
+
+def test_two_tiered_groups_share_one_reader_pool(tmp_path):
+    """Tables of two dims (two groups, one pool) train exactly and close cleanly together."""
+    tables = [TableConfig("a", 40, 4, ("fa",)), TableConfig("b", 100, 8, ("fb",), dtype="bf16")]
+    batches = _batches(tables, 30, batch_size=4, max_len=3, seed=9)
+    low = _max_unique(tables, batches)
+    # b caches every row: closing writes back more rows than run inline, on the shared pool
+    factory = tiered_storage_factory({"a": ("ssd", low["a"]), "b": ("ssd", 100)},
+                                     TierSettings(str(tmp_path), "lookahead", 2, 2), seed=3)
+    tier = TableBatchedEmbeddingBags(tables, RowWiseAdagrad(lr=0.1), seed=3, storage_factory=factory)
+    ram = TableBatchedEmbeddingBags(tables, RowWiseAdagrad(lr=0.1), seed=3)
+    readout = torch.randn(12, generator=torch.Generator().manual_seed(0))
+    _train(ram, batches, 0, readout)
+    _train(tier, batches, 2, readout)
+    assert len(tier.groups) == 2
+    close_tiers(tier)
+    for t in tables:
+        meta = tier.groups[[g.tables[0].name for g in tier.groups].index(t.name)].storage.segments[0].file.meta
+        f = RowFile.open_existing(tmp_path, meta)  # both files complete and clean
+        buf = np.empty((t.num_rows, f.record_bytes), dtype=np.uint8)
+        f.read(np.arange(t.num_rows), buf)
+        w = torch.from_numpy(buf[:, : meta.weight_bytes].copy()).view(t.torch_dtype)
+        assert torch.equal(w, ram.table_weight(t.name))
+        f.close()

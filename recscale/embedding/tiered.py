@@ -345,7 +345,7 @@ class TieredRowStorage(RowStorage):
         for seg in self.segments:
             self._write_back(seg, torch.arange(seg.used, dtype=torch.int64))
 
-    def close(self) -> None:
+    def close(self, shutdown_pool: bool = True) -> None:
         """Flush and mark each file clean: it then holds every row of the last step."""
         self.flush()
         for seg in self.segments:
@@ -353,7 +353,7 @@ class TieredRowStorage(RowStorage):
                 read.wait()
             seg.reads.clear()
             seg.file.close()
-        if self.pool is not None:  # shared by the groups of one module, all closed together
+        if shutdown_pool and self.pool is not None:
             self.pool.shutdown(wait=True)
 
     def native_lookup(self, feature_offsets: torch.Tensor, bounds: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -432,6 +432,10 @@ def tier_stats(module: torch.nn.Module) -> TierStats | None:
 
 
 def close_tiers(module: torch.nn.Module) -> None:
-    """Write every dirty row back and mark the tier files clean."""
-    for _, st in tiered_storages(module):
-        st.close()
+    """Write every dirty row back and mark the tier files clean; then stop the reader pools
+    (shared by the groups of one module, so only once every group is closed)."""
+    found = tiered_storages(module)
+    for _, st in found:
+        st.close(shutdown_pool=False)
+    for pool in {id(st.pool): st.pool for _, st in found if st.pool is not None}.values():
+        pool.shutdown(wait=True)
