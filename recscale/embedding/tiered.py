@@ -177,7 +177,7 @@ class TieredRowStorage(RowStorage):
         self._tick += 1
         uniq = torch.unique(flat)
         for seg in self.segments:
-            lo, hi = torch.searchsorted(uniq, torch.tensor([seg.row_start, seg.row_start + seg.table.num_rows])).tolist()
+            lo, hi = _span(uniq, seg)
             if hi > lo:
                 self._serve(seg, uniq[lo:hi] - seg.row_start, self.stats if torch.is_grad_enabled() else TierStats())
         slots = self._map[flat].to(torch.int64)
@@ -281,7 +281,7 @@ class TieredRowStorage(RowStorage):
         next_use = torch.full((seg.slots,), -1, dtype=torch.int64)
         for j in reversed(range(len(self._window))):
             rows = self._window[j]
-            lo, hi = torch.searchsorted(rows, torch.tensor([seg.row_start, seg.row_start + seg.table.num_rows])).tolist()
+            lo, hi = _span(rows, seg)
             slots = self._map[rows[lo:hi]].to(torch.int64)
             next_use[slots[slots >= 0] - seg.base] = j
         return next_use
@@ -294,7 +294,7 @@ class TieredRowStorage(RowStorage):
         self._window.append(uniq)
         self._announced += 1
         for seg in self.segments:
-            lo, hi = torch.searchsorted(uniq, torch.tensor([seg.row_start, seg.row_start + seg.table.num_rows])).tolist()
+            lo, hi = _span(uniq, seg)
             local = uniq[lo:hi] - seg.row_start
             local = local[(self._map[local + seg.row_start] < 0) & (seg.stage_key[local] < 0)]
             if local.numel() == 0:
@@ -367,6 +367,12 @@ class TieredRowStorage(RowStorage):
         return self.slots_for(values.to(torch.int64) + feature_offsets)
 
 
+def _span(sorted_rows: torch.Tensor, seg: _Segment) -> tuple[int, int]:
+    """[lo, hi) positions of ``seg``'s rows in ascending group rows."""
+    lo, hi = torch.searchsorted(sorted_rows, torch.tensor([seg.row_start, seg.row_start + seg.table.num_rows])).tolist()
+    return lo, hi
+
+
 StorageFactory = Callable[[list[TableConfig], list[int], int, torch.dtype, dict[str, int]], RowStorage | None]
 
 
@@ -408,7 +414,7 @@ def fits_caches(module: torch.nn.Module, batch) -> bool:
     for g, st in tiered_storages(module):
         uniq = torch.unique(_group_rows(g, batch))
         for seg in st.segments:
-            lo, hi = torch.searchsorted(uniq, torch.tensor([seg.row_start, seg.row_start + seg.table.num_rows])).tolist()
+            lo, hi = _span(uniq, seg)
             if hi - lo > seg.slots:
                 return False
     return True
