@@ -88,9 +88,11 @@ def policy_hit_rate(table: TableConfig, batches: list[JaggedBatch], cache: int, 
     m = TableBatchedEmbeddingBags([table], RowWiseAdagrad(lr=0.01), storage_factory=fac)
     st = m.groups[0].storage
     rows = [b.select((table.features[0],)).values for b in batches]
+    ahead = 0
     for i in range(len(rows)):
-        for j in range(i + 1 if i else 0, min(len(rows), i + 1 + lookahead)):
-            st.announce(rows[j])
+        while lookahead and ahead < min(len(rows), i + 1 + lookahead):  # batch i and the next ones
+            st.announce(rows[ahead])
+            ahead += 1
         st.begin_batch()
         st.slots_for(rows[i])
     stats = st.stats
