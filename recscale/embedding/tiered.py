@@ -10,7 +10,7 @@ would the whole table: results are bitwise those of the all-in-RAM run.
 Prefetch: ``announce`` gives the rows of a future batch; rows neither cached nor already on
 their way are read by background threads into a staging buffer, with the write-back generation
 of each row at the time the read was issued. Only the training thread changes the cache, and
-it writes victims back synchronously, so a read issued later sees the written record; a staged
+it waits for the write-backs of its victims, so a read issued later sees the written record; a staged
 copy is installed only if its row has not been written back since its read was issued,
 otherwise it is dropped and the row read again. A row that the current batch updates is
 cached (pinned) for that batch, so the next batch finds it in the cache, never a stale copy.
