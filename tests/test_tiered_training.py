@@ -39,10 +39,12 @@ def _tables(cache: dict[str, int]) -> list[str]:
 @pytest.mark.parametrize("optimizer, extra", [
     ("adam", []),
     ("rowwise_adagrad", ["train.pipeline=false", "tiers.policy=lru"]),  # no prefetch
+    ("sgd", ["model.embedding_dtype=fp16", "tiers.policy=lfu"]),  # the torch kernels
+    ("adagrad", ["model.embedding_dtype=bf16", "tiers.io_threads=0"]),  # reads on the training thread
 ])
 def test_training_on_the_ssd_tier_equals_training_in_ram(tmp_path, optimizer, extra):
     opt = [f"embedding_optimizer.name={optimizer}"]
-    ram = train(load_config(None, BASE + opt + extra[:1]), log=lambda _: None)
+    ram = train(load_config(None, BASE + opt + [e for e in extra if not e.startswith("tiers.")]), log=lambda _: None)
     tables = '{ t_s0 = { placement = "ssd", cache_rows = 40 }, t_s1 = { placement = "ssd", cache_rows = 120 } }'
     cfg = load_config(None, BASE + opt + TIERED + extra + [f"tiers.ssd_dir={tmp_path}", f"tiers.tables={tables}"])
     tier = train(cfg, log=lambda _: None)
