@@ -71,3 +71,13 @@ def test_bad_tier_settings_are_one_line_errors(tmp_path):
     cfg = load_config(None, BASE + [f"tiers.ssd_dir={tmp_path}", 'tiers.tables={ t_s1 = { placement = "ssd" } }'])
     with pytest.raises(ConfigError, match="no RAM is left for its cache"):
         train(cfg, log=lambda _: None)
+
+
+def test_cli_reports_a_cache_smaller_than_a_batch_in_one_line(tmp_path, capsys):
+    from recscale.cli import main
+
+    tables = '{ t_s1 = { placement = "ssd", cache_rows = 5 } }'
+    args = ["train"] + [a for o in BASE + [f"tiers.ssd_dir={tmp_path}", f"tiers.tables={tables}"] for a in ("--set", o)]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("recscale: error: table 't_s1': a batch looks up") and "cache_rows >=" in err
