@@ -35,9 +35,8 @@ from _common import environment, format_table, set_threads, write_json, zipf_ids
 
 from recscale.embedding import RowWiseAdagrad, TableBatchedEmbeddingBags, TableConfig  # noqa: E402
 from recscale.embedding.tier_file import RowFile  # noqa: E402
-from recscale.embedding.tiered import (  # noqa: E402
-    TierSettings, announce_batch, begin_batch, close_tiers, tier_stats, tiered_storage_factory,
-)
+from recscale.embedding.tier_hooks import announce_batch, begin_batch, close_tiers, tier_stats  # noqa: E402
+from recscale.embedding.tiered import TierSettings, tiered_storage_factory  # noqa: E402
 from recscale.sparse import JaggedBatch  # noqa: E402
 
 SHARES = (0.05, 0.10, 0.25, 0.50)

@@ -17,9 +17,8 @@ from hypothesis import strategies as st
 
 from recscale.embedding import SGD, Adagrad, Adam, RowWiseAdagrad, TableBatchedEmbeddingBags, TableConfig
 from recscale.embedding.tier_file import RowFile, TierError, TierFileMeta
-from recscale.embedding.tiered import (
-    TierSettings, _Read, announce_batch, begin_batch, close_tiers, tier_stats, tiered_storage_factory,
-)
+from recscale.embedding.tier_hooks import announce_batch, begin_batch, close_tiers, tier_stats
+from recscale.embedding.tiered import TierSettings, _Read, tiered_storage_factory
 from recscale.sparse import JaggedBatch
 
 OPTIMIZERS = {

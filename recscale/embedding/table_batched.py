@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recscale.embedding import native, tiered
+from recscale.embedding import native, tier_hooks
 from recscale.embedding.config import TableConfig, check_tables
 from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.storage import DenseRowStorage, RowStorage
@@ -216,7 +216,7 @@ class TableBatchedEmbeddingBags(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, batch: JaggedBatch) -> torch.Tensor:
-        if self._storage_factory is not None and not torch.is_grad_enabled() and not tiered.fits_caches(self, batch):
+        if self._storage_factory is not None and not torch.is_grad_enabled() and not tier_hooks.fits_caches(self, batch):
             # An evaluation batch larger than a cache is pooled in parts (samples pool apart).
             half = batch.batch_size // 2
             out = torch.cat([self(part) for part in batch.split([half, batch.batch_size - half])])

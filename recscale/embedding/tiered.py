@@ -177,7 +177,7 @@ class TieredRowStorage(RowStorage):
         self._tick += 1
         uniq = torch.unique(flat)
         for seg in self.segments:
-            lo, hi = _span(uniq, seg)
+            lo, hi = segment_span(uniq, seg)
             if hi > lo:
                 self._serve(seg, uniq[lo:hi] - seg.row_start, self.stats if torch.is_grad_enabled() else TierStats())
         slots = self._map[flat].to(torch.int64)
@@ -281,7 +281,7 @@ class TieredRowStorage(RowStorage):
         next_use = torch.full((seg.slots,), -1, dtype=torch.int64)
         for j in reversed(range(len(self._window))):
             rows = self._window[j]
-            lo, hi = _span(rows, seg)
+            lo, hi = segment_span(rows, seg)
             slots = self._map[rows[lo:hi]].to(torch.int64)
             next_use[slots[slots >= 0] - seg.base] = j
         return next_use
@@ -294,7 +294,7 @@ class TieredRowStorage(RowStorage):
         self._window.append(uniq)
         self._announced += 1
         for seg in self.segments:
-            lo, hi = _span(uniq, seg)
+            lo, hi = segment_span(uniq, seg)
             local = uniq[lo:hi] - seg.row_start
             local = local[(self._map[local + seg.row_start] < 0) & (seg.stage_key[local] < 0)]
             if local.numel() == 0:
@@ -367,7 +367,7 @@ class TieredRowStorage(RowStorage):
         return self.slots_for(values.to(torch.int64) + feature_offsets)
 
 
-def _span(sorted_rows: torch.Tensor, seg: _Segment) -> tuple[int, int]:
+def segment_span(sorted_rows: torch.Tensor, seg: _Segment) -> tuple[int, int]:
     """[lo, hi) positions of ``seg``'s rows in ascending group rows."""
     lo, hi = torch.searchsorted(sorted_rows, torch.tensor([seg.row_start, seg.row_start + seg.table.num_rows])).tolist()
     return lo, hi
@@ -389,59 +389,3 @@ def tiered_storage_factory(placement: dict[str, tuple[Placement, int]], settings
         return TieredRowStorage(tables, offsets, dim, dtype, state_columns, full, settings, seed, pool)
 
     return make
-
-
-def tiered_storages(module: torch.nn.Module) -> list[tuple[object, TieredRowStorage]]:
-    """(group, storage) of every tiered group of a ``TableBatchedEmbeddingBags``."""
-    groups = module.groups if isinstance(getattr(module, "groups", None), list) else []
-    return [(g, g.storage) for g in groups if isinstance(getattr(g, "storage", None), TieredRowStorage)]
-
-
-def _group_rows(g, batch) -> torch.Tensor:
-    sub = batch.select(g.features)
-    per_key = sub.lengths.view(len(g.features), sub.batch_size).sum(1)
-    return sub.values.to(torch.int64) + torch.repeat_interleave(g.feature_row_offset, per_key, output_size=sub.values.numel())
-
-
-def announce_batch(module: torch.nn.Module, batch) -> None:
-    """Tell each tiered group of ``module`` the rows a future ``JaggedBatch`` looks up."""
-    for g, st in tiered_storages(module):
-        st.announce(_group_rows(g, batch))
-
-
-def fits_caches(module: torch.nn.Module, batch) -> bool:
-    """Whether every cache of ``module`` can hold the distinct rows ``batch`` looks up."""
-    for g, st in tiered_storages(module):
-        uniq = torch.unique(_group_rows(g, batch))
-        for seg in st.segments:
-            lo, hi = _span(uniq, seg)
-            if hi - lo > seg.slots:
-                return False
-    return True
-
-
-def begin_batch(module: torch.nn.Module) -> None:
-    """The oldest announced batch is about to train (see ``TieredRowStorage.begin_batch``)."""
-    for _, st in tiered_storages(module):
-        st.begin_batch()
-
-
-def tier_stats(module: torch.nn.Module) -> TierStats | None:
-    """The summed counters of every tiered group, None without one."""
-    found = tiered_storages(module)
-    if not found:
-        return None
-    total = TierStats()
-    for _, st in found:
-        total.add(st.stats)
-    return total
-
-
-def close_tiers(module: torch.nn.Module) -> None:
-    """Write every dirty row back and mark the tier files clean; then stop the reader pools
-    (shared by the groups of one module, so only once every group is closed)."""
-    found = tiered_storages(module)
-    for _, st in found:
-        st.close(shutdown_pool=False)
-    for pool in {id(st.pool): st.pool for _, st in found if st.pool is not None}.values():
-        pool.shutdown(wait=True)

@@ -22,7 +22,7 @@ from recscale.comm.dense_sync import DenseGradSync
 from recscale.comm.process_group import ProcessGroups, destroy_process_groups, env_topology, init_process_groups
 from recscale.data import Batch
 from recscale.embedding import TableBatchedEmbeddingBags, TableConfig, make_optimizer
-from recscale.embedding.tiered import close_tiers
+from recscale.embedding.tier_hooks import close_tiers
 from recscale.host_memory import retain_freed_memory
 from recscale.model import DLRM
 from recscale.model.native import interaction_kernels

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from recscale.comm.dense_sync import DenseGradSync
 from recscale.data import Batch
-from recscale.embedding.tiered import announce_batch, begin_batch, tiered_storages
+from recscale.embedding.tier_hooks import announce_batch, begin_batch, tiered_storages
 from recscale.model import DLRM
 from recscale.sparse import JaggedBatch
 

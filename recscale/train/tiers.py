@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from recscale.embedding import SparseOptimizer, TableConfig
-from recscale.embedding.tiered import StorageFactory, TierSettings, tier_stats, tiered_storage_factory
+from recscale.embedding.tier_hooks import tier_stats
+from recscale.embedding.tiered import StorageFactory, TierSettings, tiered_storage_factory
 from recscale.train.config import Config, ConfigError, TiersConfig
 
 _ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
