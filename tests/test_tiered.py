@@ -299,3 +299,15 @@ def test_two_tiered_groups_share_one_reader_pool(tmp_path):
         w = torch.from_numpy(buf[:, : meta.weight_bytes].copy()).view(t.torch_dtype)
         assert torch.equal(w, ram.table_weight(t.name))
         f.close()
+
+
+def test_evaluation_batches_larger_than_a_cache_are_pooled_in_parts(tmp_path):
+    t = TableConfig("t", 50, 4, ("f",))
+    factory = tiered_storage_factory({"t": ("ssd", 4)}, TierSettings(str(tmp_path), "lru", 2, 0), seed=2)
+    tier = TableBatchedEmbeddingBags([t], SGD(), seed=2, storage_factory=factory)
+    ram = TableBatchedEmbeddingBags([t], SGD(), seed=2)
+    batch = JaggedBatch.from_lists({"f": [[i, i + 10, 40] for i in range(10)]})  # 21 distinct rows
+    with torch.no_grad():
+        assert torch.equal(tier(batch), ram(batch))
+        with pytest.raises(TierError, match="5 distinct rows"):  # one sample over the cache: an error
+            tier(JaggedBatch.from_lists({"f": [[0, 1, 2, 3, 4]]}))

@@ -216,7 +216,8 @@ class TableBatchedEmbeddingBags(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, batch: JaggedBatch) -> torch.Tensor:
-        if self._storage_factory is not None and not torch.is_grad_enabled() and not tier_hooks.fits_caches(self, batch):
+        if (self._storage_factory is not None and not torch.is_grad_enabled() and batch.batch_size > 1
+                and not tier_hooks.fits_caches(self, batch)):
             # An evaluation batch larger than a cache is pooled in parts (samples pool apart).
             half = batch.batch_size // 2
             out = torch.cat([self(part) for part in batch.split([half, batch.batch_size - half])])
