@@ -311,3 +311,26 @@ def test_evaluation_batches_larger_than_a_cache_are_pooled_in_parts(tmp_path):
         assert torch.equal(tier(batch), ram(batch))
         with pytest.raises(TierError, match="5 distinct rows"):  # one sample over the cache: an error
             tier(JaggedBatch.from_lists({"f": [[0, 1, 2, 3, 4]]}))
+
+
+def test_batches_announced_but_not_run_are_forgotten(tmp_path):
+    """A pipeline stopped early leaves announced batches behind; after ``forget_announced`` the
+    next pipeline's window lines up with the batches it runs, and training stays exact."""
+    from recscale.embedding.tier_hooks import forget_announced
+
+    t = TableConfig("t", 40, 4, ("f",))
+    batches = _batches([t], 30, batch_size=4, max_len=3, seed=11)
+    factory = tiered_storage_factory({"t": ("ssd", _max_unique([t], batches)["t"])},
+                                     TierSettings(str(tmp_path), "lookahead", 3, 2), seed=1)
+    tier = TableBatchedEmbeddingBags([t], Adam(lr=0.05), seed=1, storage_factory=factory)
+    ram = TableBatchedEmbeddingBags([t], Adam(lr=0.05), seed=1)
+    readout = torch.ones(4)
+    _train(ram, batches, 0, readout)
+    _train(tier, batches[:20], 3, readout)
+    for b in batches[20:23]:  # prepared by a pipeline that then stopped
+        announce_batch(tier, b)
+    forget_announced(tier)
+    _train(tier, batches[20:], 3, readout)
+    st_ = tier.groups[0].storage
+    assert len(st_._window) == 0 and st_._announced == st_._seq == 30
+    _assert_same_tables(ram, tier, [t])

@@ -43,6 +43,12 @@ def begin_batch(module: torch.nn.Module) -> None:
         st.begin_batch()
 
 
+def forget_announced(module: torch.nn.Module) -> None:
+    """Drop the announced batches that will not run (see ``TieredRowStorage.forget_announced``)."""
+    for _, st in tiered_storages(module):
+        st.forget_announced()
+
+
 def tier_stats(module: torch.nn.Module) -> TierStats | None:
     """The summed counters of every tiered group, None without one."""
     found = tiered_storages(module)

@@ -322,6 +322,18 @@ class TieredRowStorage(RowStorage):
                 still = seg.stage_key[read.rows] >> 32 == rid
                 seg.stage_key[read.rows[still]] = -1
 
+    def forget_announced(self) -> None:
+        """Batches announced but never to run (a pipeline stopped early) leave the window, and
+        their staged copies are dropped."""
+        self._window.clear()
+        self._announced = self._seq
+        for seg in self.segments:
+            for rid, read in seg.reads.items():
+                read.wait()
+                still = seg.stage_key[read.rows] >> 32 == rid
+                seg.stage_key[read.rows[still]] = -1
+            seg.reads.clear()
+
     # ------------------------------------------------------------------ whole rows, closing
     def read_rows(self, start: int, n: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Copies of group rows ``[start, start + n)`` of one table (weights in the storage

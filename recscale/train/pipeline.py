@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from recscale.comm.dense_sync import DenseGradSync
 from recscale.data import Batch
-from recscale.embedding.tier_hooks import announce_batch, begin_batch, tiered_storages
+from recscale.embedding.tier_hooks import announce_batch, begin_batch, forget_announced, tiered_storages
 from recscale.model import DLRM
 from recscale.sparse import JaggedBatch
 
@@ -82,6 +82,8 @@ class TrainPipeline:
             sparse = self._ahead.popleft()[1]
             if not isinstance(sparse, JaggedBatch):
                 sparse.wait()
+        if self._tiered:  # a later pipeline announces its own batches
+            forget_announced(self._embeddings)
 
 
 def train_step(model: DLRM, batch: Batch, sparse: Any, dense_opt: torch.optim.Optimizer, sync: DenseGradSync) -> torch.Tensor:
