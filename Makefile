@@ -3,12 +3,13 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+KERNELS := $(VENV)/.kernels
 DATA   := ../shared/data/criteo/criteo_10k_encoded_train.csv
 CONFIG ?= $(if $(wildcard $(DATA)),configs/criteo_10k.toml,configs/synthetic.toml)
 
 .PHONY: setup train test bench-quick clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(KERNELS)
 
 # torch is pinned to the CPU build that lies on this machine's disk; installing it first means
 # no other requirement can pull a different (CUDA) torch.
@@ -18,6 +19,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
+
+# The native CPU kernels are compiled here, once per machine and kernel source (a minute on two
+# cores), so that a first training run does not wait for the compiler.
+$(KERNELS): $(STAMP) $(wildcard recscale/*/csrc/*.cpp)
+	$(BIN)/recscale kernels build
+	touch $(KERNELS)
 
 train: setup
 	@if [ "$(CONFIG)" = "configs/criteo_10k.toml" ]; then \

@@ -12,10 +12,13 @@ from recscale import __version__
 
 
 def _train(args: argparse.Namespace) -> int:
+    from recscale.atomic import check_output_dir, check_output_file
     from recscale.train.config import ConfigError, load_config
     from recscale.train.loop import format_summary, train, write_json_atomic
     from recscale.train.replay import load_replay
 
+    if args.summary_json:  # before any work: a bad path must not cost the run's summary
+        check_output_file(args.summary_json, "--summary-json")
     replay = None
     if args.replay:
         given = [flag for flag, v in (("--config", args.config), ("--set", args.set), ("--resume", args.resume),
@@ -29,6 +32,8 @@ def _train(args: argparse.Namespace) -> int:
         if args.plan:  # --plan FILE is --set sharding.plan="FILE"
             overrides.append(f"sharding.plan={_toml_str(args.plan)}")
         cfg = load_config(args.config, overrides)
+    if cfg.checkpoint.dir:
+        check_output_dir(cfg.checkpoint.dir, "config key 'checkpoint.dir':")
     summary = train(cfg, replay=replay)
     if summary.get("rank", 0) != 0:
         return 0  # rank 0 reports for the whole job
@@ -47,48 +52,80 @@ def _ckpt(args: argparse.Namespace) -> int:
     from recscale.checkpoint import tools
 
     if args.ckpt_command == "list":
-        rows = tools.list_root(args.dir)
-        if not rows:
+        runs = tools.list_root(args.dir)
+        if not runs:
             print(f"no checkpoints under {args.dir}")
-        for r in rows:
-            if r.error:
-                print(f"{r.name}  DAMAGED: {r.error}")
-            else:
-                print(f"{r.name}  step {r.step:>10,}  {r.kind:12s}  {r.bytes:>14,} bytes  restore: {' + '.join(r.chain)}")
+        for run in runs:
+            print(_run_line(run))
+            for r in run.checkpoints:
+                if r.error:
+                    print(f"  {r.name}  DAMAGED: {r.error}")
+                    continue
+                mark = "  <- latest" if r.latest else "  [stale branch]" if r.stale else ""
+                print(f"  {r.name}  step {r.step:>10,}  {r.kind:12s}  {r.bytes:>14,} bytes  "
+                      f"restore: {' + '.join(r.chain)}{mark}")
     elif args.ckpt_command == "inspect":
         print(json.dumps(tools.inspect(args.dir), indent=1, sort_keys=True))
     elif args.ckpt_command == "verify":
-        for line in tools.verify(args.dir):
+        lines = tools.verify(args.dir)
+        for line in lines:
             print(line)
-        print("verified: the checkpoint and its chain are intact")
+        stale = any(line.startswith("stale branch") for line in lines)
+        print("verified: the checkpoint and its chain are intact" + (", but it is on a stale branch" if stale else ""))
     else:
+        from recscale.atomic import check_output_file
+
+        check_output_file(args.out, "--out")
         out, n = tools.export(args.dir, args.out)
         print(f"exported {n} tensors (full precision) to {out}")
     return 0
 
 
+def _run_line(run) -> str:
+    import time
+
+    if not run.run:
+        return "(flat layout, written before run folders)"
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(run.started_unix))
+    p = run.parent
+    if not p:
+        origin = "a fresh start"
+    else:
+        how = "continues it" if p.get("newest") else "a branch from an older checkpoint"
+        origin = f"resumed from {p.get('run') or p.get('path')} {p.get('name')} ({how})"
+    return f"run {run.run}  started {started}, {origin}"
+
+
 def _plan(args: argparse.Namespace) -> int:
     from recscale.planner.hardware import resolve_hardware
     from recscale.planner.report import rank_table, write_html_report
-    from recscale.atomic import write_text_atomic
+    from recscale.atomic import check_output_file, write_text_atomic
     from recscale.planner.search import BASELINES, REPLICA_ERROR, SEARCH_STEPS, TIME_LIMIT_S, baseline_plan, plan_tables
     from recscale.sharding.plan import PlanError
     from recscale.train.config import ConfigError, load_config
     from recscale.train.planning import table_specs, workload
 
-    cfg = load_config(args.config, args.set)
+    for flag, value, low in (("--world-size", args.world_size, 1), ("--ranks-per-host", args.ranks_per_host, 1),
+                             ("--time-budget", args.time_budget, 0), ("--replica-error", args.replica_error, 0)):
+        if value is not None and not (low <= value < float("inf")):
+            raise ConfigError(f"{flag}: expected a finite number >= {low}, got {value}")
+    for flag, path in (("--out", args.out), ("--report", args.report)):
+        if path:
+            check_output_file(path, flag)
+    data = ["data.source=\"prepared\"", f"data.train_path={_toml_str(args.data)}"] if args.data else []
+    cfg = load_config(args.config, data + list(args.set))
     try:
         hw = resolve_hardware(args.topology, args.world_size, args.ranks_per_host)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    tables, wl = table_specs(cfg), workload(cfg)
+    tables, batch_workload = table_specs(cfg), workload(cfg)
     steps = SEARCH_STEPS if args.search_steps is None else args.search_steps
     limit = TIME_LIMIT_S if args.time_budget is None else args.time_budget
     if steps < 0 or not limit > 0:
         raise ConfigError(f"--search-steps must be >= 0 (got {steps}) and --time-budget > 0 seconds (got {limit:g})")
-    result = plan_tables(tables, hw, wl, search_steps=steps, time_limit_s=limit,
+    result = plan_tables(tables, hw, batch_workload, search_steps=steps, time_limit_s=limit,
                          replica_error=REPLICA_ERROR if args.replica_error is None else args.replica_error)
-    print(f"{len(tables)} tables on {hw.world_size} ranks ({hw.ranks_per_host} per host) of '{hw.name}', global batch {wl.batch_size}")
+    print(f"{len(tables)} tables on {hw.world_size} ranks ({hw.ranks_per_host} per host) of '{hw.name}', global batch {batch_workload.batch_size}")
     print(rank_table(result))
     if result.note:
         print(f"note: {result.note}")
@@ -99,7 +136,7 @@ def _plan(args: argparse.Namespace) -> int:
     lines = []
     for method in BASELINES:
         try:
-            b = baseline_plan(method, tables, hw, wl)
+            b = baseline_plan(method, tables, hw, batch_workload)
             lines.append(f"  {method:28s} {b.max_rank_s * 1e3:10.3f} ms  ({100 * (1 - result.max_rank_s / b.max_rank_s):+.1f}% by recscale)")
         except PlanError as e:
             lines.append(f"  {method:28s} does not fit ({str(e)[:80]})")
@@ -121,7 +158,13 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     from recscale.planner.hardware import cached_calibration
 
-    out = args.out or str(cached_calibration(args.ranks))
+    from recscale.atomic import check_output_file
+    from recscale.train.config import ConfigError
+
+    if args.ranks < 1:
+        raise ConfigError(f"--ranks: expected an integer >= 1, got {args.ranks}")
+    out = args.out or str(cached_calibration(args.ranks, quick=args.quick))
+    check_output_file(out, "--out")
     hw = calibrate(args.ranks, progress=print if args.verbose else None, quick=args.quick)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     hw.save(out)
@@ -144,10 +187,38 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kernels(args: argparse.Namespace) -> int:
+    import time
+    import warnings
+
+    from recscale import native_build
+    from recscale.embedding import native
+    from recscale.model.native import interaction_kernels
+
+    t0 = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # said below, once
+        embedding, interaction = native.load(), interaction_kernels()
+    print(f"native kernels in {native_build.cache_root()}: embedding {'ready' if embedding else 'unavailable'}, "
+          f"dot interaction {'ready' if interaction else 'unavailable'} ({time.monotonic() - t0:.0f} s)")
+    if embedding is None:
+        print(f"recscale: the pure-PyTorch kernels will run (same results, slower): {native.failure()}", file=sys.stderr)
+    return 0
+
+
 def _data_prepare(args: argparse.Namespace) -> int:
     from recscale.data.prepare import PrepareOptions, build_schema, prepare, resolve_inputs
+    from recscale.data.prepared import PreparedDataset
+    from recscale.data.schema import SchemaError, load_schema
 
-    schema = build_schema(args.format, args.schema, args.table_rows, args.vocab_min_count)
+    if args.vocab_from:
+        if args.table_rows or args.vocab_min_count:
+            raise SchemaError("--vocab-from: the table sizes and vocabularies come from that directory; "
+                              "drop --table-rows and --vocab-min-count")
+        # The column layout from --schema when given, else as the earlier directory read its input.
+        schema = load_schema(args.schema) if args.schema else PreparedDataset.open(args.vocab_from).schema
+    else:
+        schema = build_schema(args.format, args.schema, args.table_rows, args.vocab_min_count)
     opts = PrepareOptions(
         inputs=resolve_inputs(args.input),
         fmt=args.format,
@@ -160,6 +231,7 @@ def _data_prepare(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         progress=not args.no_progress,
         compression=args.compression,
+        vocab_from=args.vocab_from or "",
     )
     r = prepare(opts)
     print(
@@ -169,6 +241,9 @@ def _data_prepare(args: argparse.Namespace) -> int:
     if r.skipped_rows:
         print(f"skipped {r.skipped_rows:,} bad rows, e.g.:\n  " + "\n  ".join(r.skipped_examples))
     print(f"table rows per feature: {list(r.table_rows.values())}")
+    if r.oov:
+        print("values outside the vocabulary (out-of-vocabulary id 1): "
+              + ", ".join(f"{n} {k:,} lookups ({100 * share:.1f}%)" for n, (k, share) in r.oov.items()))
     print(f"statistics: {r.out}/stats.json; train with --set data.source=prepared --set data.train_path={r.out}")
     return 0
 
@@ -214,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("plan", help="plan how a config's tables are sharded over ranks, with a cost model")
     q.add_argument("--config", help="TOML training config (its tables, batch and wire precisions)")
+    q.add_argument("--data", metavar="DIR", help="plan for a prepared directory (`recscale data prepare`): its tables "
+                   "and each feature's pooling and skew from its stats.json (= --set data.source=prepared "
+                   "--set data.train_path=DIR)")
     q.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     q.add_argument("--world-size", type=int, help="ranks to plan for (default: the topology's)")
     q.add_argument("--ranks-per-host", type=int, help="ranks per host (default: the topology's)")
@@ -235,8 +313,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", help="hardware JSON to write (default: this machine's cached calibration, "
                    "~/.cache/recscale/topology-local-RANKS.json, which the trainer's planner reads)")
     c.add_argument("--verbose", action="store_true", help="print every probe as it is measured")
-    c.add_argument("--quick", action="store_true", help="fewer, smaller probes (seconds; rougher constants)")
+    c.add_argument("--quick", action="store_true", help="fewer, smaller probes (seconds; rougher constants; the "
+                   "trainer's planner makes this one on first use, cached as topology-local-RANKS-quick.json)")
     c.set_defaults(func=_calibrate)
+
+    kb = sub.add_parser("kernels", help="compile the native CPU kernels now (make setup does), not on first use")
+    kbs = kb.add_subparsers(dest="kernels_command", required=True)
+    kbs.add_parser("build", help="compile (or load from the cache) the embedding and interaction kernels")
+    kb.set_defaults(func=_kernels)
 
     data = sub.add_parser("data", help="prepare click logs into sharded Parquet for fast, resumable reading")
     dsub = data.add_subparsers(dest="data_command", required=True)
@@ -249,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hash categorical values into tables of N rows (one value, or 26 for criteo-tsv)")
     d.add_argument("--vocab-min-count", type=int, metavar="K",
                    help="instead of hashing: a vocabulary of the values seen at least K times (MLPerf-style)")
+    d.add_argument("--vocab-from", metavar="DIR",
+                   help="encode like this earlier prepared directory (its vocabularies and hashing settings; "
+                        "unseen values get the out-of-vocabulary id): prepare eval data with the training data's")
     d.add_argument("--workers", type=int, default=2, help="worker processes (0: in this process)")
     d.add_argument("--block-mb", type=float, default=32, help="input read per block (one shard per block; memory grows with it)")
     d.add_argument("--row-group-rows", type=int, default=32768, help="rows per Parquet row group (the unit ranks split)")
@@ -261,10 +348,14 @@ def build_parser() -> argparse.ArgumentParser:
     from recscale.cluster.command import add_parser as add_cluster_parser
 
     add_cluster_parser(sub)
+    from recscale.sim.command import add_parser as add_simulate_parser
+
+    add_simulate_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from recscale.atomic import OutputPathError
     from recscale.checkpoint.manifest import CheckpointError
     from recscale.comm.process_group import DistributedError
     from recscale.data.errors import DataFormatError
@@ -274,17 +365,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from recscale.sharding.plan import PlanError
     from recscale.sparse import SparseInputError
     from recscale.train.config import ConfigError
+    from recscale.train.guards import NonFiniteError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (
         ConfigError, DataFormatError, SparseInputError, PlanError, FileNotFoundError, SchemaError, ReaderStateError,
-        FileExistsError, CheckpointError, TierError,
+        FileExistsError, CheckpointError, OutputPathError, TierError,
     ) as e:
         print(f"recscale: error: {e}", file=sys.stderr)
         return 2
-    except DistributedError as e:
+    except (DistributedError, NonFiniteError) as e:
         print(f"recscale: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

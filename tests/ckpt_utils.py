@@ -84,3 +84,17 @@ def rank_runs(rank: int, world: int, runs: list[list[str]]):
     """Worker for ``run_ranks``: several training runs in one process group."""
     groups = init_process_groups(Topology(world, rank, world), 60.0, device=torch.device("cpu"))
     return [run_training(o, groups) for o in runs]
+
+
+def run_dirs(root) -> list:
+    """The run folders under a checkpoint root, oldest first (by their recorded start)."""
+    from recscale.checkpoint.lineage import list_runs
+    from recscale.checkpoint.storage import LocalStorage
+
+    return [root / r.run for r in list_runs(LocalStorage(root))]
+
+
+def ckpt_dir(root, step: int):
+    """The checkpoint of ``step`` of the newest run that has one, under a checkpoint root."""
+    name = f"step{step:010d}"
+    return next((d / name for d in reversed(run_dirs(root)) if (d / name).is_dir()), root / name)

@@ -54,3 +54,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def _build_all(*loaders) -> tuple[bool, ...]:
     return tuple(load() is not None for load in loaders)
 
+
+
+# Tests plan on the built-in CPU description or an explicit topology: no process measures the
+# machine on first use (a user's first multi-rank run does, once; see planner.hardware).
+os.environ.setdefault("RECSCALE_CALIBRATE", "off")

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt_utils import run_training
+from ckpt_utils import ckpt_dir, run_training
 from recscale.checkpoint.manifest import MANIFEST, CheckpointError
 from recscale.checkpoint.policy import Policy
 from recscale.checkpoint.native import quantize_kernels
@@ -145,7 +145,7 @@ def resume_error(ck: Path) -> str:
 
 def test_truncated_file_is_refused(written, tmp_path):
     ck = damaged_copy(written[0], tmp_path)
-    data = ck / "step0000000008" / "rank00000.bin"
+    data = ckpt_dir(ck, 8) / "rank00000.bin"
     data.write_bytes(data.read_bytes()[:-100])
     assert "truncated" in resume_error(ck)
 
@@ -154,7 +154,7 @@ def test_truncated_file_is_refused(written, tmp_path):
 @pytest.mark.parametrize("target", ["step0000000004/rank00000.bin", "step0000000008/rank00000.state"])
 def test_flipped_byte_is_refused(written, tmp_path, target):
     ck = damaged_copy(written[0], tmp_path)
-    f = ck / target
+    f = ckpt_dir(ck, 8).parent / target
     raw = bytearray(f.read_bytes())
     raw[len(raw) // 2] ^= 0x10
     f.write_bytes(bytes(raw))
@@ -164,25 +164,25 @@ def test_flipped_byte_is_refused(written, tmp_path, target):
 
 def test_missing_manifest_is_refused(written, tmp_path):
     ck = damaged_copy(written[0], tmp_path)
-    (ck / "step0000000008" / MANIFEST).unlink()
+    (ckpt_dir(ck, 8) / MANIFEST).unlink()
     with pytest.raises(CheckpointError, match="no manifest.json"):
-        run_training([f"checkpoint.resume='{ck / 'step0000000008'}'"])
+        run_training([f"checkpoint.resume='{ckpt_dir(ck, 8)}'"])
 
 
 def test_unknown_format_version_is_refused(written, tmp_path, capsys):
     ck = damaged_copy(written[0], tmp_path)
-    m = ck / "step0000000008" / MANIFEST
+    m = ckpt_dir(ck, 8) / MANIFEST
     d = json.loads(m.read_text())
     d["version"] = 99
     m.write_text(json.dumps(d))
     assert "unknown checkpoint format version 99" in resume_error(ck)
-    assert main(["ckpt", "verify", str(ck / "step0000000008")]) == 2
+    assert main(["ckpt", "verify", str(ckpt_dir(ck, 8))]) == 2
     assert "version 99" in capsys.readouterr().err
 
 
 def test_damaged_manifest_is_refused(written, tmp_path):
     ck = damaged_copy(written[0], tmp_path)
-    m = ck / "step0000000008" / MANIFEST
+    m = ckpt_dir(ck, 8) / MANIFEST
     m.write_text(m.read_text().replace('"step": 8', '"step": 9'))
     assert "manifest checksum mismatch" in resume_error(ck)
 
@@ -198,7 +198,7 @@ def test_ckpt_cli_list_inspect_verify_export(written, tmp_path, capsys):
     assert main(["ckpt", "list", str(root)]) == 0
     out = capsys.readouterr().out
     assert "step0000000004" in out and "differential" in out and "step0000000004 + step0000000008" in out
-    assert main(["ckpt", "inspect", str(root / "step0000000008")]) == 0
+    assert main(["ckpt", "inspect", str(ckpt_dir(root, 8))]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["kind"] == "differential" and info["chain"] == ["step0000000004", "step0000000008"]
     assert main(["ckpt", "verify", str(root)]) == 0
@@ -220,7 +220,7 @@ def test_full_checkpoints_leave_out_rows_at_their_initial_values(written, tmp_pa
     from recscale.checkpoint.storage import LocalStorage
 
     root, state = written
-    base = load_manifest(LocalStorage(root), "step0000000004")
+    base = load_manifest(LocalStorage(ckpt_dir(root, 4).parent), "step0000000004")
     assert base.kind == "full" and base.initial_rows is not None and base.initial_rows["seed"] == 0
     held = sum(c.num_rows for c in base.chunks)
     total = sum(t.num_rows for t in base.tables)
@@ -229,6 +229,6 @@ def test_full_checkpoints_leave_out_rows_at_their_initial_values(written, tmp_pa
     every = tmp_path / "every"
     run_training([f"checkpoint.dir='{every}'", "train.max_steps=4", "checkpoint.interval_steps=4",
                   "checkpoint.skip_initial_rows=false"])
-    m = load_manifest(LocalStorage(every), "step0000000004")
+    m = load_manifest(LocalStorage(ckpt_dir(every, 4).parent), "step0000000004")
     assert m.initial_rows is None and sum(c.num_rows for c in m.chunks) == total
     assert m.stats["bytes_written"] > base.stats["bytes_written"]

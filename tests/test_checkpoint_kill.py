@@ -36,7 +36,8 @@ def test_kill_during_checkpoint_write_leaves_previous_restorable(tmp_path):
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:
-            entries = os.listdir(ck) if ck.is_dir() else []
+            runs = list(ck.glob("run-*")) if ck.is_dir() else []
+            entries = os.listdir(runs[0]) if len(runs) == 1 else []
             committed = [e for e in entries if e.startswith("step")]
             writing = [e for e in entries if e.startswith(".tmp-")]
             if committed and writing:
@@ -49,14 +50,15 @@ def test_kill_during_checkpoint_write_leaves_previous_restorable(tmp_path):
             proc.kill()
         proc.wait(timeout=30)
     assert killed_while is not None, "the training process never got to a second checkpoint"
-    entries = os.listdir(ck)
-    visible = sorted(e for e in entries if not e.startswith("."))
+    (run,) = ck.glob("run-*")
+    entries = os.listdir(run)
+    visible = sorted(e for e in entries if not e.startswith(".") and e != "run.json")
     assert visible and all(e.startswith("step") for e in visible)
     # The half-written one is not visible under its name; everything visible is whole.
     assert killed_while.removeprefix(".tmp-") not in visible
     for name in visible:
-        assert (ck / name / MANIFEST).is_file()
-        verify(str(ck / name))
+        assert (run / name / MANIFEST).is_file()
+        verify(str(run / name))
     latest = visible[-1]
     step = int(latest.removeprefix("step"))
     out = proc_utils.run(
@@ -65,5 +67,5 @@ def test_kill_during_checkpoint_write_leaves_previous_restorable(tmp_path):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
     )
     assert out.returncode == 0, out.stderr
-    assert f"resumed from {ck / latest}" in out.stdout
-    assert not any(e.startswith(".tmp-") for e in os.listdir(ck))  # leftovers cleaned on start
+    assert f"resumed from {run / latest}" in out.stdout
+    assert not list(ck.glob("run-*/.tmp-*"))  # leftovers cleaned on start

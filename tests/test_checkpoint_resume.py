@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckpt_utils import rank_runs, run_training
+from ckpt_utils import ckpt_dir, rank_runs, run_training
 from dist_utils import run_ranks
 from recscale.sharding.plan import Shard, ShardingPlan, TablePlan
 
@@ -72,7 +72,7 @@ def test_two_rank_resume_is_bitwise_identical_and_resumes_on_one_rank(tmp_path):
         assert_same(s_res, s_full)
     (full2, s_full2, _), (_, s_part, _), _ = results[0]
     # On one rank: restored exactly (zero more steps: the 2-rank state at step 9, bit for bit) ...
-    one = [f"checkpoint.resume='{tmp_path / 'step0000000009'}'"]
+    one = [f"checkpoint.resume='{ckpt_dir(tmp_path, 9)}'"]
     _, s_now, seq0 = run_training(one + ["train.max_steps=9"])
     assert seq0 == []
     assert_same(s_now, s_part)

@@ -1,5 +1,6 @@
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from recscale.cli import main
@@ -25,7 +26,14 @@ def test_shipped_configs_parse(monkeypatch):
     load_config(ROOT / "configs" / "synthetic.toml")
     if (ROOT.parent / "shared" / "data" / "criteo").is_dir():
         cfg = load_config(ROOT / "configs" / "criteo_10k.toml")
-        assert len(cfg.model.table_rows) == 26
+        assert cfg.model.table_rows == "auto"
+        # The sizes the data gives: every id of either file has a row, none more.
+        from recscale.train.datasets import build_data
+
+        data = build_data(cfg)
+        ids = np.concatenate([np.loadtxt(ROOT.parent / "shared" / "data" / "criteo" / f"criteo_10k_encoded_{s}.csv",
+                                         delimiter=",", dtype=np.int64)[:, 14:] for s in ("train", "test")])
+        assert list(data.table_rows) == [int(v) + 1 for v in ids.max(axis=0)]
 
 
 @pytest.mark.parametrize(

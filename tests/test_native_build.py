@@ -53,7 +53,7 @@ def test_waiting_for_another_builder_times_out_with_a_clear_error(monkeypatch: p
         t0 = time.monotonic()
         with pytest.raises(native_build.NativeBuildError, match=native_build.TIMEOUT_ENV):
             native_build.build("recscale_embedding", native.SOURCE, [flags], what="test")
-        assert time.monotonic() - t0 < 10
+        assert time.monotonic() - t0 < 60  # the 0.5 s limit ended the wait, not a hang
     assert native_build.build("recscale_embedding", native.SOURCE, [flags], what="test") is not None
 
 

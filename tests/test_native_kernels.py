@@ -199,13 +199,14 @@ def test_touched_rows_marked_on_both_kernels():
         assert int(gn.touched.sum()) > 0
 
 
-class _ScaledSGD(SGD):
-    """Not an optimizer the kernel mirrors: gradients are summed natively, applied in Python."""
+class _UnmirroredSGD(SGD):
+    """SGD under a type the native kernel does not recognise (it mirrors exact types only), so
+    its gradients are summed natively and the update runs in Python."""
 
 
 def test_unmirrored_optimizer_runs_in_python_on_native_gradients():
     tables = TABLES[:2]
-    native_m = TableBatchedEmbeddingBags(tables, _ScaledSGD(lr=0.1), seed=2, kernel="native")
+    native_m = TableBatchedEmbeddingBags(tables, _UnmirroredSGD(lr=0.1), seed=2, kernel="native")
     torch_m = TableBatchedEmbeddingBags(tables, SGD(lr=0.1), seed=2, kernel="torch")
     batch = _random_batch({"f1": 40, "f2": 40, "f3": 25}, 5, torch.Generator().manual_seed(2), weighted=True)
     for m in (native_m, torch_m):

@@ -54,8 +54,8 @@ def _worker(rank: int, world: int) -> dict:
             outs.append(out.detach().clone())
             lo = 0 if rank == 0 else BATCH // 2
             out.backward(grad[lo : lo + local.batch_size])
-        results[name] = (outs, {t.name: coll.full_table(t.name) for t in TABLES}, coll._output_all_copied,
-                         [s is not None for s in coll._feature_slots])
+        results[name] = (outs, {t.name: coll.full_table(t.name) for t in TABLES}, coll.output_dist.output_all_copied,
+                         [s is not None for s in coll.output_dist.feature_slots])
     return results
 
 

@@ -65,3 +65,16 @@ def test_plan_file_errors(tmp_path):
         default_plan(TABLES, Topology(2, 0, 1), "table_wise", {"zz": TableSharding("row_wise")})
     with pytest.raises(PlanError, match="exceed its dim 8"):
         default_plan(TABLES, Topology(2, 0, 1), "table_wise", {"t0": TableSharding("column_wise", 9)})
+
+
+def test_plan_for_another_world_size_is_a_plan_error():
+    import torch
+
+    from recscale.comm.process_group import ProcessGroups
+    from recscale.embedding import SGD
+    from recscale.sharding.collection import ShardedEmbeddingCollection
+
+    plan = default_plan(TABLES, Topology(2, 0, 2), "table_wise")
+    one_rank = ProcessGroups(Topology(1, 0, 1), None, None, None, None, None, torch.device("cpu"), 10.0)
+    with pytest.raises(PlanError, match="plan is for 2 ranks but the job has 1"):
+        ShardedEmbeddingCollection(TABLES, SGD(lr=0.1), plan, one_rank)

@@ -172,7 +172,7 @@ def test_search_is_never_worse_than_an_all_table_row_wise_plan():
     # Starts the per-rank search cannot reach alone: uniform plans that save what every rank
     # pays alike (here: the row-statistic gathers of column shards).
     from recscale.sharding.plan import ShardingPlan, TablePlan, Shard
-    from recscale.sharding.types._split import even_split
+    from recscale.sharding.types.base import even_split
     from recscale.planner.search import score_plan
 
     # MLPerf DLRM-DCNv2's tables (Criteo 1TB row counts capped at 40M): at 128 ranks the search
@@ -199,6 +199,7 @@ def test_search_is_never_worse_than_an_all_table_row_wise_plan():
         assert ours.max_rank_s <= score_plan(uniform, tables, hw, wl).max_rank_s * (1 + 1e-9)
 
 
+@pytest.mark.timing
 def test_thousand_tables_on_128_ranks_in_under_30_seconds():
     tables = production_like(1000, seed=7)
     t0 = time.perf_counter()
@@ -254,7 +255,7 @@ def test_calibrate_measures_this_machine(tmp_path, capsys):
     hw = Hardware.load(out)
     assert hw.world_size == 2 and hw.memory_bw > 1e8 and hw.intra_host_bw > 1e6
     # Real steps cost something per step and per id or byte; the fit never goes negative.
-    assert hw.step_overhead_s + hw.latency_s > 0 and min(hw.id_s, hw.row_s, hw.bag_s, hw.route_id_s) >= 0
+    assert hw.step_overhead_s + hw.latency_s > 0  # (Hardware itself rejects negative constants)
     assert main(["plan", "--topology", str(out), "--set", "data.num_workers=0"]) == 0
     assert "predicted step (slowest rank)" in capsys.readouterr().out
 

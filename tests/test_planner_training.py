@@ -81,6 +81,54 @@ def test_this_machine_prefers_a_cached_calibration(tmp_path, monkeypatch):
     assert (hw.name, hw.id_s) == ("measured", 1e-8)
 
 
+def test_this_machine_is_measured_once_on_first_use_then_cached(tmp_path, monkeypatch):
+    """No calibration cached: one quick `recscale calibrate --quick` (a bounded child process,
+    announced), cached per machine; later jobs load it; a full calibration wins over it."""
+    import subprocess
+
+    from recscale.planner import hardware
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(hardware.CALIBRATE_ENV, raising=False)
+    runs, said = [], []
+
+    def fake_run(cmd, capture_output, text, timeout):
+        runs.append((cmd, timeout))
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        Hardware("local-2", 2, 2, 1e9, 1e10, 1e9, 1e9, id_s=3e-9).save(out)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(hardware.subprocess, "run", fake_run)
+    hw = this_machine(4, 2, gpu=False, say=said.append)
+    assert (hw.name, hw.id_s, hw.world_size) == ("local-2", 3e-9, 4)
+    assert len(runs) == 1 and runs[0][0][-5:] == ["--quick", "--ranks", "2", "--out", str(cached_calibration(2, quick=True))]
+    assert runs[0][1] <= hardware.QUICK_TIMEOUT_S and "measuring this machine once" in said[0]
+    assert this_machine(2, 2, gpu=False, say=said.append).id_s == 3e-9 and len(runs) == 1  # cached
+    Hardware("full", 2, 2, 1e9, 1e10, 1e9, 1e9, id_s=5e-9).save(cached_calibration(2))
+    assert this_machine(2, 2, gpu=False).name == "full"
+
+
+def test_built_in_description_is_a_fallback_that_says_so(tmp_path, monkeypatch):
+    import subprocess
+
+    from recscale.planner import hardware
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    said = []
+    monkeypatch.setenv(hardware.CALIBRATE_ENV, "off")
+    assert this_machine(2, 2, gpu=False, say=said.append).name == LOCAL_CPU.name
+    assert "built-in 'local-cpu'" in said[-1] and "RECSCALE_CALIBRATE=off" in said[-1] and "recscale calibrate" in said[-1]
+    monkeypatch.delenv(hardware.CALIBRATE_ENV)
+
+    def too_slow(cmd, capture_output, text, timeout):
+        raise subprocess.TimeoutExpired(cmd, timeout)
+
+    monkeypatch.setattr(hardware.subprocess, "run", too_slow)
+    assert this_machine(2, 2, gpu=False, say=said.append).name == LOCAL_CPU.name
+    assert "took over" in said[-1] and not cached_calibration(2, quick=True).exists()
+
+
 def test_nnls_recovers_non_negative_constants():
     rng = np.random.default_rng(0)
     a = rng.uniform(0, 1, (30, 4))

@@ -212,15 +212,18 @@ def test_table_row_wise_on_two_hosts_of_two_ranks_stays_on_one_host():
         assert len({s["rank"] // 2 for s in t["shards"]}) == 1
 
 
-@pytest.mark.parametrize("fwd,bwd,tol", [("fp16", "fp16", 2e-3), ("bf16", "bf16", 2e-2), ("int8", "int8", 3e-2)])
-def test_reduced_precision_stays_close_and_sends_fewer_bytes(fwd, bwd, tol):
+@pytest.mark.parametrize("fwd,bwd,tol,max_ratio", [("fp16", "fp16", 2e-3, 0.5), ("bf16", "bf16", 2e-2, 0.5),
+                                                  ("int8", "int8", 3e-2, 0.4)])
+def test_reduced_precision_stays_close_and_sends_fewer_bytes(fwd, bwd, tol, max_ratio):
+    """16-bit rows are half of fp32's; int8 rows are a byte per column plus 8 (scale and bias),
+    about a third here (every rank's rows are over 20 columns wide)."""
     full = run_ranks(sharded_worker, 2, 2, "table_wise", {}, "rowwise_adagrad", True, ("fp32", "fp32"))
     low = run_ranks(sharded_worker, 2, 2, "table_wise", {}, "rowwise_adagrad", True, (fwd, bwd))
     for t in TABLES:
         torch.testing.assert_close(low[0]["tables"][t.name], full[0]["tables"][t.name], rtol=0, atol=tol)
     for name in ("output_a2a", "grad_a2a"):
         ratio = low[0]["bytes"][name] / full[0]["bytes"][name]
-        assert ratio < 0.6 if fwd != "int8" else ratio < 0.6, (name, ratio)
+        assert ratio <= max_ratio, (name, ratio)
 
 
 def hierarchy_worker(rank, world, ranks_per_host, hierarchical, precision):
@@ -237,7 +240,7 @@ def hierarchy_worker(rank, world, ranks_per_host, hierarchical, precision):
         outs.append(out.detach().clone())
         out.backward(grad[start : start + sizes[rank]])
     return {"outs": outs, "tables": {t.name: coll.full_table(t.name) for t in TABLES},
-            "hier": coll._hier is not None, "cross": dict(coll.stats.cross_host_bytes),
+            "hier": coll.output_dist.hierarchy is not None, "cross": dict(coll.stats.cross_host_bytes),
             "bytes": coll.stats.snapshot()}
 
 

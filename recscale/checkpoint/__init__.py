@@ -3,7 +3,8 @@ and resharding onto a different world size or plan.
 
 Layers inside this package (imports point down): ``manager`` (when and what to write, retention)
 -> ``writer`` (snapshot, background quantize + write, commit) and ``restore`` (chains, resharding)
--> ``policy``, ``tracker``, ``quantize``, ``shards`` -> ``manifest`` (format) -> ``storage``.
+-> ``lineage`` (run folders, latest, stale branches), ``policy``, ``tracker``, ``quantize``, ``shards``
+-> ``manifest`` (format) -> ``storage``.
 """
 
 from recscale.checkpoint.manifest import FORMAT_VERSION, CheckpointError, Manifest

@@ -4,26 +4,33 @@
 lets the policy pick the kind (all ranks agree: the counts are summed over ranks first), copies
 the chosen rows and the caller's small state into memory (the only stall), and hands the rest to
 the background writer. After each commit rank 0 applies retention: keep the last ``keep_last``
-restorable checkpoints and every checkpoint their chains need; delete the rest.
+restorable checkpoints and every checkpoint their chains need; delete the rest. With a run
+context (``recscale.checkpoint.lineage``) checkpoints go into the run's own folder, carry the
+run's identity and parent, and a run that continues its parent's newest checkpoint deletes the
+parent run once its own first checkpoint is committed.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
 
+from recscale.checkpoint.lineage import RUN_FILE, RunContext, list_checkpoints, prune_parent
 from recscale.checkpoint.manifest import CheckpointError, Manifest, TableMeta, checkpoint_name
 from recscale.checkpoint.policy import Policy
 from recscale.checkpoint.quantize import Codec, make_codec, state_codec
-from recscale.checkpoint.restore import list_checkpoints, load_manifest
+from recscale.checkpoint.restore import load_manifest
 from recscale.checkpoint.settings import CheckpointSettings
 from recscale.checkpoint.shards import LocalShard, row_state_names
 from recscale.checkpoint.storage import Storage
 from recscale.checkpoint.tracker import RowTracker
 from recscale.checkpoint.writer import CheckpointWriter, ShardSnapshot, WriteJob, WriteReport
+
+log = logging.getLogger(__name__)
 
 # Sums a list of numbers over every rank (identity on one rank).
 SumFn = Callable[[list[float]], list[float]]
@@ -41,11 +48,15 @@ class CheckpointManager:
         sum_over_ranks: SumFn | None = None,
         log: Callable[[str], None] = lambda _: None,
         init_seed: int | None = None,
+        run: RunContext | None = None,
     ) -> None:
         """``init_seed``: the seed the embedding rows were initialised with
         (``recscale.embedding.table_batched.init_rows``); with ``skip_initial_rows`` full
-        checkpoints then leave out rows still bitwise at those values. None: store every row."""
+        checkpoints then leave out rows still bitwise at those values. None: store every row.
+        ``run``: the run this job is (``storage`` is then its folder); None: no run identity."""
         settings.validate()
+        self.run = run
+        self.parent_checked = run is None
         self.settings, self.storage, self.shards = settings, storage, shards
         self.rank, self.world_size, self.plan = rank, world_size, plan
         self.sum_over_ranks = sum_over_ranks or (lambda xs: xs)
@@ -116,6 +127,7 @@ class CheckpointManager:
             world_size=self.world_size, plan=self.plan, tables=self._table_meta(),
             optimizer=self._optimizer_meta(), files=[], chunks=[],
             training={**training, "changed_fraction": fraction},
+            run=self.run.info.run if self.run else "", parent=self.run.info.parent if self.run else None,
         )
         job = WriteJob(
             manifest, self.rank, self.world_size, snaps, rank_state, self.weight_codec, self.state_codec,
@@ -169,18 +181,33 @@ class CheckpointManager:
         return total
 
     # ------------------------------------------------------------------ retention
+    def start_run(self, parent: dict | None, ancestors: list[dict] | None = None) -> None:
+        """Rank 0: record the run (its identity, the checkpoint it resumed from and that one's
+        ancestry) in its folder."""
+        if self.run is None or self.rank != 0:
+            return
+        self.run.info.parent, self.run.info.ancestors = parent, list(ancestors or [])
+        self.storage.write_atomic(RUN_FILE, self.run.info.to_json())
+
     def _retain(self, latest: Manifest) -> None:
         keep_last = self.settings.keep_last
         if not keep_last:
             return
+        if not self.parent_checked:  # once, after this run's first commit
+            self.parent_checked = True
+            assert self.run is not None
+            pruned = prune_parent(self.run.root, self.run.info)
+            if pruned:
+                self.log(f"checkpoints: deleted run {pruned}, which this run continues from its newest checkpoint")
         names = list_checkpoints(self.storage)
         restorable = [n for n in names if n <= latest.name][-keep_last:]
         needed: set[str] = set(restorable) | set(latest.chain)
         for n in restorable:
             try:
                 needed |= set(load_manifest(self.storage, n).chain)
-            except CheckpointError:
-                pass
+            except CheckpointError as e:  # its own folder is kept; the bases it names cannot be known
+                log.warning("checkpoint retention: cannot read the manifest of %s, so the checkpoints it builds on "
+                            "may be deleted: %s", n, e)
         for n in names:
             if n not in needed and n < latest.name:
                 self.storage.delete_dir(n)

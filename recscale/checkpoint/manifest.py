@@ -21,12 +21,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+import re
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 FORMAT_NAME = "recscale-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Version 1 (no run identity, chain links by name only) is still read; a restore checks its chain by name.
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
+KINDS = ("full", "differential", "incremental")
 
 
 class CheckpointError(RuntimeError):
@@ -101,8 +105,16 @@ class Manifest:
     # with zero optimizer state: {"seed": int, "bounds": {table: [lo, hi]}}. None: every row held.
     initial_rows: dict[str, Any] | None = None
     created_unix: float = 0.0
+    # The run that wrote it (its run folder's name) and, per checkpoint of ``chain`` before this
+    # one, {"name", "run", "digest"}: a chain is valid only if every link's manifest has that digest.
+    run: str = ""
+    links: list[dict[str, Any]] = field(default_factory=list)
+    # The checkpoint the run resumed from: {"path", "run", "name", "step", "digest"}; None: a fresh start.
+    parent: dict[str, Any] | None = None
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
+    # The manifest's checksum (its content digest), set when written or read; not part of the body.
+    digest: str = field(default="", repr=False, compare=False)
 
     @property
     def base(self) -> str:
@@ -119,12 +131,13 @@ class Manifest:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d.pop("digest")
         d["chunks"] = [c.to_dict() for c in self.chunks]
         return d
 
     def to_json(self) -> bytes:
         body = self.to_dict()
-        body["checksum"] = _digest(body)
+        body["checksum"] = self.digest = _digest(body)
         return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
 
     @staticmethod
@@ -135,21 +148,91 @@ class Manifest:
             raise CheckpointError(f"{where}: manifest is not valid JSON ({e}); the checkpoint is damaged") from None
         if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
             raise CheckpointError(f"{where}: not a recscale checkpoint manifest (format {d.get('format') if isinstance(d, dict) else None!r})")
-        if d.get("version") != FORMAT_VERSION:
+        if d.get("version") not in READABLE_VERSIONS:
             raise CheckpointError(
-                f"{where}: unknown checkpoint format version {d.get('version')!r}; this recscale reads "
-                f"version {FORMAT_VERSION} (use the recscale release that wrote it, or export it there)"
+                f"{where}: unknown checkpoint format version {short(d.get('version'))}; this recscale reads "
+                f"versions {list(READABLE_VERSIONS)} (use the recscale release that wrote it, or export it there)"
             )
         checksum = d.pop("checksum", None)
         if checksum != _digest(d):
             raise CheckpointError(f"{where}: manifest checksum mismatch; the manifest is damaged, do not load it")
         try:
+            _check_fields(d)
             d["tables"] = [TableMeta(**t) for t in d["tables"]]
             d["files"] = [FileEntry(**f) for f in d["files"]]
             d["chunks"] = [Chunk.from_dict(c) for c in d["chunks"]]
-            return Manifest(**d)
-        except (KeyError, TypeError) as e:
-            raise CheckpointError(f"{where}: malformed manifest ({type(e).__name__}: {e})") from None
+            for dc in (*d["tables"], *d["files"], *d["chunks"]):
+                _check_dataclass(dc)
+            m = Manifest(**d)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"{where}: malformed manifest ({type(e).__name__}: {short(str(e), 160)})") from None
+        m.digest = checksum
+        return m
+
+
+# Top-level manifest keys and the JSON types they must have (a checksum only proves the bytes are
+# the ones written; a reader must not trust the types of what a writer put there).
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "name": (str,), "step": (int,), "kind": (str,), "chain": (list,), "policy": (str,),
+    "weight_codec": (dict,), "state_codec": (dict,), "world_size": (int,), "plan": (dict, type(None)),
+    "tables": (list,), "optimizer": (dict,), "files": (list,), "chunks": (list,), "training": (dict,),
+    "stats": (dict,), "initial_rows": (dict, type(None)), "created_unix": (int, float), "run": (str,),
+    "links": (list,), "parent": (dict, type(None)),
+}
+
+
+def _check_fields(d: dict[str, Any]) -> None:
+    for key, types in _FIELD_TYPES.items():
+        if key in d and (not isinstance(d[key], types) or isinstance(d[key], bool)):
+            raise TypeError(f"'{key}' is {type(d[key]).__name__}, expected {' or '.join(t.__name__ for t in types)}")
+    if d.get("kind") not in KINDS:
+        raise ValueError(f"'kind' is {short(d.get('kind'))}, expected one of {list(KINDS)}")
+    if d.get("step", 0) < 0 or d.get("world_size", 1) < 1:
+        raise ValueError("'step' must be >= 0 and 'world_size' >= 1")
+    chain = d.get("chain")
+    names_ok = bool(chain) and all(isinstance(c, str) and _SIMPLE_NAME.fullmatch(c) for c in chain)
+    if not names_ok or chain[-1] != d.get("name"):
+        raise ValueError("'chain' must be a list of checkpoint names ending with this one")
+    for link in d.get("links", []):
+        if not isinstance(link, dict) or not all(isinstance(link.get(k), str) for k in ("name", "digest")):
+            raise ValueError("every entry of 'links' must name a checkpoint and its digest")
+    for key in ("tables", "files", "chunks"):
+        if not all(isinstance(x, dict) for x in d.get(key, [])):
+            raise TypeError(f"every entry of '{key}' must be an object")
+    for c in d.get("chunks", []):
+        if not isinstance(c.get("state"), list) or not all(isinstance(s, list) and len(s) == 3 for s in c["state"]):
+            raise ValueError("a chunk's 'state' must be a list of [name, columns, bytes]")
+
+
+def _check_dataclass(obj: Any) -> None:
+    """Every int field a non-negative int and every str field a str (no bools, no floats)."""
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ValueError(f"{type(obj).__name__}.{f.name} is {short(v)}, expected an integer >= 0")
+        if f.type == "str" and not isinstance(v, str):
+            raise ValueError(f"{type(obj).__name__}.{f.name} is {short(v)}, expected a string")
+    if isinstance(obj, Chunk):
+        if obj.row_stop < obj.row_start or obj.selector not in ("range", "bitmap", "ids"):
+            raise ValueError(f"chunk of table {short(obj.table)}: bad row range or selector")
+        if any(c < 0 or b < 0 for _, c, b in obj.state):
+            raise ValueError(f"chunk of table {short(obj.table)}: negative state size")
+    for name in (getattr(obj, "path", None), getattr(obj, "file", None)):
+        if name is not None and not _SIMPLE_NAME.fullmatch(name):
+            raise ValueError(f"file name {short(name)} is not a plain name inside the checkpoint")
+
+
+# Names a manifest may use for files and checkpoints: plain names, never a path out of the directory.
+_SIMPLE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}")
+
+
+def short(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to a readable length (a huge number or string in an error message)."""
+    try:
+        text = value if isinstance(value, str) and limit > 60 else repr(value)  # long limits: messages
+    except ValueError:  # an int too long to print
+        return f"<an integer of about {value.bit_length() * 0.30103:.0f} digits>"
+    return text if len(text) <= limit else f"{text[: limit - 20]}...{text[-12:]} ({len(text):,} characters)"
 
 
 def _digest(d: dict[str, Any]) -> str:

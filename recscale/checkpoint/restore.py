@@ -16,10 +16,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from recscale.checkpoint.lineage import list_checkpoints, resolve  # noqa: F401  (this module's API too)
 from recscale.checkpoint.manifest import MANIFEST, CheckpointError, Chunk, Manifest
 from recscale.checkpoint.quantize import Codec
 from recscale.checkpoint.shards import LocalShard, row_state_names
-from recscale.checkpoint.storage import LocalStorage, Storage
+from recscale.checkpoint.storage import Storage
 from recscale.embedding.table_batched import init_rows
 
 
@@ -39,34 +40,15 @@ def load_manifest(storage: Storage, name: str) -> Manifest:
     return Manifest.from_json(storage.read(f"{name}/{MANIFEST}"), where)
 
 
-def list_checkpoints(storage: Storage) -> list[str]:
-    """Committed checkpoint directories (names starting with 'step'), oldest first."""
-    return [d for d in storage.list_dirs() if d.startswith("step")]
-
-
-def resolve(path: str, default_root: str = "") -> tuple[Storage, str]:
-    """``latest`` (the newest under ``default_root``), a checkpoint directory, or a root of them."""
-    if path == "latest":
-        if not default_root:
-            raise CheckpointError("resume 'latest' needs checkpoint.dir, the directory to look in")
-        path = default_root
-    p = Path(path)
-    if not p.is_dir():
-        raise CheckpointError(f"checkpoint path '{p}' does not exist")
-    if (p / MANIFEST).is_file() or any(p.glob("rank*.bin")):
-        return LocalStorage(p.parent), p.name
-    storage = LocalStorage(p)
-    names = list_checkpoints(storage)
-    if not names:
-        raise CheckpointError(f"no checkpoints under '{p}' (committed ones are directories named step*)")
-    return storage, names[-1]
-
-
 def load_chain(storage: Storage, manifest: Manifest) -> list[Manifest]:
-    """The manifests a restore applies, each checked: format, version, checksum, file sizes."""
+    """The manifests a restore applies, each checked: format, version, checksum, file sizes, and
+    that each is the very checkpoint ``manifest`` was built on (its digest, not just its name)."""
     chain = []
+    links = {str(x.get("name")): x for x in manifest.links}
     for name in manifest.chain:
         m = manifest if name == manifest.name else load_manifest(storage, name)
+        if m is not manifest and manifest.version >= 2:
+            check_link(storage, manifest, m, links.get(name))
         if m.chain != manifest.chain[: len(m.chain)]:
             raise CheckpointError(f"{storage.describe(name)}: its chain {m.chain} does not lead to {manifest.name}")
         check_files(storage, m, deep=False)
@@ -74,8 +56,33 @@ def load_chain(storage: Storage, manifest: Manifest) -> list[Manifest]:
     return chain
 
 
+def check_link(storage: Storage, manifest: Manifest, base: Manifest, link: dict | None) -> None:
+    """``base`` must be the checkpoint ``manifest`` recorded it builds on: same digest. Another
+    one under the same name (a directory replaced, another run's) is refused."""
+    if link is None:
+        raise CheckpointError(
+            f"{storage.describe(manifest.name)}: records no digest for {base.name}, the checkpoint it builds on; "
+            "the manifest is damaged, do not load it"
+        )
+    if link.get("digest") != base.digest:
+        raise CheckpointError(
+            f"{storage.describe(base.name)} is not the checkpoint {manifest.name} builds on (digest "
+            f"{base.digest[:12]}, recorded {str(link.get('digest'))[:12]}): it belongs to run {base.run or '(unknown)'}, "
+            f"{manifest.name} to run {manifest.run or '(unknown)'}; this chain mixes two runs, do not load it"
+        )
+
+
 def check_files(storage: Storage, m: Manifest, deep: bool) -> None:
-    """Every file present with the recorded size (and, when ``deep``, the recorded sha256)."""
+    """Every file present with the recorded size (and, when ``deep``, the recorded sha256);
+    every chunk inside a listed file and inside its table."""
+    names = {f.path for f in m.files}
+    for c in m.chunks:
+        t = next((t for t in m.tables if t.name == c.table), None)
+        if c.file not in names or t is None or c.row_stop > t.num_rows or c.col_offset + c.num_cols > t.dim:
+            raise CheckpointError(
+                f"{storage.describe(m.name)}: a chunk of table '{c.table[:60]}' lies outside its file or table; "
+                "the manifest is damaged, do not load it"
+            )
     for f in m.files:
         where = storage.describe(f"{m.name}/{f.path}")
         size = storage.size(f"{m.name}/{f.path}")
@@ -118,6 +125,24 @@ def read_chunk(storage: Storage, m: Manifest, c: Chunk, stats: ReadStats | None 
     if stats is not None:
         stats.bytes_read += len(buf)
         stats.chunks_read += 1
+    try:
+        return _decode(m, c, buf)
+    except (ValueError, RuntimeError, TypeError, KeyError, IndexError, OverflowError) as e:
+        raise CheckpointError(
+            f"{where}: a chunk of table '{c.table}' at byte {c.offset} does not match its manifest entry "
+            f"({type(e).__name__}); the manifest is damaged, do not load it"
+        ) from None
+
+
+def _decode(m: Manifest, c: Chunk, buf: bytes) -> DecodedChunk:
+    wcodec, scodec = Codec.from_dict(m.weight_codec), Codec.from_dict(m.state_codec)
+    n, span = c.num_rows, c.row_stop - c.row_start
+    want_ids = {"range": 0, "bitmap": (span + 7) // 8, "ids": 4 * n}[c.selector]
+    if (c.selector == "range" and n != span) or c.id_bytes != want_ids or n > span \
+            or c.weight_bytes != wcodec.nbytes(n, c.num_cols) \
+            or any(b != scodec.nbytes(n, cols) for _, cols, b in c.state) \
+            or c.id_bytes + c.weight_bytes + sum(b for _, _, b in c.state) != c.length:
+        raise ValueError("sizes")
     view = memoryview(buf)
     sel = view[: c.id_bytes]
     if c.selector == "range":
@@ -127,11 +152,14 @@ def read_chunk(storage: Storage, m: Manifest, c: Chunk, stats: ReadStats | None 
         local = np.flatnonzero(mask)
     else:
         local = np.frombuffer(sel, np.int32).astype(np.int64)
+        if len(local) and (local.min() < 0 or local.max() >= span):
+            raise ValueError("ids")
+    if len(local) != n:
+        raise ValueError("rows")
     rows = torch.from_numpy(np.asarray(local, dtype=np.int64) + c.row_start)
     pos = c.id_bytes
-    weight = Codec.from_dict(m.weight_codec).decode(view[pos : pos + c.weight_bytes], c.num_rows, c.num_cols)
+    weight = wcodec.decode(view[pos : pos + c.weight_bytes], c.num_rows, c.num_cols)
     pos += c.weight_bytes
-    scodec = Codec.from_dict(m.state_codec)
     state = {}
     for name, cols, nbytes in c.state:
         state[name] = scodec.decode(view[pos : pos + nbytes], c.num_rows, cols).float()

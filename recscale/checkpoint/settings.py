@@ -27,7 +27,7 @@ def bits_for_restores(expected_restores: int) -> int:
 
 @dataclass
 class CheckpointSettings:
-    # Root directory of this job's checkpoints; empty turns checkpointing off.
+    # Root directory of this job's checkpoints (one run folder per run in it); empty turns checkpointing off.
     dir: str = ""
     # Checkpoint every this many steps (0: off) and/or every this many minutes (0: off).
     interval_steps: int = 0
@@ -65,7 +65,8 @@ class CheckpointSettings:
     chunk_rows: int = 65536
     # Also checkpoint when training ends.
     at_end: bool = True
-    # Resume from this checkpoint directory, or "latest" (the newest under dir); empty: start fresh.
+    # Resume from this checkpoint directory, a run folder, or "latest" (the newest run's newest
+    # checkpoint under dir); empty: start fresh.
     resume: str = ""
     # Rank 0 waits this long for every rank's files before it gives up on committing a checkpoint.
     commit_timeout_s: float = 600.0

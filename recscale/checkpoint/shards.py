@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch import nn
-
 from recscale.embedding import TableBatchedEmbeddingBags, TableConfig
+from recscale.embedding.module import EmbeddingModule
 from recscale.embedding.table_batched import TableGroup
 
 
@@ -45,11 +44,11 @@ def row_state_names(module: TableBatchedEmbeddingBags, dim: int) -> set[str]:
     return {k for k, c in module.optimizer.state_columns(dim).items() if c != dim}
 
 
-def local_shards(embeddings: nn.Module, rank: int = 0) -> list[LocalShard]:
+def local_shards(embeddings: EmbeddingModule, rank: int = 0) -> list[LocalShard]:
     """Every embedding shard on this rank, for either kind of embedding module."""
     if isinstance(embeddings, TableBatchedEmbeddingBags):
         return [LocalShard(embeddings, t.name, t, 0, t.num_rows, 0, t.dim, True) for t in embeddings.tables]
-    from recscale.sharding.collection import ShardedEmbeddingCollection, _shard_table_name
+    from recscale.sharding.collection import ShardedEmbeddingCollection, shard_table_name
 
     if not isinstance(embeddings, ShardedEmbeddingCollection):
         raise TypeError(f"cannot checkpoint embeddings of type {type(embeddings).__name__}")
@@ -65,7 +64,7 @@ def local_shards(embeddings: nn.Module, rank: int = 0) -> list[LocalShard]:
             if s.rank == rank:
                 assert embeddings.local is not None
                 out.append(
-                    LocalShard(embeddings.local, _shard_table_name(t.name, i), t, s.row_offset, s.num_rows,
+                    LocalShard(embeddings.local, shard_table_name(t.name, i), t, s.row_offset, s.num_rows,
                                s.col_offset, s.num_cols, True)
                 )
     return out

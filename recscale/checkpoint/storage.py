@@ -7,6 +7,7 @@ would write the manifest last and treat its presence as the commit).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from abc import ABC, abstractmethod
@@ -14,6 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
+
+log = logging.getLogger(__name__)
 
 
 class Storage(ABC):
@@ -44,7 +47,8 @@ class Storage(ABC):
 
     @abstractmethod
     def commit(self, tmp_dir: str, final_dir: str) -> None:
-        """Make ``tmp_dir`` visible as ``final_dir`` in one step (replacing an older one)."""
+        """Make ``tmp_dir`` visible as ``final_dir`` in one step; an existing ``final_dir`` is
+        never replaced (FileExistsError)."""
 
     @abstractmethod
     def delete_dir(self, path: str) -> None:
@@ -115,17 +119,20 @@ class LocalStorage(Storage):
 
     def commit(self, tmp_dir: str, final_dir: str) -> None:
         src, dst = self._p(tmp_dir), self._p(final_dir)
-        if dst.exists():  # an older timeline's checkpoint of the same step: replace it
-            old = dst.with_name(f".old-{dst.name}-{os.getpid()}")
-            os.rename(dst, old)
-            os.rename(src, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(src, dst)
+        # A checkpoint directory is never replaced: another checkpoint may name it as its base.
+        # (rename() would replace an empty directory silently, so check first; one writer per run folder.)
+        if dst.exists():
+            raise FileExistsError(f"{dst} already exists; a checkpoint directory is never overwritten")
+        os.rename(src, dst)
         _fsync_dir(dst.parent)
 
     def delete_dir(self, path: str) -> None:
-        shutil.rmtree(self._p(path), ignore_errors=True)
+        # A folder that cannot be removed costs disk space, not correctness: say so, go on.
+        def report(_func, name, exc_info) -> None:
+            log.warning("checkpoint storage: could not delete %s: %s", name, exc_info[1])
+
+        if self._p(path).exists():
+            shutil.rmtree(self._p(path), onerror=report)
 
     def make_dir(self, path: str) -> None:
         self._p(path).mkdir(parents=True, exist_ok=True)
@@ -135,11 +142,12 @@ def _fsync_dir(path: Path) -> None:
     """Make a rename durable: fsync the directory that holds it (where the OS allows)."""
     try:
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
+    except OSError as e:
+        log.warning("checkpoint storage: cannot open folder %s to make a rename durable: %s", path, e)
         return
     try:
         os.fsync(fd)
-    except OSError:
-        pass
+    except OSError as e:  # some file systems refuse fsync on folders; the rename itself happened
+        log.warning("checkpoint storage: fsync of folder %s failed, a crash now may undo its last rename: %s", path, e)
     finally:
         os.close(fd)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from recscale.atomic import write_text_atomic
+from recscale.checkpoint.lineage import RUN_FILE, branch_note, lineage, list_runs, newest, sub
 from recscale.checkpoint.manifest import CheckpointError, Manifest
 from recscale.checkpoint.restore import (
     check_files,
@@ -34,19 +35,53 @@ class Listing:
     chain: list[str]
     bytes: int
     error: str = ""
+    stale: bool = False  # not on the newest run's lineage (a branch a later run did not build on)
+    latest: bool = False  # what `--resume latest` restores
 
 
-def list_root(root: str) -> list[Listing]:
-    """Every committed checkpoint under ``root`` (a damaged one is listed with its error)."""
+@dataclass
+class RunListing:
+    run: str  # "" = checkpoints of the older flat layout directly under the root
+    started_unix: float
+    parent: dict[str, Any] | None
+    checkpoints: list[Listing]
+
+
+def list_root(root: str) -> list[RunListing]:
+    """Every run under ``root`` with its committed checkpoints, oldest first (a damaged
+    checkpoint is listed with its error); marks the latest and the stale branches."""
     p = Path(root)
     if not p.is_dir():
-        raise CheckpointError(f"checkpoint directory '{p}' does not exist")
-    storage = LocalStorage(p)
+        raise CheckpointError(
+            f"checkpoint directory '{p}' does not exist" if not p.exists() else f"'{p}' is a file, not a checkpoint directory"
+        )
+    top = LocalStorage(p)
+    if (p / RUN_FILE).is_file():  # a run folder: list it within its root
+        top = LocalStorage(p.resolve().parent)
+        runs = [r for r in list_runs(top) if r.run == p.resolve().name]
+    else:
+        runs = list_runs(top)
+    lin = lineage(top)
+    try:
+        latest = newest(top)
+        latest_path = latest[0].root / latest[1]
+    except CheckpointError:
+        latest_path = None
+    out = []
+    flat = [] if (p / RUN_FILE).is_file() else [RunListing("", 0.0, None, _listings(top, "", lin, latest_path))]
+    for info in runs:
+        listed = _listings(sub(top, info.run), info.run, lin, latest_path)
+        out.append(RunListing(info.run, info.started_unix, info.parent, listed))
+    return [r for r in flat if r.checkpoints] + out
+
+
+def _listings(storage: LocalStorage, run: str, lin, latest_path) -> list[Listing]:
     out = []
     for name in list_checkpoints(storage):
         try:
             m = load_manifest(storage, name)
-            out.append(Listing(name, m.step, m.kind, m.chain, m.data_bytes()))
+            out.append(Listing(name, m.step, m.kind, m.chain, m.data_bytes(), stale=not lin.holds(run, m.step),
+                               latest=latest_path == storage.root / name))
         except CheckpointError as e:
             out.append(Listing(name, -1, "?", [], 0, str(e)))
     return out
@@ -78,9 +113,18 @@ def verify(path: str) -> list[str]:
     checked = []
     for cm in load_chain(storage, m):
         check_files(storage, cm, deep=True)
+        names = {f.path for f in cm.files}
         for c in cm.chunks:
+            if c.file not in names:
+                raise CheckpointError(
+                    f"{storage.describe(cm.name)}: a chunk names file '{c.file}', which the manifest does not list"
+                )
             read_chunk(storage, cm, c)
-        checked.append(f"{cm.name}: {cm.kind}, {len(cm.files)} files, {len(cm.chunks)} chunks, {cm.data_bytes():,} bytes OK")
+        checked.append(f"{storage.describe(cm.name)}: {cm.kind}, {len(cm.files)} files, {len(cm.chunks)} chunks, "
+                       f"{cm.data_bytes():,} bytes OK" + (f", digest {cm.digest[:12]}" if cm.digest else ""))
+    note = branch_note(storage, name, m.step)
+    if note:
+        checked.append(note)
     return checked
 
 

@@ -217,8 +217,12 @@ def write_rank(storage: Storage, job: WriteJob) -> WriteReport:
     return report
 
 
-def commit(storage: Storage, manifest: Manifest, world_size: int, timeout_s: float) -> Manifest:
-    """Rank 0: wait for every rank's part, write the manifest last, make the checkpoint visible."""
+def commit(
+    storage: Storage, manifest: Manifest, world_size: int, timeout_s: float, known: dict[str, Manifest] | None = None
+) -> Manifest:
+    """Rank 0: wait for every rank's part, write the manifest last, make the checkpoint visible.
+    The manifest records the run and digest of every checkpoint its chain builds on (from
+    ``known``, the ones this writer committed, else read back)."""
     tmp = tmp_name(manifest.name)
     deadline = time.monotonic() + timeout_s
     parts = []
@@ -246,9 +250,18 @@ def commit(storage: Storage, manifest: Manifest, world_size: int, timeout_s: flo
         "stall_s_max": max(x["stall_s"] for x in reports),
     }
     manifest.created_unix = time.time()
+    bases = [(known or {}).get(n) or load_base(storage, n) for n in manifest.chain[:-1]]
+    manifest.links = [{"name": b.name, "run": b.run, "digest": b.digest} for b in bases]
     storage.write_atomic(f"{tmp}/{MANIFEST}", manifest.to_json())
     storage.commit(tmp, manifest.name)
     return manifest
+
+
+def load_base(storage: Storage, name: str) -> Manifest:
+    where = storage.describe(name)
+    if storage.size(f"{name}/{MANIFEST}") is None:
+        raise CheckpointError(f"{where}: the baseline this checkpoint builds on is gone; it cannot be committed")
+    return Manifest.from_json(storage.read(f"{name}/{MANIFEST}"), where)
 
 
 class CheckpointWriter:
@@ -273,6 +286,7 @@ class CheckpointWriter:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-write") if async_write else None
         self._in_flight: list[Future] = []
         self.reports: list[WriteReport] = []
+        self.committed: dict[str, Manifest] = {}  # rank 0: what it committed (the chains' links)
 
     def wait_for_slot(self) -> None:
         """Block until fewer than ``max_in_flight`` checkpoints are being written."""
@@ -292,7 +306,9 @@ class CheckpointWriter:
         report = write_rank(self.storage, job)
         if self.rank == 0:
             t0 = time.perf_counter()
-            manifest = commit(self.storage, job.manifest, self.world_size, self.commit_timeout_s)
+            manifest = commit(self.storage, job.manifest, self.world_size, self.commit_timeout_s, self.committed)
+            self.committed = {n: m for n, m in self.committed.items() if n in manifest.chain}
+            self.committed[manifest.name] = manifest
             report.committed = True
             if self.on_commit is not None:
                 self.on_commit(manifest)

@@ -129,6 +129,18 @@ def _text(col: pa.Array, row: int) -> str:
     return repr(col[row].as_py())
 
 
+def _label_problem(schema: DataSchema, col: pa.Array, row: int, expected: str, is_number: bool) -> str:
+    """The label error, with the fix: a header line read as data, or a rating or score that
+    needs ``label_threshold`` to become a click."""
+    value = col[row].as_py()
+    text = f"label {schema.label!r} must be {expected}, got {value!r}"
+    if isinstance(value, str) and value.strip() == schema.label and not schema.header:
+        return text + '; the file starts with a header line: set "header": true in the schema'
+    if is_number:
+        return text + f'; for ratings or scores set "label_threshold" in the schema (label = 1 where the value is >= it, e.g. 4)'
+    return text
+
+
 def _sparse_ids_ok(feat: SparseFeature, raw: RawSparse) -> np.ndarray:
     """Rows whose ids fall outside the table (transform 'identity' only)."""
     if feat.transform != "identity" or raw.keys.size == 0:
@@ -175,10 +187,11 @@ def clean_block(block: Block, schema: DataSchema, skip_bad_rows: bool) -> CleanB
     lab, lab_present, lab_bad = parse_floats(lab_col)
     if schema.label_threshold is not None:
         labels = (lab >= schema.label_threshold).astype(np.float32)
-        probs.add(lab_bad | ~lab_present, lambda r: f"label {schema.label!r} must be a number, got {_text(lab_col, r)}")
+        probs.add(lab_bad | ~lab_present, lambda r: _label_problem(schema, lab_col, r, "a number", False))
     else:
         labels = lab.astype(np.float32)
-        probs.add(lab_bad | ~lab_present | ((lab != 0) & (lab != 1)), lambda r: f"label {schema.label!r} must be 0 or 1, got {_text(lab_col, r)}")
+        probs.add(lab_bad | ~lab_present | ((lab != 0) & (lab != 1)),
+                  lambda r: _label_problem(schema, lab_col, r, "0 or 1", bool(lab_present[r] and not lab_bad[r])))
     dense = []
     for d in schema.dense:
         values, present, bad = parse_floats(cols[d.name])

@@ -18,6 +18,8 @@ import numpy as np
 
 from recscale.data.errors import DataFormatError
 
+# Raw keys stay below 2^62 (an id is an int64); Criteo's 8-digit hashes are far below it.
+_RAW_KEYS = 1 << 62
 NUM_DENSE = 13
 NUM_SPARSE = 26
 DENSE_NAMES = tuple(f"I{i + 1}" for i in range(NUM_DENSE))
@@ -110,7 +112,7 @@ def _check_table_rows(table_rows: Sequence[int] | None) -> None:
 
 def read_criteo_tsv(
     path: str | Path,
-    table_rows: Sequence[int],
+    table_rows: Sequence[int] | None,
     skip_bad_rows: bool = False,
     max_rows: int | None = None,
     has_label: bool = True,
@@ -118,11 +120,12 @@ def read_criteo_tsv(
     """Raw Criteo TSV: label, I1..I13 integers, C1..C26 8-hex-digit hashes; empty = missing.
 
     Dense: missing -> 0, negatives clipped to 0, then log(1 + x). Categorical: missing -> id 0;
-    otherwise ``1 + int(hex, 16) % (rows - 1)`` so id 0 stays reserved for "missing".
+    otherwise ``1 + int(hex, 16) % (rows - 1)`` so id 0 stays reserved for "missing". With
+    ``table_rows = None`` the ids are ``1 + int(hex, 16)`` (raw keys, for ``vocab_encode``).
     """
     p = _check_path(path)
     _check_table_rows(table_rows)
-    mods = [max(int(r) - 1, 1) for r in table_rows]
+    mods = [max(int(r) - 1, 1) for r in table_rows] if table_rows is not None else [_RAW_KEYS] * NUM_SPARSE
     ncols = (1 if has_label else 0) + NUM_DENSE + NUM_SPARSE
     first_dense = 1 if has_label else 0
     rows = _Rows(p, skip_bad_rows)
@@ -169,7 +172,7 @@ def read_criteo_tsv(
             except ValueError:
                 problem = f"categorical feature {SPARSE_NAMES[j]} must be a hex string, got {text!r}"
                 break
-            sparse.append(1 + h % mods[j] if table_rows[j] > 1 else 0)
+            sparse.append(1 + h % mods[j] if table_rows is None or table_rows[j] > 1 else 0)
         if problem:
             rows.bad(lineno, problem)
             continue
@@ -177,6 +180,23 @@ def read_criteo_tsv(
         rows.sparse.append(sparse)
         rows.labels.append(label)
     return rows.result(NUM_DENSE, NUM_SPARSE)
+
+
+def vocab_encode(train: ClickData, others: Sequence[ClickData] = ()) -> list[int]:
+    """Replace raw keys (``read_criteo_tsv(..., table_rows=None)``) by vocabulary ids, in place:
+    each feature's distinct training values get ids 2.. in value order, values not seen in
+    training id 1, missing stays 0 (as ``recscale data prepare``'s ``vocab`` transform does).
+    Returns each feature's table rows (2 + its vocabulary)."""
+    from recscale.data.transforms import vocab_ids
+
+    rows = []
+    for j in range(train.sparse.shape[1]):
+        vocab = np.unique(train.sparse[:, j][train.sparse[:, j] > 0]).astype(np.uint64)
+        for data in (train, *others):
+            keys = data.sparse[:, j]
+            data.sparse[:, j] = np.where(keys > 0, vocab_ids(keys.astype(np.uint64), vocab), 0)
+        rows.append(2 + int(vocab.size))
+    return rows
 
 
 def read_encoded_csv(

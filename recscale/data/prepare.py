@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from recscale.atomic import write_text_atomic
 from recscale.data.blocks import Block, clean_block, sparse_ids, vocab_keys
-from recscale.data.prepared import MANIFEST, MANIFEST_FORMAT, file_sha256
+from recscale.data.prepared import MANIFEST, MANIFEST_FORMAT, PreparedDataset, file_sha256
 from recscale.data.schema import DataSchema, SchemaError, criteo_schema, load_schema, override_sparse
 from recscale.data.stats import BlockStats, FeatureCounts, stats_document, write_stats
 from recscale.data.transforms import count_keys, merge_counts
@@ -56,6 +56,9 @@ class PrepareOptions:
     overwrite: bool = False
     progress: bool = True
     compression: str = "zstd"
+    # An earlier prepared directory whose vocabularies and hashing settings this one reuses
+    # (eval data prepared like its training data): unseen values get the out-of-vocabulary id.
+    vocab_from: str = ""
 
 
 @dataclass
@@ -68,6 +71,8 @@ class PrepareResult:
     seconds: float
     input_bytes: int
     table_rows: dict[str, int] = field(default_factory=dict)
+    # Features whose values fell outside the vocabulary: (lookups, share of the feature's lookups).
+    oov: dict[str, tuple[int, float]] = field(default_factory=dict)
 
     @property
     def rows_per_s(self) -> float:
@@ -214,7 +219,10 @@ def _write_block(block: Block) -> tuple[dict[str, Any], BlockStats, int, list[st
         dense_sum=np.array([float(v.sum(dtype=np.float64)) for v in dense]),
         dense_missing=np.array([int((~p).sum()) for _, p in clean.dense], dtype=np.int64),
         features={
-            s.name: FeatureCounts.of_block(ids[s.name], lengths[s.name] if s.is_list else (ids[s.name] != 0).astype(np.int64))
+            s.name: FeatureCounts.of_block(
+                ids[s.name], lengths[s.name] if s.is_list else (ids[s.name] != 0).astype(np.int64),
+                int((ids[s.name] == 1).sum()) if s.transform == "vocab" else 0,
+            )
             for s in schema.sparse
         },
     )
@@ -312,6 +320,35 @@ def _build_vocab(opts: PrepareOptions, out: Path) -> tuple[dict[str, np.ndarray]
     return vocab, files
 
 
+def reuse_encoding(schema: DataSchema, source: PreparedDataset) -> DataSchema:
+    """``schema`` with every sparse feature encoded as in ``source`` (transform, table rows,
+    vocabulary threshold, list layout); both must have the same sparse features."""
+    theirs = {s.name: s for s in source.schema.sparse}
+    for s in schema.sparse:
+        if s.name not in theirs:
+            raise SchemaError(f"--vocab-from: '{source.root}' has no sparse feature '{s.name}' (it has {list(theirs)})")
+    missing = [n for n in theirs if n not in schema.sparse_names]
+    if missing:
+        raise SchemaError(f"--vocab-from: sparse feature '{missing[0]}' of '{source.root}' is not in this schema")
+    return replace(schema, sparse=tuple(theirs[n] for n in source.schema.sparse_names))
+
+
+def _copy_vocab(source: PreparedDataset, out: Path) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+    """The vocabularies of ``source``, copied byte for byte (so their checksums match)."""
+    vocab, files = {}, []
+    if source.manifest.get("vocab"):
+        (out / "vocab").mkdir(exist_ok=True)
+    for entry in source.manifest.get("vocab", []):
+        src = source.root / entry["file"]
+        dst = out / entry["file"]
+        tmp = dst.with_name(f".{dst.name}.tmp")
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+        vocab[Path(entry["file"]).stem] = np.load(dst)
+        files.append(dict(entry))
+    return vocab, files
+
+
 def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> PrepareResult:
     """Prepare ``opts.inputs`` into ``opts.out``; returns counts and the rate."""
     if opts.fmt not in FORMATS:
@@ -319,9 +356,14 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
     if opts.row_group_rows <= 0 or opts.block_bytes <= 0:
         raise SchemaError("--row-group-rows and --block-mb must be > 0")
     out = Path(opts.out)
+    if opts.vocab_from and Path(opts.vocab_from).resolve() == out.resolve():
+        raise SchemaError(f"--vocab-from: '{opts.vocab_from}' is the output directory; give the training data's directory")
+    source = PreparedDataset.open(opts.vocab_from) if opts.vocab_from else None
+    if source is not None:
+        opts = replace(opts, schema=reuse_encoding(opts.schema, source))
     _prepare_out(out, opts.overwrite)
     t0 = time.perf_counter()
-    vocab, vocab_files = _build_vocab(opts, out)
+    vocab, vocab_files = _copy_vocab(source, out) if source is not None else _build_vocab(opts, out)
     schema = opts.schema.with_table_rows({n: 2 + v.size for n, v in vocab.items()})
     opts = replace(opts, schema=schema)
     shards: list[dict[str, Any]] = []
@@ -357,6 +399,7 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
         "input_format": opts.fmt,
         "fingerprint": fingerprint,
         "created_seconds": seconds,
+        "vocab_from": {"path": str(source.root), "fingerprint": source.fingerprint} if source is not None else None,
     }
     write_text_atomic(out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     result = PrepareResult(
@@ -368,5 +411,6 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
         seconds=seconds,
         input_bytes=sum(os.path.getsize(p) for p in opts.inputs),
         table_rows=table_rows,
+        oov={n: (f["oov_lookups"], f["oov_rate"]) for n, f in doc["features"].items() if f["oov_lookups"]},
     )
     return result

@@ -118,7 +118,7 @@ class DataSchema:
             if s.transform in ("hash", "identity") and s.table_rows <= 0:
                 raise SchemaError(
                     f"{where}: transform '{s.transform}' needs table_rows > 0 "
-                    "(set it in the schema or pass --table-rows N)"
+                    "(set it in the schema or pass --table-rows N, or use transform 'vocab': a table sized by the data)"
                 )
             if s.transform == "identity" and s.kind != "int":
                 raise SchemaError(f"{where}: transform 'identity' needs kind 'int' (ids are integers)")

@@ -11,7 +11,8 @@ Format ``recscale-data-stats/1``::
                          "max_pooling": m,
                          "missing_rate": r,         # share of samples with no id
                          "top_ids": [[id, count], ...],         # the 10 hottest ids
-                         "top_1pct_share": s, "top_10pct_share": s}}}  # lookups to the hottest 1% / 10% of seen ids
+                         "top_1pct_share": s, "top_10pct_share": s,  # lookups to the hottest 1% / 10% of seen ids
+                         "oov_lookups": n, "oov_rate": r}}}  # lookups of values outside the vocabulary (id 1)
 
 Counts are exact while a feature has at most ``EXACT_DISTINCT`` distinct ids; past that the
 hottest ids are kept (a heavy-hitter summary, so the top shares are close lower bounds) and the
@@ -75,9 +76,10 @@ class FeatureCounts:
     missing: int = 0
     max_pooling: int = 0
     exact: bool = True
+    oov: int = 0  # lookups of the out-of-vocabulary id (vocabulary features only)
 
     @staticmethod
-    def of_block(ids: np.ndarray, lengths: np.ndarray) -> FeatureCounts:
+    def of_block(ids: np.ndarray, lengths: np.ndarray, oov: int = 0) -> FeatureCounts:
         uniq, counts = np.unique(ids, return_counts=True)
         return FeatureCounts(
             ids=uniq,
@@ -87,6 +89,7 @@ class FeatureCounts:
             samples=int(lengths.size),
             missing=int((lengths == 0).sum()),
             max_pooling=int(lengths.max(initial=0)),
+            oov=oov,
         )
 
     def merge(self, other: FeatureCounts) -> None:
@@ -100,6 +103,7 @@ class FeatureCounts:
         self.samples += other.samples
         self.missing += other.missing
         self.max_pooling = max(self.max_pooling, other.max_pooling)
+        self.oov += other.oov
 
     def cardinality(self) -> int:
         if self.exact or self.sketch.size < KMV_K:
@@ -127,6 +131,8 @@ class FeatureCounts:
             "top_ids": [[int(self.ids[i]), int(self.counts[i])] for i in order[:TOP_IDS]],
             "top_1pct_share": share(0.01),
             "top_10pct_share": share(0.10),
+            "oov_lookups": self.oov,
+            "oov_rate": self.oov / total,
         }
 
 

@@ -106,7 +106,10 @@ class Adagrad(SparseOptimizer):
 
 @dataclass(frozen=True)
 class Adam(SparseOptimizer):
-    """Lazy (sparse) Adam with bias correction by the global step, as torch.optim.SparseAdam."""
+    """Lazy (sparse) Adam with bias correction by the global step, eps placed as FBGEMM's
+    ``EmbOptimType.ADAM`` places it: added to ``sqrt(v / (1 - beta2^t))``. torch.optim.SparseAdam
+    adds it to ``sqrt(v)`` before the correction (``eps / sqrt(1 - beta2^t)`` in these terms), so
+    the two differ where ``v`` is near eps squared: early, and on rarely seen rows."""
 
     beta1: float = 0.9
     beta2: float = 0.999

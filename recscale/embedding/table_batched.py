@@ -26,6 +26,7 @@ from torch import nn
 
 from recscale.embedding import native, tier_hooks
 from recscale.embedding.config import TableConfig, check_tables
+from recscale.embedding.module import EmbeddingInput, LocalInput, ReadyOutput
 from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.storage import DenseRowStorage, RowStorage
 
@@ -170,9 +171,9 @@ class TableBatchedEmbeddingBags(nn.Module):
             native.require()
         elif self.kernel == "auto" and self.device.type == "cpu":
             native.load()  # a first-use compile happens here, not inside the first (timed) step
+        self.seed = seed
         self._init_fn = init_fn or (lambda t: init_table_rows(t, seed))
         self._storage_factory = storage_factory
-        self.global_batch_size = 0
         self.groups: list[TableGroup] = []
         for members in group_tables(tables, self.row_stat_tables):
             self.groups.append(self._build_group(members[0].dim, members[0].torch_dtype, members, seed))
@@ -196,34 +197,44 @@ class TableBatchedEmbeddingBags(nn.Module):
             # One buffer filled table by table: a concatenation would hold every table twice at peak.
             weight = torch.empty(rows, dim, dtype=dtype, device=self.device)
             advise_huge_pages(weight)  # before the first write: random rows, fewer TLB misses
-            for t, off in zip(tables, offsets):
+            # On the meta device (a model about to be sharded: ``recscale.sharding.shard``) the module
+            # only describes its tables; no rows exist, so none are drawn.
+            for t, off in zip(tables, offsets) if weight.device.type != "meta" else ():
                 weight[off : off + t.num_rows].copy_(self._init_fn(t))
             storage = DenseRowStorage(weight, self.optimizer.state_columns(dim))
         features = tuple(f for t in tables for f in t.features)
         feat_off = [off for t, off in zip(tables, offsets) for _ in t.features]
         feat_mean = [t.pooling == "mean" for t in tables for _ in t.features]
+        index_device = self.device if self.device.type != "meta" else torch.device("cpu")  # small, read on the host
         return TableGroup(
             dim=dim,
             dtype=dtype,
             tables=tables,
             features=features,
             table_row_offsets=offsets,
-            feature_row_offset=torch.tensor(feat_off, dtype=torch.int64, device=self.device),
-            feature_is_mean=torch.tensor(feat_mean, dtype=torch.bool, device=self.device),
+            feature_row_offset=torch.tensor(feat_off, dtype=torch.int64, device=index_device),
+            feature_is_mean=torch.tensor(feat_mean, dtype=torch.bool, device=index_device),
             storage=storage,
             feature_num_rows=torch.tensor([t.num_rows for t in tables for _ in t.features], dtype=torch.int64),
         )
 
     # ------------------------------------------------------------------ forward
-    def forward(self, batch: JaggedBatch) -> torch.Tensor:
+    def start_input_dist(self, batch: JaggedBatch) -> LocalInput:
+        """Nothing travels: the batch is pooled here (``EmbeddingModule``)."""
+        return LocalInput(batch)
+
+    def start_forward(self, batch: JaggedBatch | EmbeddingInput) -> ReadyOutput:
+        ids = batch if isinstance(batch, JaggedBatch) else batch.wait()
+        return ReadyOutput(self(ids), ids.batch_size)
+
+    def forward(self, batch: JaggedBatch | EmbeddingInput) -> torch.Tensor:
+        if not isinstance(batch, JaggedBatch):
+            batch = batch.wait()
         if (self._storage_factory is not None and not torch.is_grad_enabled() and batch.batch_size > 1
                 and not tier_hooks.fits_caches(self, batch)):
             # An evaluation batch larger than a cache is pooled in parts (samples pool apart).
             half = batch.batch_size // 2
-            out = torch.cat([self(part) for part in batch.split([half, batch.batch_size - half])])
-            self.global_batch_size = batch.batch_size
-            return out
-        self.global_batch_size = batch.batch_size
+            return torch.cat([self(part) for part in batch.split([half, batch.batch_size - half])])
         outs, offsets = [], None
         for g in self.groups:
             mod = self._native_kernels(g)

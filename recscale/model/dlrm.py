@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from recscale.embedding import TableBatchedEmbeddingBags
+from recscale.embedding.module import EmbeddingInput, EmbeddingModule
 from recscale.model.interaction import DotInteraction
 from recscale.model.mlp import MLP
 from recscale.sparse import JaggedBatch
@@ -19,7 +19,7 @@ class DLRM(nn.Module):
 
     def __init__(
         self,
-        embeddings: TableBatchedEmbeddingBags,
+        embeddings: EmbeddingModule,
         num_dense: int,
         bottom_mlp: Sequence[int],
         top_mlp: Sequence[int],
@@ -47,22 +47,16 @@ class DLRM(nn.Module):
         self.interaction = DotInteraction(len(embeddings.feature_names) + 1, dim)
         self.top = MLP(self.interaction.out_features, top_mlp, final_activation=False)
 
-    def forward(self, dense: torch.Tensor, sparse: JaggedBatch) -> torch.Tensor:
-        start = getattr(self.embeddings, "start_forward", None)
-        if start is None:
-            pooled, pending = self.embeddings(sparse), None
-        else:  # sharded: the bottom MLP runs while the pooled outputs travel
-            pooled, pending = None, start(sparse)
+    def forward(self, dense: torch.Tensor, sparse: JaggedBatch | EmbeddingInput) -> torch.Tensor:
+        # Sharded, the bottom MLP runs while the pooled outputs travel.
+        pending = self.embeddings.start_forward(sparse)
         if self.mlp_precision == "fp32":
             x = self.bottom(dense)
-            if pending is not None:
-                pooled = pending.finish()
-            return self.top(self.interaction(x, pooled)).squeeze(1)
+            return self.top(self.interaction(x, pending.finish())).squeeze(1)
         with torch.autocast(dense.device.type, dtype=torch.bfloat16):
             x = self.bottom(dense)
-            if pending is not None:
-                with torch.autocast(dense.device.type, enabled=False):
-                    pooled = pending.finish()
+            with torch.autocast(dense.device.type, enabled=False):
+                pooled = pending.finish()
             logits = self.top(self.interaction(x, pooled))
         return logits.squeeze(1).float()
 

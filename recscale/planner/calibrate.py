@@ -131,7 +131,7 @@ def probe_terms(plan: ShardingPlan, tables: list[TableSpec], batch, backward_fac
             terms["dist_id_s"] += batch[name][0].numel() / plan.world_size
             terms["dist_value_s"] += b_local * by_dim[name]
     terms["feature_s"] = float(len(tables))
-    terms["route_table_s"] = float(sum(tp.routes_by_row for tp in plan.tables))
+    terms["route_table_s"] = float(sum(table_plan.routes_by_row for table_plan in plan.tables))
     terms["step_overhead_s"] = 1.0
     return terms
 
@@ -160,7 +160,7 @@ def _nnls(a: np.ndarray, b: np.ndarray, iters: int = 200) -> np.ndarray:
     return x
 
 
-def fit(probes_by_bf: dict[float, list[Probe]], fixed: dict[str, float] | None = None) -> tuple[dict[str, float], float, float]:
+def fit(probes_by_backward_factor: dict[float, list[Probe]], fixed: dict[str, float] | None = None) -> tuple[dict[str, float], float, float]:
     """Constants (per FIT_TERMS), the backward factor and the median relative error of the best fit.
     ``fixed`` constants (measured by their own probe, e.g. the gather bandwidth) are not fitted:
     their part of each probe's time is taken off first, so they cannot trade off against the
@@ -168,7 +168,7 @@ def fit(probes_by_bf: dict[float, list[Probe]], fixed: dict[str, float] | None =
     fixed = fixed or {}
     free = [k for k in FIT_TERMS if k not in fixed]
     best = None
-    for bf, probes in probes_by_bf.items():
+    for backward_factor, probes in probes_by_backward_factor.items():
         y = np.array([p.measured_s for p in probes])
         known = np.array([sum(v * p.terms[k] for k, v in fixed.items()) for p in probes])
         a = np.array([[p.terms[k] for k in free] for p in probes]) / y[:, None]
@@ -177,7 +177,7 @@ def fit(probes_by_bf: dict[float, list[Probe]], fixed: dict[str, float] | None =
         coef = _nnls(a / scale, 1.0 - known / y) / scale
         rel = np.abs(a @ coef + known / y - 1.0)
         if best is None or rel.mean() < best[2]:
-            best = ({**dict(zip(free, coef.tolist())), **fixed}, bf, float(rel.mean()), float(np.median(rel)))
+            best = ({**dict(zip(free, coef.tolist())), **fixed}, backward_factor, float(rel.mean()), float(np.median(rel)))
     assert best is not None
     return best[0], best[1], best[3]
 
@@ -240,9 +240,9 @@ def fit_compute(times: dict[str, list[float]], batches: tuple[int, ...], quick: 
     # formed from its bag's gradient and scattered): backward factor 1, not a free parameter.
     # (An isolated gather of uniformly random rows runs far slower than the skewed, partly
     # cache-resident gathers of real steps, so the byte term is fitted, not measured alone.)
-    by_bf = {1.0: [Probe(n, probe_terms(p, tb, g, 1.0, cache_bytes), t) for n, p, tb, g, t in measured]}
-    coef, bf, err = fit(by_bf)
-    return coef, bf, err, by_bf[bf]
+    by_backward_factor = {1.0: [Probe(n, probe_terms(p, tb, g, 1.0, cache_bytes), t) for n, p, tb, g, t in measured]}
+    coef, backward_factor, err = fit(by_backward_factor)
+    return coef, backward_factor, err, by_backward_factor[backward_factor]
 
 
 # Stage-1 probes of different kinds whose slowdown side by side gives ``contention``.
@@ -379,12 +379,12 @@ def fit_collection(hw: Hardware, measured: list[tuple[ShardingPlan, list[TableSp
     fast = replace(hw, intra_host_bw=1e30, cross_host_bw=1e30, latency_s=0.0, replica_latency_s=None, replica_byte_s=0.0)
     ys, rows_a = [], []
     for plan, tables, batch, meas in measured:
-        wl = Workload(batch_size=batch)
+        workload = Workload(batch_size=batch)
 
         def extra(**k: float) -> float:  # what one unit of a term adds to the slowest rank
-            return score_plan(plan, tables, replace(fast, **k), wl).max_rank_s - base
+            return score_plan(plan, tables, replace(fast, **k), workload).max_rank_s - base
 
-        base = score_plan(plan, tables, fast, wl).max_rank_s  # every rank computing, no exchange
+        base = score_plan(plan, tables, fast, workload).max_rank_s  # every rank computing, no exchange
         ys.append((meas - base) / meas)
         exchange = extra(latency_s=1e-3, replica_latency_s=0.0)
         rows_a.append([exchange / 1e-3 / meas, extra(replica_latency_s=1e-3) / 1e-3 / meas,
@@ -468,9 +468,9 @@ def fit_hardware(m: Measurements, memory_fraction: float = 0.6, progress=None) -
     """This machine as a Hardware description for ``m.world_size`` local ranks, fitted to ``m``."""
     world_size = m.world_size
     cache = m.cache_bytes / world_size  # the ranks of a host share its cache
-    coef, bf, err, _ = fit_compute(m.compute, m.batches, m.quick, cache_bytes=cache)
+    coef, backward_factor, err, _ = fit_compute(m.compute, m.batches, m.quick, cache_bytes=cache)
     if progress:
-        progress(f"compute fit: median error {100 * err:.1f}%, backward factor {bf}")
+        progress(f"compute fit: median error {100 * err:.1f}%, backward factor {backward_factor}")
     comm = m.all_to_all
     hw = Hardware(
         name=f"local-{world_size}",
@@ -485,7 +485,7 @@ def fit_hardware(m: Measurements, memory_fraction: float = 0.6, progress=None) -
         group_s=coef["group_s"],
         column_stat_id_s=coef["column_stat_id_s"],
         column_stat_shard_s=coef["column_stat_shard_s"],
-        backward_factor=bf,
+        backward_factor=backward_factor,
         id_s=coef["id_s"],
         row_s=coef["row_s"],
         cache_bytes=cache,

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from recscale.planner.hardware import Hardware
-from recscale.sharding.plan import ROW_SPLIT_TYPES
+from recscale.sharding.types import SHARDING_TYPES
 from recscale.sharding.replica_gradients import dense_is_cheaper
 
 
@@ -198,7 +198,7 @@ def shard_cost(t: TableSpec, sharding_type: str, rows: int, cols: int, hw: Hardw
     b, w = wl.batch_size, hw.world_size
     row_bytes = cols * (t.element_bytes + t.state_bytes_per_element) + t.state_bytes_per_row
     memory = rows * row_bytes
-    routes = sharding_type in ROW_SPLIT_TYPES
+    routes = SHARDING_TYPES[sharding_type].routes_by_row
     if sharding_type == "data_parallel":
         n, m = b * t.pooling / w, b / w
     else:
@@ -238,7 +238,7 @@ def shard_cost(t: TableSpec, sharding_type: str, rows: int, cols: int, hw: Hardw
         comm = _others_link_time(unique * (w - 1) * (cols * 4 + 8), hw)
         compute += unique * w * (hw.id_s + cols * 4 * 2 / hw.memory_bw + (cols * 4 + 8) * hw.replica_byte_s)
     elif hier:
-        # Hierarchical (``sharding/hierarchical.py``): the partial sums of all B samples are
+        # Hierarchical (``sharding/types/table_row_wise.py``): the partial sums of all B samples are
         # reduce-scattered inside the host, then this rank's 1/R of the finished sums goes to
         # its sources, (H-1)/H of them on other hosts; gradients come back the same way. (A
         # table with fewer rows than the host has ranks cannot have a shard on each: flat.)
@@ -330,7 +330,7 @@ def packing_s(t: TableSpec, hw: Hardware, wl: Workload) -> float:
 def routing_s(sharding_type: str, hw: Hardware) -> float:
     """A source rank's fixed work per step to bucketize a table's ids by row range (row-split
     types only; the per-id part is in the shards' ``route_id_s``)."""
-    return hw.route_table_s if sharding_type in ROW_SPLIT_TYPES else 0.0
+    return hw.route_table_s if SHARDING_TYPES[sharding_type].routes_by_row else 0.0
 
 
 def source_cost(tables: list[TableSpec], hw: Hardware, wl: Workload, kinds: dict[str, str], source_bytes: float) -> float:

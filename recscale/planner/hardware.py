@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -122,8 +126,8 @@ class Hardware:
         try:
             d = json.loads(p.read_text())
             return Hardware(**d)
-        except (json.JSONDecodeError, TypeError) as e:
-            raise ValueError(f"topology file '{p}' is not a valid hardware description: {e}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
+            raise ValueError(f"topology file '{p}' is not a valid hardware description: {str(e)[:160]}") from None
 
 
 # ZionEX-like (Meta's DLRM training cluster): 8 A100 per host, 320 GB HBM at 12.4 TB/s per
@@ -159,10 +163,10 @@ TORCHREC_DEFAULTS = Hardware(
     cross_host_bw=12.5 * GB,
 )
 
-# This kind of machine (2-core AMD EPYC VM, shared memory between local ranks), as `recscale
-# calibrate --ranks 2` measured it (contention from steps run side by side, replicas' per-byte
-# cost fitted); the trainer's planner uses it when no calibration is cached. Memory is a
-# conservative 4 GB per rank: recalibrate (or pass a file) to plan for a bigger machine.
+# One 2-core AMD EPYC VM (shared memory between local ranks), as `recscale calibrate --ranks 2`
+# measured it (contention measured side by side, replicas' per-byte cost fitted). Only a
+# fallback: the trainer's planner measures the machine it runs on (``this_machine``) and uses
+# this where it cannot. Memory is a conservative 4 GB per rank.
 LOCAL_CPU = Hardware(
     name="local-cpu",
     world_size=2,
@@ -190,21 +194,65 @@ LOCAL_CPU = Hardware(
 PRESETS = {h.name: h for h in (ZIONEX, TORCHREC_DEFAULTS, LOCAL_CPU)}
 
 
-def cached_calibration(world_size: int) -> Path:
-    """Where `recscale calibrate` keeps this machine's description for ``world_size`` ranks."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "recscale"
-    return base / f"topology-local-{world_size}.json"
+# "off" (or 0, false, no): never measure this machine on first use; plan on the built-in
+# description instead (tests and CI, which must not pay for it in every process).
+CALIBRATE_ENV = "RECSCALE_CALIBRATE"
+# A first-use calibration that takes longer than this is stopped and the built-in description used.
+QUICK_TIMEOUT_S = 90.0
 
 
-def this_machine(world_size: int, ranks_per_host: int, gpu: bool) -> Hardware:
-    """The planner's default description of the machine a job runs on: its cached calibration
-    when there is one, else the ZionEX-like preset on GPUs and ``local-cpu`` on CPUs."""
-    cached = cached_calibration(ranks_per_host)
-    if cached.is_file():
-        hw = Hardware.load(cached)
-    else:
-        hw = ZIONEX if gpu else LOCAL_CPU
-    return hw.with_world(world_size, ranks_per_host)
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "recscale"
+
+
+def cached_calibration(world_size: int, quick: bool = False) -> Path:
+    """Where `recscale calibrate` keeps this machine's description for ``world_size`` ranks
+    (``quick``: the quick one, made on first use when there is no full one)."""
+    return cache_dir() / f"topology-local-{world_size}{'-quick' if quick else ''}.json"
+
+
+def _say(text: str) -> None:
+    print(f"recscale: {text}", file=sys.stderr, flush=True)
+
+
+def this_machine(world_size: int, ranks_per_host: int, gpu: bool, say: Callable[[str], None] = _say) -> Hardware:
+    """The planner's description of the machine a job runs on: its cached calibration (the
+    full one of `recscale calibrate`, else the quick one), else on a CPU a quick calibration
+    made now (about 10-20 s, once per machine, then cached); the built-in presets (ZionEX-like
+    on GPUs, ``local-cpu`` on CPUs) only where none can be had, and the output says so."""
+    for path in (cached_calibration(ranks_per_host), cached_calibration(ranks_per_host, quick=True)):
+        if path.is_file():
+            return Hardware.load(path).with_world(world_size, ranks_per_host)
+    if gpu:
+        say("planner: costing plans on the built-in 'zionex' GPU description (no calibration of this machine)")
+        return ZIONEX.with_world(world_size, ranks_per_host)
+    why = quick_calibration(ranks_per_host, say)
+    if why:
+        say(f"planner: costing plans on the built-in 'local-cpu' description of another machine ({why}); "
+            "run `recscale calibrate` to measure this one")
+        return LOCAL_CPU.with_world(world_size, ranks_per_host)
+    return Hardware.load(cached_calibration(ranks_per_host, quick=True)).with_world(world_size, ranks_per_host)
+
+
+def quick_calibration(ranks: int, say: Callable[[str], None] = _say, timeout_s: float = QUICK_TIMEOUT_S) -> str:
+    """Measure this machine quickly (`recscale calibrate --quick`, in a child process so it is
+    bounded) into its cache; returns why not ("" when done)."""
+    if os.environ.get(CALIBRATE_ENV, "").strip().lower() in ("0", "off", "false", "no"):
+        return f"{CALIBRATE_ENV}=off"
+    out = cached_calibration(ranks, quick=True)
+    say(f"planner: measuring this machine once for {ranks} local rank(s) (a quick calibration, about 10-20 s; "
+        f"cached in {out}; `recscale calibrate` makes the full one) ...")
+    t0 = time.monotonic()
+    cmd = [sys.executable, "-m", "recscale", "calibrate", "--quick", "--ranks", str(ranks), "--out", str(out)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"the quick calibration took over {timeout_s:.0f} s"
+    if proc.returncode != 0 or not out.is_file():
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        return f"the quick calibration failed: {lines[-1] if lines else f'exit status {proc.returncode}'}"
+    say(f"planner: measured this machine in {time.monotonic() - t0:.0f} s")
+    return ""
 
 
 def resolve_hardware(name_or_file: str, world_size: int | None = None, ranks_per_host: int | None = None) -> Hardware:

@@ -84,17 +84,17 @@ def shard_loads(plan: ShardingPlan, batch: JaggedBatch) -> list[ShardLoad]:
     """Per shard, the ids, unique rows and bags it handles for ``batch`` (a global batch)."""
     out = []
     b, w = batch.batch_size, plan.world_size
-    for tp in plan.tables:
-        vals, _ = batch[tp.table]
-        for s in tp.shards:
-            if tp.sharding_type == "data_parallel":
+    for table_plan in plan.tables:
+        vals, _ = batch[table_plan.table]
+        for s in table_plan.shards:
+            if table_plan.sharding_type == "data_parallel":
                 local = vals.view(b, -1)[s.rank * b // w : (s.rank + 1) * b // w].reshape(-1) if vals.numel() % b == 0 else vals
                 n, u, m = local.numel(), int(torch.unique(local).numel()), b // w
             else:
-                mine = vals[(vals >= s.row_offset) & (vals < s.row_offset + s.num_rows)] if tp.routes_by_row else vals
+                mine = vals[(vals >= s.row_offset) & (vals < s.row_offset + s.num_rows)] if table_plan.routes_by_row else vals
                 n, u, m = mine.numel(), int(torch.unique(mine).numel()), b
-            routed = vals.numel() // w if tp.routes_by_row else 0
-            out.append(ShardLoad(s.rank, tp.table, tp.sharding_type, s.num_rows, s.num_cols, n, u, m, routed))
+            routed = vals.numel() // w if table_plan.routes_by_row else 0
+            out.append(ShardLoad(s.rank, table_plan.table, table_plan.sharding_type, s.num_rows, s.num_cols, n, u, m, routed))
     return out
 
 

@@ -36,8 +36,9 @@ from recscale.planner.cost_model import (
     source_link_s,
 )
 from recscale.planner.hardware import Hardware
-from recscale.sharding.plan import SHARDING_TYPES, PlanError, Shard, ShardingPlan, TablePlan
-from recscale.sharding.types._split import even_split
+from recscale.sharding.plan import PlanError, Shard, ShardingPlan, TablePlan
+from recscale.sharding.types import SHARDING_TYPES
+from recscale.comm.process_group import Topology
 
 
 @dataclass
@@ -220,20 +221,11 @@ def option_work(t: TableSpec, hw: Hardware, wl: Workload) -> list[tuple[str, lis
 
 
 def _templates(t: TableSpec, hw: Hardware) -> list[tuple[str, list[tuple[int, int, int, int]]]]:
-    """(type, [(row_offset, rows, col_offset, cols)]) options for one table."""
-    w, r = hw.world_size, hw.ranks_per_host
-    out = [("table_wise", [(0, t.rows, 0, t.dim)])]
-    k = 2
-    while k <= min(w, t.dim // 4 if t.dim >= 8 else 1):
-        out.append(("column_wise", [(0, t.rows, c, n) for c, n in even_split(t.dim, k)]))
-        k *= 2
-    if t.rows >= w and w > 1:
-        out.append(("row_wise", [(o, n, 0, t.dim) for o, n in even_split(t.rows, w)]))
-    if hw.num_hosts > 1 and t.rows >= r and r > 1:
-        out.append(("table_row_wise", [(o, n, 0, t.dim) for o, n in even_split(t.rows, r)]))
-    if w > 1:
-        out.append(("data_parallel", [(0, t.rows, 0, t.dim)] * w))
-    return out
+    """(type, [(row_offset, rows, col_offset, cols)]) options for one table: each sharding
+    type's own candidate layouts."""
+    topology = Topology(hw.world_size, 0, hw.ranks_per_host)
+    return [(name, list(rects)) for name, kind in SHARDING_TYPES.items()
+            for rects in kind.candidate_layouts(t.rows, t.dim, topology)]
 
 
 def _rect_costs(t: TableSpec, kind: str, rects, hw: Hardware, wl: Workload) -> list[ShardCost]:

@@ -8,22 +8,22 @@ from dataclasses import dataclass
 
 from recscale.comm.process_group import Topology
 from recscale.embedding import TableConfig
-from recscale.sharding.plan import SHARDING_TYPES, PlanError, Shard, ShardingPlan, ShardingType, TablePlan
-from recscale.sharding.types import SHARD_MAKERS
+from recscale.sharding.plan import PlanError, Shard, ShardingPlan, ShardingTypeName, TablePlan
+from recscale.sharding.types import SHARDING_TYPES
 
 
 @dataclass(frozen=True)
 class TableSharding:
     """A per-table choice: its type, and for column-wise the number of column shards (0 = auto)."""
 
-    type: ShardingType
+    type: ShardingTypeName
     shards: int = 0
 
 
 def default_plan(
     tables: list[TableConfig],
     topology: Topology,
-    default: ShardingType = "table_wise",
+    default: ShardingTypeName = "table_wise",
     overrides: Mapping[str, TableSharding] | None = None,
 ) -> ShardingPlan:
     overrides = dict(overrides or {})
@@ -38,7 +38,7 @@ def default_plan(
         choice = overrides.get(t.name, TableSharding(default))
         if choice.type == "column_wise" and choice.shards > t.dim:
             raise PlanError(f"table '{t.name}': {choice.shards} column shards exceed its dim {t.dim}")
-        shards = SHARD_MAKERS[choice.type](t, topology, loads, choice.shards)
+        shards = SHARDING_TYPES[choice.type].make_shards(t, topology, loads, choice.shards)
         placed[t.name] = TablePlan(t.name, choice.type, shards)
     plan = ShardingPlan(topology.world_size, topology.ranks_per_host, tuple(placed[t.name] for t in tables))
     plan.validate(tables)

@@ -10,7 +10,8 @@ JSON layout (version 1)::
 Every shard is a rectangle of its table (a row range times a column range) on one rank.
 Table-wise: one shard, the whole table. Column-wise: column ranges. Row-wise: row ranges over
 every rank. Table-row-wise: row ranges over the ranks of one host. Data-parallel: the whole
-table on every rank.
+table on every rank. The types themselves, and what makes a plan of each valid, live in
+``recscale.sharding.types``.
 """
 
 from __future__ import annotations
@@ -19,13 +20,12 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
 
 from recscale.atomic import write_text_atomic
 from recscale.embedding import TableConfig
 
-ShardingType = Literal["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]
-SHARDING_TYPES: tuple[str, ...] = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
+# The name of a sharding type: a key of ``recscale.sharding.types.SHARDING_TYPES``.
+ShardingTypeName = str
 PLAN_VERSION = 1
 
 
@@ -42,20 +42,23 @@ class Shard:
     num_cols: int
 
 
-# Types that split a table by rows: each id goes only to the shard whose row range holds it.
-ROW_SPLIT_TYPES = frozenset({"row_wise", "table_row_wise"})
+def _count(v: object, key: str) -> int:
+    """A plan's integers are JSON integers >= 0 (not strings, booleans or fractions)."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"'{key}' must be an integer >= 0, got {str(v)[:40]!r}")
+    return v
 
 
 @dataclass(frozen=True)
 class TablePlan:
     table: str
-    sharding_type: ShardingType
+    sharding_type: ShardingTypeName
     shards: tuple[Shard, ...]
 
     @property
     def routes_by_row(self) -> bool:
         """Row-split types send each id only to the shard whose row range holds it."""
-        return self.sharding_type in ROW_SPLIT_TYPES
+        return _registry()[self.sharding_type].routes_by_row
 
 
 @dataclass(frozen=True)
@@ -97,21 +100,30 @@ class ShardingPlan:
 
     @staticmethod
     def from_dict(d: dict, source: str = "plan") -> ShardingPlan:
+        if not isinstance(d, dict):
+            raise PlanError(f"{source}: a plan is a JSON object, got {type(d).__name__}")
         try:
             if d.get("version") != PLAN_VERSION:
                 raise PlanError(f"{source}: unknown plan version {d.get('version')!r}; expected {PLAN_VERSION}")
             tables = []
             for t in d["tables"]:
-                if t["sharding_type"] not in SHARDING_TYPES:
+                if t["sharding_type"] not in _registry():
                     raise PlanError(
-                        f"{source}: table '{t['table']}' has sharding_type {t['sharding_type']!r}; "
-                        f"expected one of {list(SHARDING_TYPES)}"
+                        f"{source}: table '{str(t['table'])[:60]}' has sharding_type {str(t['sharding_type'])[:60]!r}; "
+                        f"expected one of {list(_registry())}"
                     )
-                shards = tuple(Shard(**{k: int(s[k]) for k in Shard.__dataclass_fields__}) for s in t["shards"])
+                shards = tuple(Shard(**{k: _count(s[k], k) for k in Shard.__dataclass_fields__}) for s in t["shards"])
+                if not isinstance(t["table"], str):
+                    raise TypeError(f"table name {str(t['table'])[:40]!r} is not a string")
                 tables.append(TablePlan(t["table"], t["sharding_type"], shards))
-            return ShardingPlan(int(d["world_size"]), int(d["ranks_per_host"]), tuple(tables))
-        except (KeyError, TypeError) as e:
-            raise PlanError(f"{source}: malformed plan ({type(e).__name__}: {e})") from None
+            world, per_host = _count(d["world_size"], "world_size"), _count(d["ranks_per_host"], "ranks_per_host")
+            if world < 1 or per_host < 1:
+                raise ValueError("world_size and ranks_per_host must be >= 1")
+            return ShardingPlan(world, per_host, tuple(tables))
+        except PlanError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise PlanError(f"{source}: malformed plan ({type(e).__name__}: {str(e)[:160]})") from None
 
     @staticmethod
     def load(path: str | Path) -> ShardingPlan:
@@ -120,8 +132,8 @@ class ShardingPlan:
             raise PlanError(f"plan file '{p}' does not exist")
         try:
             d = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise PlanError(f"plan file '{p}' is not valid JSON: {e}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise PlanError(f"plan file '{p}' is not valid JSON: {str(e)[:160]}") from None
         return ShardingPlan.from_dict(d, str(p))
 
     # ------------------------------------------------------------------ checks
@@ -133,31 +145,22 @@ class ShardingPlan:
         extra = sorted(set(planned) - set(by_name))
         if missing or extra or len(planned) != len(set(planned)):
             raise PlanError(f"plan and model disagree: unplanned tables {missing}, unknown tables {extra}")
-        for tp in self.tables:
-            cfg = by_name[tp.table]
-            if not tp.shards:
-                raise PlanError(f"table '{tp.table}': no shards")
-            for s in tp.shards:
+        for table_plan in self.tables:
+            cfg = by_name[table_plan.table]
+            if not table_plan.shards:
+                raise PlanError(f"table '{table_plan.table}': no shards")
+            for s in table_plan.shards:
                 if not 0 <= s.rank < self.world_size:
-                    raise PlanError(f"table '{tp.table}': shard on rank {s.rank}, outside world size {self.world_size}")
+                    raise PlanError(f"table '{table_plan.table}': shard on rank {s.rank}, outside world size {self.world_size}")
                 if s.num_rows <= 0 or s.num_cols <= 0 or s.row_offset < 0 or s.col_offset < 0:
-                    raise PlanError(f"table '{tp.table}': empty or negative shard {s}")
+                    raise PlanError(f"table '{table_plan.table}': empty or negative shard {s}")
                 if s.row_offset + s.num_rows > cfg.num_rows or s.col_offset + s.num_cols > cfg.dim:
-                    raise PlanError(f"table '{tp.table}': shard {s} exceeds the table ({cfg.num_rows} x {cfg.dim})")
-            if tp.sharding_type == "data_parallel":
-                if sorted(s.rank for s in tp.shards) != list(range(self.world_size)) or any(
-                    (s.num_rows, s.num_cols) != (cfg.num_rows, cfg.dim) for s in tp.shards
-                ):
-                    raise PlanError(f"table '{tp.table}': data_parallel needs a whole copy on every rank")
-                continue
-            area = sum(s.num_rows * s.num_cols for s in tp.shards)
-            if area != cfg.num_rows * cfg.dim:
-                raise PlanError(f"table '{tp.table}': shards cover {area} of {cfg.num_rows * cfg.dim} cells; they must tile it once")
-            if tp.routes_by_row and any(s.num_cols != cfg.dim for s in tp.shards):
-                raise PlanError(f"table '{tp.table}': {tp.sharding_type} shards must span every column")
-            if tp.sharding_type in ("table_wise", "column_wise") and any(s.num_rows != cfg.num_rows for s in tp.shards):
-                raise PlanError(f"table '{tp.table}': {tp.sharding_type} shards must span every row")
-            if tp.sharding_type == "table_row_wise":
-                hosts = {s.rank // self.ranks_per_host for s in tp.shards}
-                if len(hosts) != 1:
-                    raise PlanError(f"table '{tp.table}': table_row_wise shards must all be on one host, got hosts {sorted(hosts)}")
+                    raise PlanError(f"table '{table_plan.table}': shard {s} exceeds the table ({cfg.num_rows} x {cfg.dim})")
+            _registry()[table_plan.sharding_type].check(table_plan, cfg, self)
+
+
+def _registry() -> dict:
+    """The sharding types by name (imported late: each type's module imports this one)."""
+    from recscale.sharding.types import SHARDING_TYPES
+
+    return SHARDING_TYPES

@@ -8,6 +8,9 @@ states, the loop position (epoch, next batch of that epoch), step and sample cou
 accumulators and the evaluations so far; rank 0's also holds the dense parameters and the dense
 optimizer state (identical on every rank). The data settings that decide the sample sequence
 are fingerprinted, and a resume with different ones is refused.
+
+Every run writes into a run folder of its own under ``checkpoint.dir``
+(``recscale.checkpoint.lineage``), with a record of the checkpoint it resumed from.
 """
 
 from __future__ import annotations
@@ -18,18 +21,31 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from recscale.checkpoint.lineage import (
+    RunContext,
+    RunInfo,
+    ancestry,
+    cleanup,
+    list_checkpoints,
+    new_run_name,
+    parent_record,
+    resolve,
+)
 from recscale.checkpoint.manager import CheckpointManager
 from recscale.checkpoint.manifest import CheckpointError
-from recscale.checkpoint.restore import check_compatible, load_chain, load_manifest, read_file_checked, resolve, restore_shards
+from recscale.checkpoint.restore import check_compatible, load_chain, load_manifest, read_file_checked, restore_shards
 from recscale.checkpoint.shards import local_shards
 from recscale.checkpoint.storage import LocalStorage
 from recscale.checkpoint.writer import rank_file
 from recscale.comm.process_group import ProcessGroups
+from recscale.model import DLRM
+from recscale.sharding.collection import ShardedEmbeddingCollection
 from recscale.train.config import Config
 from recscale.train.datasets import DataSplits
 
@@ -64,24 +80,43 @@ def data_fingerprint(cfg: Config, data: DataSplits) -> dict[str, Any]:
     return fp
 
 
+def check_checkpoint_dir(path: str) -> str:
+    """``checkpoint.dir`` must be a directory or creatable as one: checked before any training."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise CheckpointError(f"config key 'checkpoint.dir': '{p}' is a file; give a directory for checkpoints")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"config key 'checkpoint.dir': cannot create '{p}' ({e.strerror}); give a writable directory") from None
+    return path
+
+
 class TrainCheckpointing:
     """Checkpoint and resume for one rank of a training job (inactive when not configured)."""
 
-    def __init__(self, cfg: Config, model: torch.nn.Module, dense_opt: torch.optim.Optimizer, data: DataSplits,
+    def __init__(self, cfg: Config, model: DLRM, dense_opt: torch.optim.Optimizer, data: DataSplits,
                  groups: ProcessGroups, log: Callable[[str], None] = print) -> None:
         self.settings = cfg.checkpoint
         self.model, self.dense_opt, self.groups, self.log = model, dense_opt, groups, log
         self.rank, self.world = groups.rank, groups.world_size
         self.fingerprint = data_fingerprint(cfg, data)
-        self.shards = local_shards(model.embeddings, self.rank)  # type: ignore[arg-type]
+        self.shards = local_shards(model.embeddings, self.rank)
         self.resumed_from: str | None = None
         self.restore_info: dict[str, Any] = {}
         self.manager: CheckpointManager | None = None
         if self.settings.enabled:
-            plan = getattr(model.embeddings, "plan", None)
+            root = LocalStorage(check_checkpoint_dir(self.settings.dir))
+            if self.rank == 0:
+                cleanup(root)  # before this run's folder exists
+            names = [new_run_name()]
+            if self.world > 1:  # one run identity for every rank
+                torch.distributed.broadcast_object_list(names, src=0, group=self.groups.dense)
+            run = RunContext(root, RunInfo(names[0], time.time(), self.world))
+            plan = model.embeddings.plan if isinstance(model.embeddings, ShardedEmbeddingCollection) else None
             self.manager = CheckpointManager(
-                self.settings, LocalStorage(self.settings.dir), self.shards, self.rank, self.world,
-                plan.to_dict() if plan is not None else None, self._sum_over_ranks, log, cfg.train.seed,
+                self.settings, run.storage, self.shards, self.rank, self.world,
+                plan.to_dict() if plan is not None else None, self._sum_over_ranks, log, cfg.train.seed, run,
             )
 
     # ------------------------------------------------------------------ collectives
@@ -97,13 +132,11 @@ class TrainCheckpointing:
         """Load the checkpoint named by ``checkpoint.resume`` (or start fresh)."""
         spec = self.settings.resume
         if not spec:
+            if self.manager is not None:
+                self.manager.start_run(None)
             return Progress()
         t0 = time.perf_counter()
-        storage, name = resolve(spec, self.settings.dir)
-        if self.world > 1:  # every rank restores the checkpoint rank 0 found
-            names = [name]
-            torch.distributed.broadcast_object_list(names, src=0, group=self.groups.dense)
-            name = names[0]
+        storage, name = self._resolve(spec)
         manifest = load_manifest(storage, name)
         check_compatible(manifest, self.shards, self.shards[0].module.optimizer.name if self.shards else "")
         saved_fp = manifest.training.get("data", {})
@@ -143,23 +176,68 @@ class TrainCheckpointing:
         if rng.get("cuda") is not None and torch.cuda.is_available() and same_world:
             torch.cuda.set_rng_state_all(rng["cuda"])
         self.resumed_from = storage.describe(name)
+        parent = parent_record(storage, name, manifest.run, manifest.step, manifest.digest)
         self.restore_info = {
             "resumed_from": self.resumed_from, "restore_chain": manifest.chain,
             "restore_bytes_read": stats.bytes_read, "restore_seconds": time.perf_counter() - t0,
-            "restore_world_size": manifest.world_size,
+            "restore_world_size": manifest.world_size, "resumed_run": manifest.run, "resumed_digest": manifest.digest,
         }
-        self.log(f"resumed from {self.resumed_from} (step {manifest.step}, chain {' + '.join(manifest.chain)}, "
-                 f"{stats.bytes_read:,} bytes read by rank 0)")
+        self.log(f"resumed from {self.resumed_from} (run {manifest.run or '(none recorded)'}, step {manifest.step}, "
+                 f"chain {' + '.join(manifest.chain)}, digest {manifest.digest[:12]}, {stats.bytes_read:,} bytes read "
+                 "by rank 0)")
+        above = ancestry(storage)
+        if above:
+            steps = [f"{r.get('run') or '(flat layout)'} to step {r.get('step')}" for r in reversed(above)]
+            self.log(f"lineage of that checkpoint: {' -> '.join(steps)} -> {manifest.run}")
+        if self.manager is not None:
+            assert self.manager.run is not None
+            how = "continues it" if parent["newest"] else "a new branch from an older checkpoint"
+            self.log(f"this run: {self.manager.run.info.run} ({how})")
+            self.manager.start_run(parent, above)
+            self.restore_info["run"] = self.manager.run.info.run
         return Progress(**own["progress"])
+
+    def _resolve(self, spec: str) -> tuple[LocalStorage, str]:
+        """Rank 0 finds the checkpoint; every rank restores that one (or fails with its error)."""
+        box: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                storage, name = resolve(spec, self.settings.dir)
+                box[0] = str(storage.root / name)
+            except CheckpointError as e:
+                box[0] = e
+        if self.world > 1:
+            torch.distributed.broadcast_object_list(box, src=0, group=self.groups.dense)
+        if isinstance(box[0], CheckpointError):
+            raise box[0]
+        path = Path(box[0])
+        return LocalStorage(path.parent), path.name
+
+    def last_checkpoint(self, before_step: int) -> str:
+        """The newest checkpoint this run committed (or resumed from) before a step; "" if none.
+        Checkpoints still being written are finished first: they hold a good state."""
+        m = self.manager
+        if m is not None:
+            try:
+                m.writer.wait()
+            except CheckpointError as e:
+                self.log(f"a checkpoint in flight failed: {e}")
+            done = [n for n in list_checkpoints(m.storage) if int(n.removeprefix("step")) < before_step]
+            if done:
+                return m.storage.describe(done[-1])
+        return self.resumed_from or ""
 
     def _read_state(self, storage, manifest, rank: int, stats) -> dict[str, Any]:
         raw = read_file_checked(storage, manifest, rank_file(rank, "state"), stats)
         return torch.load(io.BytesIO(raw), weights_only=False)
 
     # ------------------------------------------------------------------ save
-    def after_step(self, step: int, progress: Callable[[], Progress]) -> None:
+    def after_step(
+        self, step: int, progress: Callable[[], Progress], before_save: Callable[[], None] | None = None
+    ) -> None:
         """Checkpoint when the interval says so; call after every step. ``progress`` gives the
-        loop's position and is only called when a checkpoint is taken (it syncs with the device)."""
+        loop's position and is only called when a checkpoint is taken (it syncs with the device);
+        ``before_save`` runs first (the divergence guard: no checkpoint of a diverged state)."""
         m = self.manager
         if m is None:
             return
@@ -167,6 +245,8 @@ class TrainCheckpointing:
         if self.settings.interval_minutes:
             due = self._sum_over_ranks([1.0 if (due or m.minutes_due()) and self.rank == 0 else 0.0])[0] > 0
         if due:
+            if before_save is not None:
+                before_save()
             self.save(progress())
 
     def save(self, p: Progress) -> float:
@@ -210,4 +290,5 @@ class TrainCheckpointing:
             for r in reports
         ]
         out["checkpoint_stall_s"] = sum(r.stall_s for r in reports)
+        out["checkpoint_run"] = m.run.info.run if m.run else ""
         return out

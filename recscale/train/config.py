@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import sys
 import types
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from recscale.checkpoint.settings import CheckpointSettings
+from recscale.sharding.types import SHARDING_TYPES
 from recscale.train.lr_schedule import LRScheduleConfig
 
 if sys.version_info >= (3, 11):
@@ -28,6 +30,9 @@ else:  # pragma: no cover
 class ConfigError(ValueError):
     """A configuration problem; the message names the key or path and the fix."""
 
+
+# The synthetic generator's tables when model.table_rows = "auto": 26 Criteo-like features.
+SYNTHETIC_TABLE_ROWS: tuple[int, ...] = (100_000,) * 26
 
 DataSource = Literal["synthetic", "criteo_tsv", "criteo_encoded_csv", "prepared"]
 
@@ -58,8 +63,10 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     embedding_dim: int = 16
-    # One table per sparse feature; a single number applies to every feature.
-    table_rows: list[int] = field(default_factory=lambda: [100_000] * 26)
+    # One table per sparse feature: "auto" takes each table's rows from the data (a prepared
+    # directory's manifest, the ids or vocabulary of a Criteo file, the synthetic generator's
+    # default shape); a list gives them (checked against the data), a single number applies to all.
+    table_rows: list[int] | Literal["auto"] = "auto"
     pooling: Literal["sum", "mean"] = "sum"
     embedding_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
     # Embedding kernels: native C++ on the CPU where it builds ("auto"), always ("native"), or
@@ -71,7 +78,10 @@ class ModelConfig:
     mlp_precision: Literal["fp32", "bf16"] = "fp32"
 
     def rows_for(self, num_features: int) -> list[int]:
-        """Rows of each feature's table: one value applies to all, else one per feature."""
+        """Rows of each feature's table: one value applies to all, else one per feature
+        (``"auto"`` must have been resolved from the data first: ``train.table_sizes``)."""
+        if isinstance(self.table_rows, str):
+            raise ConfigError("config key 'model.table_rows': 'auto' was not resolved from the data")
         if len(self.table_rows) == 1:
             return self.table_rows * num_features
         if len(self.table_rows) != num_features:
@@ -124,7 +134,9 @@ class TrainConfig:
     retain_host_memory: bool = True
 
 
-ShardingTypeName = Literal["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]
+# Every registered sharding type (recscale/sharding/types/__init__.py), so that adding one needs
+# no edit here.
+ShardingTypeName = Literal[tuple(SHARDING_TYPES)]  # type: ignore[valid-type]
 Precision = Literal["fp32", "fp16", "bf16", "int8"]
 
 
@@ -140,7 +152,7 @@ class ShardingConfig:
     # Sharding type of every table without an entry in [sharding.tables]; "auto": the
     # cost-model planner chooses type and ranks per table (tables listed in [sharding.tables]
     # keep their type, the others are table-wise).
-    default: Literal["auto", "table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"] = "auto"
+    default: Literal[("auto", *SHARDING_TYPES)] = "auto"  # type: ignore[valid-type]
     # A plan JSON file; when set it replaces the default placement.
     plan: str = ""
     # What the "auto" planner costs plans on: a preset (zionex, torchrec-defaults, local-cpu) or a
@@ -238,12 +250,14 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     raw: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file '{p}' is a directory; give a TOML file (e.g. configs/criteo_10k.toml)")
         if not p.is_file():
             raise ConfigError(f"config file '{p}' does not exist")
         try:
             raw = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file '{p}' is not valid TOML: {e}") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError, ValueError) as e:
+            raise ConfigError(f"config file '{p}' is not valid TOML: {cut(str(e), 200)}") from None
     for item in overrides or []:
         _apply_override(raw, item)
     cfg = _build(Config, raw, "")
@@ -267,6 +281,8 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         value = text  # a bare word is a string: --set data.source=synthetic
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise ConfigError(f"--set '{cut(item, 60)}': {cut(str(e))}") from None
     section = raw.setdefault(parts[0], {})
     if not isinstance(section, dict):
         raise ConfigError(f"--set '{item}': '{parts[0]}' is not a section")
@@ -291,6 +307,15 @@ def _build(cls: type, data: Any, where: str) -> Any:
     return cls(**kwargs)
 
 
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " or ".join(repr(c) for c in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(tp)[0])}s"
+    return {int: "integer", float: "number", str: "string", bool: "true or false"}.get(tp, str(tp))
+
+
 def _coerce(tp: Any, value: Any, name: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, name)
@@ -298,37 +323,54 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
-            raise ConfigError(f"config key '{name}': expected one of {list(choices)}, got {value!r}")
+            raise ConfigError(f"config key '{name}': expected one of {list(choices)}, got {short(value)}")
         return value
     if origin is dict:
         _, val_tp = typing.get_args(tp)
         if not isinstance(value, dict):
-            raise ConfigError(f"config key '{name}': expected a table, got {value!r}")
+            raise ConfigError(f"config key '{name}': expected a table, got {short(value)}")
         return {str(k): _coerce(val_tp, v, f"{name}.{k}") for k, v in value.items()}
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             value = [value]
         if not isinstance(value, list):
-            raise ConfigError(f"config key '{name}': expected a list, got {value!r}")
+            raise ConfigError(f"config key '{name}': expected a list, got {short(value)}")
         return [_coerce(item_tp, v, f"{name}[{i}]") for i, v in enumerate(value)]
     if origin in (typing.Union, types.UnionType):
-        raise ConfigError(f"config key '{name}': unsupported type {tp}")  # not used by any field
+        # Each arm in turn (e.g. a list of sizes or "auto"); the error names every form accepted.
+        arms = typing.get_args(tp)
+        errors = {}
+        for arm in arms:
+            try:
+                return _coerce(arm, value, name)
+            except ConfigError as e:
+                errors[typing.get_origin(arm)] = e
+        if isinstance(value, list) and list in errors:
+            raise errors[list]  # it names the bad item
+        forms = " or ".join(_describe(arm) for arm in typing.get_args(tp))
+        raise ConfigError(f"config key '{name}': expected {forms}, got {value!r}")
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"config key '{name}': expected true or false, got {value!r}")
+            raise ConfigError(f"config key '{name}': expected true or false, got {short(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"config key '{name}': expected an integer, got {value!r}")
+            raise ConfigError(f"config key '{name}': expected an integer, got {short(value)}")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"config key '{name}': expected a number, got {value!r}")
-        return float(value)
+            raise ConfigError(f"config key '{name}': expected a number, got {short(value)}")
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
+            raise ConfigError(f"config key '{name}': expected a finite number, got {short(value)}")
+        return number
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"config key '{name}': expected a string, got {value!r}")
+            raise ConfigError(f"config key '{name}': expected a string, got {short(value)}")
         return value
     raise ConfigError(f"config key '{name}': unsupported type {tp}")  # pragma: no cover
 
@@ -349,8 +391,11 @@ def validate(cfg: Config) -> None:
     _positive("dense_optimizer.lr", cfg.dense_optimizer.lr)
     _non_negative("dense_optimizer.initial_accumulator_value", cfg.dense_optimizer.initial_accumulator_value)
     _positive("dense_optimizer.eps", cfg.dense_optimizer.eps)
-    if not m.table_rows or any(r <= 0 for r in m.table_rows):
-        raise ConfigError("config key 'model.table_rows': expected positive row counts, one per sparse feature")
+    if m.table_rows != "auto" and (not m.table_rows or any(r <= 0 for r in m.table_rows)):
+        raise ConfigError(
+            "config key 'model.table_rows': expected positive row counts, one per sparse feature "
+            "(or \"auto\": sizes from the data)"
+        )
     for key in ("bottom_mlp", "top_mlp"):
         sizes = getattr(m, key)
         if not sizes or any(s <= 0 for s in sizes):
@@ -358,7 +403,7 @@ def validate(cfg: Config) -> None:
     if m.bottom_mlp[-1] != m.embedding_dim:
         raise ConfigError(
             f"config key 'model.bottom_mlp': must end with model.embedding_dim ({m.embedding_dim}), "
-            f"got {m.bottom_mlp}"
+            f"got {m.bottom_mlp}; e.g. model.bottom_mlp = {[*m.bottom_mlp[:-1], m.embedding_dim]}"
         )
     if m.top_mlp[-1] != 1:
         raise ConfigError(f"config key 'model.top_mlp': must end with 1 (the logit), got {m.top_mlp}")
@@ -379,10 +424,15 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'data.eval_fraction': expected a value in [0, 1), got {d.eval_fraction}")
     if d.source == "synthetic":
         _positive("data.num_samples", d.num_samples)
-        _non_negative("data.eval_samples", d.eval_samples)
-        if d.pooling_factors and len(d.pooling_factors) not in (1, len(m.table_rows)):
+        _positive("data.eval_samples", d.eval_samples)  # evaluation needs at least one sample
+        if any(f < 1 for f in d.pooling_factors):
             raise ConfigError(
-                f"config key 'data.pooling_factors': expected 1 or {len(m.table_rows)} values "
+                f"config key 'data.pooling_factors': every mean pooling factor must be >= 1, got {short(d.pooling_factors)}"
+            )
+        tables = len(SYNTHETIC_TABLE_ROWS) if m.table_rows == "auto" else len(m.table_rows)
+        if d.pooling_factors and len(d.pooling_factors) not in (1, tables):
+            raise ConfigError(
+                f"config key 'data.pooling_factors': expected 1 or {tables} values "
                 f"(one per table), got {len(d.pooling_factors)}"
             )
         if d.zipf_alpha <= 0:
@@ -392,7 +442,12 @@ def validate(cfg: Config) -> None:
         _positive("data.prefetch", d.prefetch)
         for key in ("train_path", "eval_path"):
             p = getattr(d, key)
-            if (p or key == "train_path") and not Path(p).is_dir():
+            if key == "train_path" and not p:
+                raise ConfigError(
+                    "config key 'data.train_path': required for data.source = 'prepared' "
+                    "(a directory made by `recscale data prepare`)"
+                )
+            if p and not Path(p).is_dir():
                 raise ConfigError(
                     f"config key 'data.{key}': '{p}' is not a directory; data.source = 'prepared' reads a "
                     "directory made by `recscale data prepare`"
@@ -410,10 +465,23 @@ def validate(cfg: Config) -> None:
 
 
 def _positive(name: str, v: float) -> None:
-    if v <= 0:
-        raise ConfigError(f"config key '{name}': expected a value > 0, got {v}")
+    if not v > 0 or v == math.inf:
+        raise ConfigError(f"config key '{name}': expected a value > 0 and finite, got {short(v)}")
 
 
 def _non_negative(name: str, v: float) -> None:
-    if v < 0:
-        raise ConfigError(f"config key '{name}': expected a value >= 0, got {v}")
+    if not v >= 0 or v == math.inf:
+        raise ConfigError(f"config key '{name}': expected a value >= 0 and finite, got {short(v)}")
+
+
+def short(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to a readable length: an error message stays one short line."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int too long to convert to text
+        return "an integer of thousands of digits"
+    return cut(text, limit)
+
+
+def cut(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else f"{text[: limit - 20]}...{text[-12:]} ({len(text):,} characters)"

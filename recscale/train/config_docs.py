@@ -133,8 +133,8 @@ MEANINGS: dict[str, str] = {
                                     "error accumulates per restore)",
     "checkpoint.adaptive_bins": "`adaptive`: the range search steps by (max - min) / bins",
     "checkpoint.adaptive_ratio": "`adaptive`: the search shrinks at most this share of the range",
-    "checkpoint.resume": "a checkpoint directory, a root (its newest) or `latest` (the newest under "
-                         "`dir`); empty: start fresh. `--resume` sets it",
+    "checkpoint.resume": "a checkpoint directory, a run folder (its newest), a root or `latest` (the "
+                         "newest run's newest checkpoint under `dir`); empty: start fresh. `--resume` sets it",
 }
 
 

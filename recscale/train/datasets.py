@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,9 +17,10 @@ from recscale.data import (
     make_loader,
     read_criteo_tsv,
     read_encoded_csv,
+    vocab_encode,
 )
 from recscale.data.sharded_reader import ShardedReader
-from recscale.train.config import Config, ConfigError
+from recscale.train.config import SYNTHETIC_TABLE_ROWS, Config, ConfigError
 
 
 @dataclass
@@ -28,6 +31,12 @@ class DataSplits:
     sparse_names: tuple[str, ...]
     num_dense: int
     description: str
+    # Rows of each feature's table: model.table_rows, or with "auto" what the data needs.
+    table_rows: tuple[int, ...] = ()
+    # Where the planner reads each feature's load: a prepared directory's stats.json, or the
+    # training ids of a file source ([samples, features]); neither for synthetic data.
+    stats_dir: str = ""
+    train_ids: np.ndarray | None = None
 
     def train_loader(self, start_batch: int = 0) -> torch.utils.data.DataLoader:
         """The current epoch's batches from ``start_batch`` on (a resumed run skips the rest)."""
@@ -41,6 +50,15 @@ class DataSplits:
             self.eval.set_epoch(0)
             return self.eval.loader()  # type: ignore[return-value]
         return make_loader(self.eval, num_workers=self.num_workers)
+
+
+def with_table_rows(cfg: Config, rows: tuple[int, ...], log: Callable[[str], None] | None = None) -> Config:
+    """``cfg`` with ``model.table_rows`` as the data's sizes when it was "auto"."""
+    if cfg.model.table_rows != "auto" or not rows:
+        return cfg
+    if log is not None:
+        log(f"table rows from the data (model.table_rows = \"auto\"): {list(rows)}")
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, table_rows=list(rows)))
 
 
 def _hold_out(data: ClickData, fraction: float) -> tuple[ClickData, ClickData]:
@@ -61,7 +79,7 @@ def build_data(cfg: Config, rank: int = 0, world_size: int = 1) -> DataSplits:
 
         return build_prepared(cfg, rank, world_size)
     if d.source == "synthetic":
-        rows = cfg.model.table_rows
+        rows = list(SYNTHETIC_TABLE_ROWS) if cfg.model.table_rows == "auto" else cfg.model.table_rows
         pf = d.pooling_factors or [1]
         if len(pf) == 1:
             pf = pf * len(rows)
@@ -83,14 +101,21 @@ def build_data(cfg: Config, rank: int = 0, world_size: int = 1) -> DataSplits:
         num_dense = 13
     else:
         reader = read_encoded_csv if d.source == "criteo_encoded_csv" else read_criteo_tsv
-        rows = cfg.model.rows_for(26)
-        train_src = reader(d.train_path, rows, skip_bad_rows=d.skip_bad_rows)
+        auto = cfg.model.table_rows == "auto"
+        given = None if auto else cfg.model.rows_for(26)
+        train_src = reader(d.train_path, given, skip_bad_rows=d.skip_bad_rows)
         parsed = [train_src]
         if d.eval_path:
-            eval_src = reader(d.eval_path, rows, skip_bad_rows=d.skip_bad_rows)
+            eval_src = reader(d.eval_path, given, skip_bad_rows=d.skip_bad_rows)
             parsed.append(eval_src)
         else:
             train_src, eval_src = _hold_out(train_src, d.eval_fraction)
+        if not auto:
+            rows = given
+        elif d.source == "criteo_tsv":  # a vocabulary of the training values, as `data prepare --vocab-min-count 1`
+            rows = vocab_encode(train_src, [eval_src])
+        else:  # encoded ids: every id of either file must have a row
+            rows = [int(max(p.sparse[:, j].max(initial=0) for p in (train_src, eval_src))) + 1 for j in range(26)]
         # Counted on the files as read (a held-out split does not carry them).
         skipped = sum(p.skipped_rows for p in parsed)
         examples = [e for p in parsed for e in p.skipped_examples]
@@ -104,4 +129,5 @@ def build_data(cfg: Config, rank: int = 0, world_size: int = 1) -> DataSplits:
         num_dense = train_src.dense.shape[1]
     train = ClickBatches(train_src, t.batch_size, d.shuffle, t.seed, drop_last=False, rank=rank, world_size=world_size)
     evaluation = ClickBatches(eval_src, t.eval_batch_size, False, t.seed, drop_last=False, rank=rank, world_size=world_size)
-    return DataSplits(train, evaluation, d.num_workers, tuple(names), num_dense, desc)
+    ids = None if d.source == "synthetic" else train_src.sparse
+    return DataSplits(train, evaluation, d.num_workers, tuple(names), num_dense, desc, tuple(rows), train_ids=ids)

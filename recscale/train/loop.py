@@ -27,12 +27,14 @@ from recscale.host_memory import retain_freed_memory
 from recscale.model import DLRM
 from recscale.model.native import interaction_kernels
 from recscale.native_build import cpu_multiplies_bf16
-from recscale.sharding.collection import CommPrecision, ShardedEmbeddingCollection
+from recscale.sharding.collection import CommPrecision
 from recscale.sharding.default_plan import TableSharding, default_plan
 from recscale.sharding.plan import PlanError, ShardingPlan
+from recscale.sharding.shard import shard
 from recscale.train.checkpointing import Progress, TrainCheckpointing
 from recscale.train.config import Config, ConfigError
-from recscale.train.datasets import DataSplits, build_data
+from recscale.train.datasets import DataSplits, build_data, with_table_rows
+from recscale.train.guards import FiniteGuard
 from recscale.train.lr_schedule import set_learning_rates
 from recscale.train.metrics import EvalMetrics, evaluate_predictions
 from recscale.train.pipeline import TrainPipeline, train_step
@@ -50,7 +52,7 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device = 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
+        raise ConfigError("config key 'train.device': 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
     return torch.device(name)
 
 
@@ -80,11 +82,12 @@ class PlanChoice:
     search: dict[str, Any] | None = None
 
 
-def build_plan(cfg: Config, tables: list[TableConfig], groups: ProcessGroups) -> ShardingPlan:
-    return choose_plan(cfg, tables, groups).plan
+def build_plan(cfg: Config, tables: list[TableConfig], groups: ProcessGroups, data: DataSplits | None = None) -> ShardingPlan:
+    return choose_plan(cfg, tables, groups, data=data).plan
 
 
-def choose_plan(cfg: Config, tables: list[TableConfig], groups: ProcessGroups, replay: Replay | None = None) -> PlanChoice:
+def choose_plan(cfg: Config, tables: list[TableConfig], groups: ProcessGroups, replay: Replay | None = None,
+                data: DataSplits | None = None) -> PlanChoice:
     """A replay's recorded plan; else the plan file when given; else with ``sharding.default =
     "auto"`` (the default) and no per-table overrides the cost-model planner's plan (made on
     rank 0, sent to every rank, so all ranks run the same plan); else the default placement with
@@ -103,19 +106,20 @@ def choose_plan(cfg: Config, tables: list[TableConfig], groups: ProcessGroups, r
         return PlanChoice(plan)
     overrides = {k: TableSharding(v.type, v.shards) for k, v in cfg.sharding.tables.items()}
     if cfg.sharding.default == "auto" and not overrides:
-        return _planned(cfg, tables, groups)
+        return _planned(cfg, tables, groups, data)
     default = "table_wise" if cfg.sharding.default == "auto" else cfg.sharding.default
     return PlanChoice(default_plan(tables, groups.topology, default, overrides))
 
 
-def _planned(cfg: Config, tables: list[TableConfig], groups: ProcessGroups) -> PlanChoice:
+def _planned(cfg: Config, tables: list[TableConfig], groups: ProcessGroups, data: DataSplits | None) -> PlanChoice:
     from recscale.train.planning import auto_plan
 
     topo = groups.topology
     box: list[object] = [None]
     if topo.rank == 0:
         try:
-            result, hw = auto_plan(cfg, tables, topo.world_size, topo.ranks_per_host, groups.device.type == "cuda")
+            result, hw = auto_plan(cfg, tables, topo.world_size, topo.ranks_per_host, groups.device.type == "cuda",
+                                  data=data)
             box[0] = (result.plan.to_dict(), asdict(hw), result.search_record())
         except PlanError as e:
             box[0] = f"sharding.default = 'auto': {e}"
@@ -137,6 +141,7 @@ def build_model(
     groups: ProcessGroups | None = None,
     stats: CommStats | None = None,
     plan: ShardingPlan | None = None,
+    data: DataSplits | None = None,
 ) -> DLRM:
     """The model; on several ranks its tables are sharded by ``plan`` (default: ``build_plan``)."""
     eo = cfg.embedding_optimizer
@@ -147,21 +152,24 @@ def build_model(
         opt_kwargs.update(beta1=eo.beta1, beta2=eo.beta2)
     optimizer = make_optimizer(eo.name, **opt_kwargs)
     tables = build_tables(cfg, sparse_names)
-    embeddings: torch.nn.Module
-    if groups is None or groups.world_size == 1:
-        embeddings = TableBatchedEmbeddingBags(
-            tables, optimizer, seed=cfg.train.seed, device=device, kernel=cfg.model.embedding_kernel,
-            storage_factory=tier_factory(cfg, tables, optimizer, 1),
-        )
-    else:
-        tier_factory(cfg, tables, optimizer, groups.world_size)  # a clear error: one process only
-        plan = plan or build_plan(cfg, tables, groups)
+    sharded = groups is not None and groups.world_size > 1
+    if not sharded:
+        from recscale.train.planning import check_one_process_inputs
+
+        check_one_process_inputs(cfg, tables)
+    # To be sharded, the tables are only described here (meta device): no rank holds them all.
+    # Tables on the SSD tier run in one process only: tier_factory refuses them on several ranks.
+    tiers = tier_factory(cfg, tables, optimizer, groups.world_size if sharded and groups else 1)
+    embeddings = TableBatchedEmbeddingBags(tables, optimizer, seed=cfg.train.seed,
+                                           device="meta" if sharded else device, kernel=cfg.model.embedding_kernel,
+                                           storage_factory=tiers)
+    model = DLRM(embeddings, num_dense, cfg.model.bottom_mlp, cfg.model.top_mlp, cfg.model.mlp_precision)
+    if sharded:
+        assert groups is not None
+        plan = plan or build_plan(cfg, tables, groups, data)
         all_gather_object_check(plan.digest(), groups.dense, "sharding plans")
         precision = CommPrecision(cfg.comm.forward, cfg.comm.backward, cfg.comm.loss_scale)
-        embeddings = ShardedEmbeddingCollection(
-            tables, optimizer, plan, groups, cfg.train.seed, precision, stats, kernel=cfg.model.embedding_kernel
-        )
-    model = DLRM(embeddings, num_dense, cfg.model.bottom_mlp, cfg.model.top_mlp, cfg.model.mlp_precision)  # type: ignore[arg-type]
+        model = shard(model, plan, groups, precision, stats)
     if cfg.model.mlp_precision == "bf16" and device.type == "cpu" and not cpu_multiplies_bf16():
         warnings.warn(
             "model.mlp_precision = 'bf16' on a CPU without AVX-512 BF16 or AMX: its bf16 matmuls are emulated "
@@ -240,9 +248,10 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], repla
         all_gather_object_check(config_digest(cfg), groups.dense, "configs")
     data: DataSplits = build_data(cfg, rank, world)
     log(f"data: {data.description}")
+    cfg = with_table_rows(cfg, data.table_rows, log)
     stats = CommStats()
-    choice = choose_plan(cfg, build_tables(cfg, data.sparse_names), groups, replay) if world > 1 else None
-    model = build_model(cfg, data.sparse_names, data.num_dense, device, groups, stats, choice.plan if choice else None)
+    choice = choose_plan(cfg, build_tables(cfg, data.sparse_names), groups, replay, data) if world > 1 else None
+    model = build_model(cfg, data.sparse_names, data.num_dense, device, groups, stats, choice.plan if choice else None, data)
     kernel_native = _runs_native_kernels(model, groups)
     dense_params = model.dense_parameters()
     dense_opt = build_dense_optimizer(cfg, dense_params)
@@ -265,6 +274,8 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], repla
 
     ckpt = TrainCheckpointing(cfg, model, dense_opt, data, groups, log)
     start = ckpt.restore()
+    dense_named = [(k, p) for k, p in model.named_parameters() if not k.startswith("embeddings.")]
+    guard = FiniteGuard(dense_named, groups.dense if world > 1 else None)
     state = TrainState(start.step, start.samples, start.train_seconds)
     evals: list[dict[str, float]] = start.evals
     max_steps = cfg.train.max_steps or None
@@ -299,10 +310,12 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], repla
             # Embedding rows are updated inside backward, fused into it.
             loss_sum = train_step(model, batch, sparse, dense_opt, sync)
             state.step += 1
-            state.samples += model.embeddings.global_batch_size
+            state.samples += sparse.global_batch_size
             running_loss += loss_sum
             running_n += batch.batch_size
+            guard.observe(state.step, loss_sum)
             if state.step % 20 == 0 or state.step == total_steps:
+                guard.check(state.step, False, ckpt.last_checkpoint)  # where the loop syncs anyway
                 elapsed = state.train_seconds + time.perf_counter() - t0
                 extra = {"lr_factor": f"{lr_factor:.3g}"} if lr_factor is not None else {}
                 extra.update({k: f"{v:.3g}" for k, v in tier_summary(model.embeddings, state.step, elapsed).items() if k != "prefetched_rows"})
@@ -315,7 +328,8 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], repla
                 if rank == 0:
                     bar.write(f"step {state.step}: eval auc {m.auc:.4f}, logloss {m.logloss:.4f}, ne {m.ne:.4f}")
                 t0 = time.perf_counter()
-            ckpt.after_step(state.step, lambda: _progress(state, epoch, next_batch, running_loss, running_n, evals, t0))
+            ckpt.after_step(state.step, lambda: _progress(state, epoch, next_batch, running_loss, running_n, evals, t0),
+                            lambda: guard.check(state.step, True, ckpt.last_checkpoint))
             if max_steps and state.step >= max_steps:
                 done = True
                 break
@@ -324,6 +338,7 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], repla
         if done:
             break
     bar.close()
+    guard.check(state.step, True, ckpt.last_checkpoint)
     ckpt_summary = ckpt.finish(_progress(state, epoch, next_batch, running_loss, running_n, evals, None))
     if world > 1:  # the training loss over every rank's samples
         totals = torch.tensor([float(running_loss), float(running_n)], dtype=torch.float64)

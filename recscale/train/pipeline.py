@@ -3,7 +3,7 @@ while the current one computes.
 
 With the pipeline on, batch i+1 is fetched from the loader (whose workers load and collate it),
 moved to the device, validated and, with several ranks, its ids are already sent to their
-owners (the input all-to-all of ``ShardedEmbeddingCollection.start_input_dist``) before batch i
+owners (the input all-to-all of the embedding module's ``start_input_dist``) before batch i
 is handed to the training step; so the id exchange runs in the background during batch i's
 forward and backward. Every rank runs the same program, so the collectives start in the same
 order everywhere. The results are bitwise those of the unpipelined loop: the same tensors meet
@@ -14,18 +14,17 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from recscale.comm.dense_sync import DenseGradSync
 from recscale.data import Batch
+from recscale.embedding.module import EmbeddingInput, EmbeddingModule
 from recscale.embedding.tier_hooks import announce_batch, begin_batch, forget_announced, tiered_storages
 from recscale.model import DLRM
-from recscale.sparse import JaggedBatch
 
-Prepared = tuple[Batch, Any]  # the batch and what the model's embeddings take (ids, or ids in flight)
+Prepared = tuple[Batch, EmbeddingInput]  # the batch and its ids as the model's embeddings take them (maybe in flight)
 
 
 class TrainPipeline:
@@ -35,7 +34,7 @@ class TrainPipeline:
     already started for the next batch is waited for rather than left dangling.
     """
 
-    def __init__(self, batches: Iterable[Batch], embeddings: torch.nn.Module, device: torch.device, enabled: bool = True,
+    def __init__(self, batches: Iterable[Batch], embeddings: EmbeddingModule, device: torch.device, enabled: bool = True,
                  lookahead: int = 1):
         """``lookahead``: with tables on the SSD tier, batches whose rows are announced to it
         (and read in the background) ahead of the one training."""
@@ -43,7 +42,6 @@ class TrainPipeline:
         self._embeddings = embeddings
         self._device = device
         self._enabled = enabled
-        self._start = getattr(embeddings, "start_input_dist", None)
         self._tiered = enabled and lookahead > 0 and bool(tiered_storages(embeddings))
         self._depth = max(1, lookahead) if self._tiered else 1
         self._ahead: deque[Prepared] = deque()
@@ -53,9 +51,7 @@ class TrainPipeline:
         self._embeddings.validate(batch.sparse)
         if self._tiered:  # its missing rows start loading now, while earlier batches train
             announce_batch(self._embeddings, batch.sparse)
-        if self._enabled and self._start is not None:
-            return batch, self._start(batch.sparse)
-        return batch, batch.sparse
+        return batch, self._embeddings.start_input_dist(batch.sparse)
 
     def __iter__(self) -> Iterator[Prepared]:
         it = iter(self._batches)
@@ -79,19 +75,18 @@ class TrainPipeline:
     def close(self) -> None:
         """Finish exchanges started for batches that will not be trained."""
         while self._ahead:
-            sparse = self._ahead.popleft()[1]
-            if not isinstance(sparse, JaggedBatch):
-                sparse.wait()
+            self._ahead.popleft()[1].wait()
         if self._tiered:  # a later pipeline announces its own batches
             forget_announced(self._embeddings)
 
 
-def train_step(model: DLRM, batch: Batch, sparse: Any, dense_opt: torch.optim.Optimizer, sync: DenseGradSync) -> torch.Tensor:
+def train_step(model: DLRM, batch: Batch, sparse: EmbeddingInput, dense_opt: torch.optim.Optimizer,
+               sync: DenseGradSync) -> torch.Tensor:
     """Forward, backward (embedding rows are updated inside it), dense all-reduce and step.
 
     Returns the summed (not averaged) loss of this rank's samples, detached; no host sync."""
     logits = model(batch.dense, sparse)
-    global_batch = model.embeddings.global_batch_size
+    global_batch = sparse.global_batch_size
     # Sum over local samples / global batch: summing over ranks gives the global mean.
     loss_sum = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
     dense_opt.zero_grad(set_to_none=True)

@@ -1,0 +1,266 @@
+"""Benchmark: does ``recscale simulate`` predict measured training throughput on this machine?
+
+Trains ``configs/synthetic.toml`` (one thread per rank, a fixed number of steps) for real as
+1 rank, 2 local ranks, and 2 emulated hosts x 1 and x 2 ranks over shaped links (``recscale
+cluster``: 200 Mbit/s, 1 Gbit/s, 10 Gbit/s), under each plan of a group (table-wise, row-wise,
+column-wise, table-row-wise, data-parallel and the planner's), with heavier pooling, fp16 on
+the wire and the pipeline off as variants; predicts each with the simulator on the same
+topology (``local-cpu``, or this machine's ``recscale calibrate`` cache for 2 ranks, with the
+link rate and the machine's shared cores); prints measured and predicted samples/s per
+configuration and reports:
+
+- the geometric mean of |predicted - measured| / measured over all configurations;
+- Kendall's tau between predicted and measured order of the plans within each group;
+- per group, whether the simulator's best plan is within 5% of the best measured;
+- the pipeline's measured and predicted speed-up on 2 emulated hosts at 200 Mbit/s.
+
+Every configuration runs once per turn; turns are interleaved (each turn runs all of them, in
+a rotated order) and the median over turns is kept, so slow drifts of a shared machine hit
+all configurations alike. Emulated hosts need root; without it those groups are skipped.
+
+    python benchmarks/simulator_validation.py --quick --json out/simval.json
+    python benchmarks/simulator_validation.py --turns 5 --json out/simval.json     # the full set
+    python benchmarks/simulator_validation.py --refit out/simval.json               # re-predict only
+
+For the most faithful predictions on another machine, run ``recscale calibrate --ranks 2``
+first (its cached constants are used when present) and pass ``--measure-compute``.
+
+Run it alone on the machine: it times things.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
+from _common import environment, format_table, write_json  # noqa: E402
+
+from recscale.planner.hardware import cached_calibration  # noqa: E402
+from recscale.sim.api import simulate  # noqa: E402
+from recscale.sim.calibrate import measure_loader  # noqa: E402
+from recscale.sim.topology import topology_from_dict  # noqa: E402
+from recscale.train.config import load_config  # noqa: E402
+
+CONFIG = ROOT / "configs" / "synthetic.toml"
+PLANS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel", "auto")
+SOME = ("table_wise", "row_wise", "data_parallel", "auto")
+
+
+@dataclass
+class Group:
+    name: str
+    hosts: int
+    ranks_per_host: int
+    mbit: float | None  # None: one host, no shaped link
+    plans: tuple[str, ...]
+    sets: tuple[str, ...] = ()
+
+
+@dataclass
+class Case:
+    group: str
+    plan: str
+    measured: list[float] = field(default_factory=list)  # samples/s per turn
+    predicted: float = 0.0
+
+
+def groups(quick: bool) -> list[Group]:
+    if quick:
+        return [Group("1 rank", 1, 1, None, ("table_wise", "data_parallel")),
+                Group("2 ranks", 1, 2, None, ("table_wise", "row_wise", "data_parallel")),
+                Group("2x1 hosts 200 Mbit/s", 2, 1, 200, ("table_wise", "data_parallel", "auto")),
+                Group("2x1 hosts 200 Mbit/s, no pipeline", 2, 1, 200, ("table_wise",), ("train.pipeline=false",))]
+    pooled = "data.pooling_factors=[4, 4, 12, 4, 8, 4, 4, 4, 4, 16, 4, 8, 4, 4, 4, 4, 4, 4, 4, 4, 20, 4, 4, 4, 4, 4]"
+    return [
+        Group("1 rank", 1, 1, None, ("table_wise", "data_parallel", "auto")),
+        Group("2 ranks", 1, 2, None, PLANS),
+        Group("2 ranks, pooling x4", 1, 2, None, SOME, (pooled,)),
+        Group("2 ranks, fp16 wire", 1, 2, None, ("table_wise", "row_wise", "column_wise", "auto"),
+              ("comm.forward=fp16", "comm.backward=fp16")),
+        Group("2x1 hosts 200 Mbit/s", 2, 1, 200, PLANS),
+        Group("2x1 hosts 200 Mbit/s, no pipeline", 2, 1, 200, SOME, ("train.pipeline=false",)),
+        Group("2x1 hosts 1 Gbit/s", 2, 1, 1000, PLANS),
+        Group("2x1 hosts 10 Gbit/s", 2, 1, 10_000, SOME),
+        Group("2x2 hosts 1 Gbit/s", 2, 2, 1000, PLANS),
+    ]
+
+
+def overrides(g: Group, plan: str, steps: int, batch: int) -> list[str]:
+    return [f"train.max_steps={steps}", f"train.batch_size={batch}", f"data.num_samples={batch * (steps + 2)}",
+            "data.eval_samples=1024", "train.progress=false", "train.threads=1", f"sharding.default={plan}", *g.sets]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(g: Group, plan: str, steps: int, batch: int) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        summary = Path(tmp) / "summary.json"
+        train = ["train", "--config", str(CONFIG), "--summary-json", str(summary)]
+        for o in overrides(g, plan, steps, batch):
+            train += ["--set", o]
+        py = [sys.executable, "-m"]
+        if g.mbit is not None:
+            cmd = py + ["recscale", "cluster", "--hosts", str(g.hosts), "--ranks-per-host", str(g.ranks_per_host),
+                        "--bandwidth-mbit", str(g.mbit), "--"] + train
+        elif g.ranks_per_host > 1:
+            cmd = py + ["torch.distributed.run", f"--nproc_per_node={g.ranks_per_host}", "--master_addr=127.0.0.1",
+                        f"--master_port={_free_port()}", "-m", "recscale"] + train
+        else:
+            cmd = py + ["recscale"] + train
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0 or not summary.is_file():
+            raise SystemExit(f"run failed ({g.name}, {plan}):\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
+        return float(json.loads(summary.read_text())["train_samples_per_sec"])
+
+
+_LOADER: dict[tuple[str, ...], float] = {}
+_COMPUTE: dict[str, float] = {}  # this machine's dense rate, when measured (--measure-compute)
+
+
+def predict(g: Group, plan: str, steps: int, batch: int) -> float:
+    cfg = load_config(CONFIG, overrides(g, plan, steps, batch))
+    if g.sets not in _LOADER:  # the loader's cost per sample, measured for this data (seconds)
+        _LOADER[g.sets] = measure_loader(cfg)
+    cal = cached_calibration(2)
+    topo = topology_from_dict({
+        "base": str(cal) if cal.is_file() else "local-cpu", "hosts": g.hosts, "ranks_per_host": g.ranks_per_host,
+        **({"cross_host_mbit": g.mbit} if g.mbit else {}), "shared_cores": os.cpu_count() or 1,
+        "load_s_per_sample": _LOADER[g.sets], **_COMPUTE,
+    }, "validation")
+    return simulate(cfg, topo).samples_per_s
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    n, s = len(a), 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            s += int(math.copysign(1, a[i] - a[j]) * math.copysign(1, b[i] - b[j])) if a[i] != a[j] and b[i] != b[j] else 0
+    pairs = n * (n - 1) / 2
+    return s / pairs if pairs else float("nan")
+
+
+def score(gs: list[Group], cases: dict[tuple[str, str], Case]) -> dict:
+    rows, errors, per_group = [], [], []
+    for g in gs:
+        members = [cases[(g.name, p)] for p in g.plans if (g.name, p) in cases and cases[(g.name, p)].measured]
+        if not members:
+            continue
+        meas = [statistics.median(c.measured) for c in members]
+        pred = [c.predicted for c in members]
+        for c, m, p in zip(members, meas, pred):
+            err = abs(p - m) / m
+            errors.append(err)
+            spread = (max(c.measured) - min(c.measured)) / m if len(c.measured) > 1 else 0.0
+            rows.append([g.name, c.plan, f"{m:,.0f}", f"±{100 * spread:.0f}%", f"{p:,.0f}", f"{100 * (p - m) / m:+.1f}%"])
+        tau = kendall_tau(meas, pred) if len(members) > 1 else None
+        pick = max(range(len(members)), key=lambda i: pred[i])
+        best_ok = meas[pick] >= 0.95 * max(meas)
+        per_group.append({"group": g.name, "tau": tau, "best_within_5pct": best_ok, "sim_best": members[pick].plan,
+                          "measured_best": members[max(range(len(meas)), key=lambda i: meas[i])].plan})
+    geo = math.exp(sum(math.log(max(e, 1e-6)) for e in errors) / len(errors)) if errors else float("nan")
+    ranked = [p for p in per_group if p["tau"] is not None]
+    return {"rows": rows, "configs": len(errors), "geomean_error": geo, "groups": per_group,
+            "min_tau": min((p["tau"] for p in ranked), default=float("nan")),
+            "best_within_5pct_share": sum(p["best_within_5pct"] for p in ranked) / len(ranked) if ranked else float("nan"),
+            "pipeline": _pipeline_ratio(cases)}
+
+
+def _pipeline_ratio(cases: dict[tuple[str, str], Case]) -> list[dict]:
+    out = []
+    for plan in SOME:
+        on, off = cases.get(("2x1 hosts 200 Mbit/s", plan)), cases.get(("2x1 hosts 200 Mbit/s, no pipeline", plan))
+        if on and off and on.measured and off.measured:
+            turns = [a / b for a, b in zip(on.measured, off.measured)]
+            out.append({"plan": plan, "measured_ratio": statistics.median(turns), "turn_ratios": turns,
+                        "predicted_ratio": on.predicted / off.predicted})
+    return out
+
+
+def report(result: dict) -> None:
+    print(format_table(["group", "plan", "measured samples/s", "spread", "predicted", "error"], result["rows"], 2))
+    print(f"\n{result['configs']} configurations; geometric-mean |predicted - measured| / measured "
+          f"{100 * result['geomean_error']:.1f}% (acceptance <= 10%, >= 30 configurations)")
+    for g in result["groups"]:
+        tau = "-" if g["tau"] is None else f"{g['tau']:+.2f}"
+        print(f"  {g['group']:36s} tau {tau:>6s}  simulator's best {g['sim_best']:15s} measured best "
+              f"{g['measured_best']:15s} within 5%: {'yes' if g['best_within_5pct'] else 'NO'}")
+    print(f"min tau {result['min_tau']:+.2f} (acceptance >= 0.8); best plan within 5% in "
+          f"{100 * result['best_within_5pct_share']:.0f}% of groups (acceptance >= 90%)")
+    for p in result["pipeline"]:
+        print(f"pipeline on/off at 200 Mbit/s, {p['plan']}: measured {p['measured_ratio']:.3f}x "
+              f"(turns {', '.join(f'{r:.3f}' for r in p['turn_ratios'])}), predicted {p['predicted_ratio']:.3f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="9 configurations, one turn, 20 steps (a smoke run)")
+    ap.add_argument("--turns", type=int, default=None, help="interleaved turns (default 3; quick 1)")
+    ap.add_argument("--steps", type=int, default=None, help="training steps per run (default 60; quick 20)")
+    ap.add_argument("--batch-size", type=int, default=1024)
+    ap.add_argument("--json", metavar="PATH", help="write every measurement and prediction")
+    ap.add_argument("--measure-compute", action="store_true",
+                    help="measure this machine's dense compute rate first (else the local-cpu figures)")
+    ap.add_argument("--refit", metavar="JSON", help="predict again for the measurements of an earlier --json")
+    args = ap.parse_args(argv)
+    if args.refit:
+        old = json.loads(Path(args.refit).read_text())
+        args.quick, args.steps, args.batch_size = old["quick"], old["steps"], old["batch_size"]
+    steps = args.steps or (20 if args.quick else 60)
+    turns = args.turns or (1 if args.quick else 3)
+    gs = groups(args.quick)
+    if os.geteuid() != 0 and not args.refit:
+        print("not root: emulated hosts (recscale cluster) need it; those groups are skipped")
+        gs = [g for g in gs if g.mbit is None]
+    cases = {(g.name, p): Case(g.name, p) for g in gs for p in g.plans}
+    if args.refit:
+        for c in old["cases"]:
+            if (c["group"], c["plan"]) in cases:
+                cases[(c["group"], c["plan"])].measured = c["measured"]
+    else:
+        order = list(cases)
+        for turn in range(turns):
+            rot = order[turn % len(order):] + order[: turn % len(order)]
+            for key in rot:
+                g = next(g for g in gs if g.name == key[0])
+                cases[key].measured.append(measure(g, key[1], steps, args.batch_size))
+                print(f"turn {turn + 1}/{turns}  {key[0]:36s} {key[1]:15s} {cases[key].measured[-1]:10,.0f} samples/s", flush=True)
+    if args.measure_compute:
+        from recscale.sim.calibrate import measure_compute
+
+        m = measure_compute()
+        _COMPUTE.update(flops_per_s=m.flops_per_s, value_s=m.value_s, op_overhead_s=m.op_overhead_s)
+        print(f"dense compute: {m.flops_per_s / 1e9:.0f} GFLOP/s, {m.value_s * 1e9:.2f} ns per value, "
+              f"{m.op_overhead_s * 1e6:.1f} us per operator")
+    for key, c in cases.items():
+        g = next(g for g in gs if g.name == key[0])
+        c.predicted = predict(g, key[1], steps, args.batch_size)
+    result = score(gs, cases)
+    report(result)
+    if args.json:
+        write_json(args.json, {"environment": environment(), "quick": args.quick, "steps": steps, "turns": turns,
+                               "batch_size": args.batch_size, "groups": [asdict(g) for g in gs],
+                               "cases": [asdict(c) for c in cases.values()],
+                               **{k: v for k, v in result.items() if k != "rows"}})
+        print(f"written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""``simulate``: a config, a topology and a plan (given, or the one training would use) in, the
+simulated steady-state step out."""
+
+from __future__ import annotations
+
+from recscale.embedding import TableConfig
+from recscale.planner.cost_model import TableSpec
+from recscale.planner.search import plan_tables
+from recscale.sharding.default_plan import TableSharding, default_plan
+from recscale.sharding.plan import ShardingPlan
+from recscale.comm.process_group import Topology
+from recscale.sim.dense import DenseModel
+from recscale.sim.step import StepInputs, StepResult, simulate_step
+from recscale.sim.topology import ClusterTopology
+from recscale.train.config import Config, ConfigError
+from recscale.train.planning import table_specs, workload
+
+_DENSE_WIRE = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0}
+NUM_DENSE = 13  # Criteo's integer features; the synthetic data has as many
+
+
+def training_plan(cfg: Config, topo: ClusterTopology, specs: list[TableSpec] | None = None) -> ShardingPlan:
+    """The plan ``recscale train`` would use on this topology: the planner's (``sharding.default
+    = "auto"``, costed on the topology's hardware), or the default placement of the configured
+    type with per-table overrides. (A ``sharding.plan`` file is read by the caller.)"""
+    specs = specs or table_specs(cfg)
+    overrides = {k: TableSharding(v.type, v.shards) for k, v in cfg.sharding.tables.items()}
+    if cfg.sharding.default == "auto" and not overrides:
+        return plan_tables(specs, topo.hardware, workload(cfg)).plan
+    tables = [TableConfig(t.name, t.rows, t.dim, (t.name[2:],)) for t in specs]
+    kind = "table_wise" if cfg.sharding.default == "auto" else cfg.sharding.default
+    return default_plan(tables, Topology(topo.world_size, 0, topo.ranks_per_host), kind, overrides)
+
+
+def simulate(cfg: Config, topo: ClusterTopology, plan: ShardingPlan | None = None) -> StepResult:
+    specs = table_specs(cfg)
+    if plan is None:
+        plan = ShardingPlan.load(cfg.sharding.plan) if cfg.sharding.plan else training_plan(cfg, topo, specs)
+    if plan.world_size != topo.world_size:
+        raise ConfigError(f"--plan is for {plan.world_size} ranks, the topology '{topo.name}' has {topo.world_size} "
+                          f"({topo.hosts} hosts x {topo.ranks_per_host}); pass --hosts/--ranks-per-host to match")
+    plan.validate([TableConfig(t.name, t.rows, t.dim, (t.name[2:],)) for t in specs])
+    m = cfg.model
+    dense = DenseModel.of(NUM_DENSE, m.bottom_mlp, m.top_mlp, len(specs), m.embedding_dim)
+    inputs = StepInputs(specs, workload(cfg), plan, dense, cfg.train.pipeline, _DENSE_WIRE[cfg.comm.dense],
+                        cfg.checkpoint.interval_steps)
+    return simulate_step(inputs, topo)

@@ -1,0 +1,200 @@
+"""A training step as operations of every rank, costed by the planner's cost model, run through
+the event simulation for a few steps; the steady-state step is what ``simulate`` reports.
+
+Per step and rank, in program order: load the batch (the loader's own stream), pack its ids,
+the ids all-to-all (with the pipeline: issued for batch i+1 before batch i's step, so it runs
+during batch i), embedding lookups (the planner's per-rank compute, forward share), the output
+all-to-all (asynchronous: the bottom MLP runs meanwhile), unpacking, interaction and top MLP,
+their backward, bucketed dense all-reduces as each MLP's backward ends, the gradient all-to-all,
+the embeddings' backward and fused update (the rest of the per-rank compute), the replicas'
+gradient exchange for data-parallel tables, the dense optimizer and checkpoint stalls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from recscale.planner.cost_model import (TableSpec, Workload, collective_s, dp_group_flags, dp_reduces_dense,
+                                         group_collectives, routing_s, unique_rows)
+from recscale.planner.search import PlanResult, score_plan
+from recscale.sharding.plan import ShardingPlan
+from recscale.sim import traffic
+from recscale.sim.dense import DenseModel, buckets
+from recscale.sim.engine import Op, Simulation
+from recscale.sim.topology import ClusterTopology
+
+STEPS = 4  # simulated; the third (index 2) is reported: warm pipeline, a next batch to prepare
+MEASURED = 2
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    tables: list[TableSpec]
+    workload: Workload
+    plan: ShardingPlan
+    dense: DenseModel
+    pipeline: bool
+    dense_wire_bytes: float = 4.0
+    checkpoint_every: int = 0  # steps between checkpoints (0: none)
+
+
+@dataclass
+class StepResult:
+    step_time_s: float
+    samples_per_s: float
+    breakdown: dict[str, float]  # the critical path's time per category; sums to step_time_s
+    critical_path: list[Op]
+    ops: list[Op]  # every operation of the simulation
+    window: tuple[float, float]  # the reported step's span
+    plan_result: PlanResult
+    memory_bytes: list[dict[str, float]] = field(default_factory=list)
+    busy_s: list[dict[str, float]] = field(default_factory=list)  # per rank, per category, in the window
+
+
+def _volumes(inp: StepInputs, topo: ClusterTopology) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per owner rank: bytes one source exchanges with it (ids, outputs, gradients), and the
+    hierarchical table-row-wise shards' reduce-scatter inside the host."""
+    w, r, h = topo.world_size, topo.ranks_per_host, topo.hosts
+    wl = inp.workload
+    ids, out, grad, hier = ([0.0] * w for _ in range(4))
+    by_name = {t.name: t for t in inp.tables}
+    for tp in inp.plan.tables:
+        t = by_name[tp.table]
+        if tp.sharding_type == "data_parallel":
+            continue
+        for s in tp.shards:
+            n = wl.batch_size * t.pooling * (s.num_rows / t.rows if tp.routes_by_row else 1.0)
+            hierarchical = tp.sharding_type == "table_row_wise" and h > 1 and t.rows >= r
+            cols = s.num_cols / r if hierarchical else s.num_cols
+            ids[s.rank] += n * wl.id_bytes / w
+            out[s.rank] += wl.batch_size * cols * wl.fwd_wire_bytes / w
+            grad[s.rank] += wl.batch_size * cols * wl.bwd_wire_bytes / w
+            if hierarchical:
+                hier[s.rank] += wl.batch_size * s.num_cols * (wl.fwd_wire_bytes + wl.bwd_wire_bytes) * (r - 1) / r / 2
+    return ids, out, grad, hier
+
+
+def _replica_pair_bytes(inp: StepInputs, topo: ClusterTopology) -> float:
+    """Bytes each rank sends each other rank to combine data-parallel tables' gradients."""
+    hw, wl, w = topo.hardware, inp.workload, topo.world_size
+    total = 0.0
+    for t in inp.tables:
+        if inp.plan.table(t.name).sharding_type != "data_parallel" or w == 1:
+            continue
+        if dp_reduces_dense(t, hw, wl):
+            total += 2 * t.rows * (t.dim + 1) * 4.0 / w
+        else:
+            ids = wl.batch_size * t.pooling
+            total += unique_rows(t.rows, t.unique_fraction, ids, ids / w) * (t.dim * 4 + 8)
+    return total
+
+
+def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
+    hw, wl, w = topo.hardware, inp.workload, topo.world_size
+    if inp.plan.world_size != w:
+        raise ValueError(f"the plan is for {inp.plan.world_size} ranks, the topology has {w}")
+    result = score_plan(inp.plan, inp.tables, hw, wl)
+    kinds = inp.plan.sharding_types()
+    sharded = [t for t in inp.tables if kinds[t.name] != "data_parallel"]
+    local = wl.batch_size / w
+    c = topo.compute
+    bf = hw.backward_factor
+    stretch = topo.compute_stretch
+    emb = [(rl.compute_s + rl.contention_s) * stretch for rl in result.ranks]
+    pack = stretch * (local * sum(t.pooling * hw.dist_id_s for t in sharded) + len(inp.tables) * hw.feature_s
+            + sum(routing_s(kinds[t.name], hw) for t in inp.tables))
+    unpack = stretch * local * sum(t.dim * hw.dist_value_s for t in sharded)
+    dims = {t.name: t.dim for t in inp.tables}
+    dense_dp = frozenset(t.name for t in inp.tables if kinds[t.name] == "data_parallel" and dp_reduces_dense(t, hw, wl))
+    dp_groups = dp_group_flags(kinds, dims, dense_dp)
+    overhead = hw.step_overhead_s + len(dp_groups) * hw.group_s
+    ids_v, out_v, grad_v, hier_v = _volumes(inp, topo)
+    hierarchical = any(hier_v)
+    column = "column_wise" in kinds.values()
+    lat = collective_s(hw)
+    if topo.hosts > 1:  # one one-way delay between hosts, and across each tier's groups
+        lat += topo.host_link_latency_s + sum(t.latency_s for t in topo.tiers if t.hosts_per_group < topo.hosts)
+    distributed = bool(sharded)
+    cpu = c.flops_per_s < 1e12  # a CPU rank's main thread waits in a synchronous collective
+    d = inp.dense
+    b = int(local)
+    bottom_f = stretch * d.time_s(d.bottom_flops(b), d.bottom_values(b), d.bottom_ops, c)
+    top_f = stretch * d.time_s(d.top_flops(b), d.top_values(b), d.top_ops, c)
+    params = d.bottom_params + d.top_params
+    optim = stretch * (params * 16 / hw.memory_bw + 2 * d.tensors * c.op_overhead_s + overhead)
+    ckpt = 0.0
+    if inp.checkpoint_every > 0:
+        state = max(rl.memory_bytes for rl in result.ranks) + params * 8
+        ckpt = state / topo.checkpoint_bw / inp.checkpoint_every
+    # The loader is a process of its own: on spare cores it runs beside its rank; where the
+    # ranks already take every core it takes its time from them.
+    crowded = bool(topo.shared_cores) and w >= topo.shared_cores
+    load_stream, load_s = ("compute", stretch * local * c.load_s_per_sample) if crowded else ("load", local * c.load_s_per_sample)
+    sim = Simulation(traffic.bandwidths(topo))
+    all_ranks = tuple(range(w))
+    loads: dict[int, list[int]] = {}
+    ids_op: dict[int, int] = {}
+
+    def per_rank(name: str, cat: str, k: int, dur: list[float] | float, deps) -> list[int]:
+        return [sim.add(Op(name, cat, k, (r,), "compute", dur[r] if isinstance(dur, list) else dur,
+                           deps=deps(r))) for r in all_ranks]
+
+    def collective(name: str, cat: str, k: int, links, latency: float, deps: list[int], blocking: bool) -> int:
+        return sim.add(Op(name, cat, k, all_ranks, "comm", latency if w > 1 else 0.0, links, deps, blocking))
+
+    def prepare(k: int) -> None:
+        loads[k] = [sim.add(Op("load batch", "data loading", k, (r,), load_stream, load_s)) for r in all_ranks]
+        packs = per_rank("pack ids", "input distribution", k, pack, lambda r: [loads[k][r]])
+        n = 3 if distributed else 1  # batch sizes, lengths, ids (only batch sizes when all replicated)
+        ids_op[k] = collective("ids all-to-all", "input distribution", k, traffic.all_to_all(topo, ids_v), n * lat,
+                               packs, blocking=cpu and not inp.pipeline)
+
+    step_end: list[float] = []
+    for k in range(STEPS):
+        if k == 0 or not inp.pipeline:
+            prepare(k)
+        if inp.pipeline and k + 1 < STEPS:
+            prepare(k + 1)
+        look = per_rank("embedding lookup", "embedding lookup", k, [e / (1 + bf) for e in emb], lambda r: [ids_op[k]])
+        deps_top: list[int] = []
+        if distributed:
+            links = traffic.merge(traffic.all_to_all(topo, out_v, toward_dest=False), traffic.intra_host(topo, hier_v))
+            out = collective("output all-to-all", "output distribution", k, links, (1 + hierarchical) * lat, look, False)
+            deps_top = per_rank("unpack outputs", "output distribution", k, unpack, lambda r: [out])
+        bottom = per_rank("bottom MLP forward", "MLP + interaction", k, bottom_f, lambda r: [loads[k][r]])
+        top = per_rank("interaction + top MLP forward", "MLP + interaction", k, top_f,
+                       lambda r: [bottom[r]] + ([deps_top[r]] if deps_top else [look[r]]))
+        top_b = per_rank("interaction + top MLP backward", "MLP + interaction", k, 2 * top_f, lambda r: [top[r]])
+        reduces = [collective("dense all-reduce", "dense all-reduce", k, traffic.ring_all_reduce(topo, p * inp.dense_wire_bytes),
+                              lat, top_b, False) for p in buckets(d.top_params)]
+        grad_dep = top_b
+        if distributed:
+            links = traffic.merge(traffic.all_to_all(topo, grad_v), traffic.intra_host(topo, hier_v))
+            n = 1 + hierarchical + 4 * column
+            grad_dep = [collective("gradient all-to-all", "gradient distribution", k, links, n * lat, top_b, cpu)]
+        bottom_b = per_rank("bottom MLP backward", "MLP + interaction", k, 2 * bottom_f, lambda r: [top_b[r]])
+        reduces += [collective("dense all-reduce", "dense all-reduce", k, traffic.ring_all_reduce(topo, p * inp.dense_wire_bytes),
+                               lat, bottom_b, False) for p in buckets(d.bottom_params)]
+        upd = per_rank("embedding backward + update", "embedding backward + update", k, [e * bf / (1 + bf) for e in emb],
+                       lambda r: grad_dep if len(grad_dep) == 1 else [grad_dep[r]])
+        tail = upd
+        if dp_groups:
+            rep = collective("replica gradient exchange", "replica gradients", k, traffic.uniform(topo, _replica_pair_bytes(inp, topo)),
+                             group_collectives(dp_groups) * collective_s(hw, replica=True), upd, cpu)
+            tail = [rep] * w
+        opt = per_rank("dense optimizer", "dense optimizer", k, optim, lambda r: [tail[r], *reduces, bottom_b[r]])
+        if ckpt:
+            opt = per_rank("checkpoint stall", "checkpoint", k, ckpt, lambda r: [opt[r]])
+        step_end.append(max(sim.ops[i].end for i in opt))
+    last = max((i for i, op in enumerate(sim.ops) if op.step == MEASURED), key=lambda i: sim.ops[i].end)
+    t0, t1 = step_end[MEASURED - 1], step_end[MEASURED]
+    path, spent = sim.critical_path(last, t0)
+    step = t1 - t0
+    busy: list[dict[str, float]] = [{} for _ in range(w)]
+    for op in sim.ops:
+        lo, hi = max(op.start, t0), min(op.end, t1)
+        if hi > lo:
+            for r in op.ranks:
+                busy[r][op.category] = busy[r].get(op.category, 0.0) + hi - lo
+    memory = [{"embeddings": rl.memory_bytes, "dense": params * 4.0 * 3} for rl in result.ranks]
+    return StepResult(step, wl.batch_size / step if step > 0 else float("inf"), spent, [sim.ops[i] for i in path],
+                      sim.ops, (t0, t1), result, memory, busy)

@@ -1,0 +1,214 @@
+"""The cluster a simulated step runs on: the planner's hardware description (per-shard costs,
+bandwidths per rank) plus what a training step needs beyond the embeddings: each host's link
+(shared by its ranks), optional tiers of hosts (racks, buildings) behind shared uplinks, the
+dense compute rate and the data loader's cost per sample.
+
+``--topology`` is a planner preset (``zionex``, ``local-cpu``, ``torchrec-defaults``),
+``this-machine`` (``recscale calibrate``'s cache), a calibrated hardware JSON, or a topology
+file (TOML or JSON)::
+
+    base = "local-cpu"            # preset or calibrated JSON: the per-shard constants
+    hosts = 2
+    ranks_per_host = 1
+    cross_host_mbit = 200         # each host's link, each way, shared by its ranks
+    cross_host_latency_ms = 0.0   # one way, host to host
+    intra_host_gbyte_s = 2.15     # optional: per-rank bandwidth inside a host
+    flops_per_s = 4e9             # optional: dense compute rate per rank
+    op_overhead_s = 30e-6         # optional: fixed cost per dense operator (launch, autograd)
+    value_s = 1e-9                # optional: per activation value written (forward; x3 with backward)
+    load_s_per_sample = 1e-6      # optional: data loader time per sample
+    checkpoint_gbyte_s = 1.0      # optional: checkpoint write rate per rank (stalls)
+    shared_cores = 2              # optional: all ranks run on one machine of this many cores
+    [[tiers]]                     # optional: groups of hosts behind one uplink
+    hosts_per_group = 4
+    bandwidth_gbit = 100
+    latency_ms = 0.5
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from recscale.planner.hardware import PRESETS, Hardware, resolve_hardware
+
+
+class TopologyError(ValueError):
+    """A topology that cannot be read; the message names the key and the fix."""
+
+
+@dataclass(frozen=True)
+class Tier:
+    """Hosts in consecutive groups of ``hosts_per_group`` share one uplink of ``bandwidth``
+    bytes/s each way; traffic leaving a group also pays ``latency_s``."""
+
+    hosts_per_group: int
+    bandwidth: float
+    latency_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class DenseCompute:
+    """The MLPs' and interaction's cost on one rank: FLOPs at ``flops_per_s``, ``value_s`` per
+    activation value written (the interaction and small layers are bound by memory, not
+    FLOPs), ``op_overhead_s`` per operator (launch, autograd and Python), and the loader's
+    ``load_s_per_sample``."""
+
+    flops_per_s: float
+    op_overhead_s: float = 0.0
+    load_s_per_sample: float = 0.0
+    value_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class ClusterTopology:
+    name: str
+    hardware: Hardware  # world size and ranks per host set
+    host_link_bw: float  # bytes/s each way per host, shared by its ranks
+    host_link_latency_s: float
+    compute: DenseCompute
+    tiers: tuple[Tier, ...] = ()
+    checkpoint_bw: float = 1e9  # bytes/s a rank writes its checkpoint shards at
+    # Cores every rank of the cluster shares (emulated hosts on one machine); 0: each rank
+    # has its own. More ranks than cores stretch every rank's compute by ranks / cores.
+    shared_cores: int = 0
+
+    @property
+    def compute_stretch(self) -> float:
+        return max(1.0, self.world_size / self.shared_cores) if self.shared_cores else 1.0
+
+    @property
+    def world_size(self) -> int:
+        return self.hardware.world_size
+
+    @property
+    def ranks_per_host(self) -> int:
+        return self.hardware.ranks_per_host
+
+    @property
+    def hosts(self) -> int:
+        return self.hardware.num_hosts
+
+    def with_bandwidth(self, host_link_bw: float) -> ClusterTopology:
+        return replace(self, host_link_bw=host_link_bw)
+
+
+# Dense compute of the presets. ZionEX: an A100 runs large bf16/TF32 GEMMs at about 150 of its
+# 312 TFLOP/s, a kernel launch costs ~10 us; its hosts' CPUs keep the loader off the critical
+# path (load 0). The CPU figure is this kind of 2-core VM at one thread per rank (CPU time, so
+# other jobs on the machine do not slow it), from ``recscale.sim.calibrate`` (DLRM MLPs and
+# interaction forward + backward + Adagrad step); `recscale simulate --measure-compute`
+# measures another machine.
+PRESET_COMPUTE = {
+    "zionex": DenseCompute(150e12, 10e-6, 0.0),
+    "torchrec-defaults": DenseCompute(150e12, 10e-6, 0.0),
+    "local-cpu": DenseCompute(112e9, 9.2e-6, 0.0, 0.74e-9),
+}
+
+
+def _num(d: dict, key: str, source: str, default: float | None = None, positive: bool = False) -> float | None:
+    v = d.get(key, default)
+    if v is None:
+        return None
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0 or (positive and v == 0):
+        raise TopologyError(f"topology '{source}': key '{key}' must be a number {'> 0' if positive else '>= 0'}, got {v!r}")
+    return float(v)
+
+
+def _base(name: str, world: int | None, per_host: int | None) -> Hardware:
+    try:
+        return resolve_hardware(name, world, per_host)
+    except ValueError as e:
+        raise TopologyError(str(e)) from None
+
+
+def _compute_for(hw_name: str) -> DenseCompute:
+    if hw_name in PRESET_COMPUTE and hw_name != "local-cpu":
+        return PRESET_COMPUTE[hw_name]
+    # a calibration of this machine: the CPU figures, or this machine's measured dense rate
+    from recscale.sim.calibrate import cached_compute
+
+    return cached_compute() or PRESET_COMPUTE["local-cpu"]
+
+
+def load_topology(spec: str, hosts: int | None = None, ranks_per_host: int | None = None) -> ClusterTopology:
+    """A preset, a calibrated hardware JSON or a topology file; ``hosts``/``ranks_per_host``
+    resize it (the preset's own shape otherwise)."""
+    if spec == "this-machine":  # `recscale calibrate`'s cache for this many local ranks
+        from recscale.planner.hardware import cached_calibration
+
+        cached = cached_calibration(ranks_per_host or 2)
+        if not cached.is_file():
+            raise TopologyError(f"--topology this-machine: no calibration at {cached}; run `recscale calibrate "
+                                f"--ranks {ranks_per_host or 2}` first, or name a preset {sorted(PRESETS)}")
+        spec = str(cached)
+    p = Path(spec)
+    if spec in PRESETS or (p.suffix == ".json" and _is_hardware_json(p)):
+        hw0 = _base(spec, None, None)
+        r = ranks_per_host or hw0.ranks_per_host
+        world = (hosts * r) if hosts else (hw0.world_size if not ranks_per_host else max(hw0.num_hosts, 1) * r)
+        hw = _base(spec, world, r)
+        return ClusterTopology(hw.name, hw, hw.cross_host_bw * hw.ranks_per_host, 0.0, _compute_for(hw.name))
+    if not p.is_file():
+        raise TopologyError(f"--topology '{spec}' is neither a preset {sorted(PRESETS)} nor an existing file")
+    try:
+        d = tomllib.loads(p.read_text()) if p.suffix == ".toml" else json.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise TopologyError(f"topology file '{p}' is not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from None
+    return topology_from_dict(d, str(p), hosts, ranks_per_host)
+
+
+def _is_hardware_json(p: Path) -> bool:
+    try:
+        return "memory_bw" in json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+_KEYS = {"base", "hosts", "ranks_per_host", "cross_host_mbit", "cross_host_latency_ms", "intra_host_gbyte_s",
+         "flops_per_s", "op_overhead_s", "load_s_per_sample", "tiers", "name", "checkpoint_gbyte_s",
+         "shared_cores", "value_s"}
+
+
+def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = None,
+                       ranks_per_host: int | None = None) -> ClusterTopology:
+    unknown = sorted(set(d) - _KEYS)
+    if unknown:
+        raise TopologyError(f"topology '{source}': unknown key(s) {unknown}; known: {sorted(_KEYS)}")
+    base = d.get("base", "local-cpu")
+    if not isinstance(base, str):
+        raise TopologyError(f"topology '{source}': key 'base' must be a preset name or a hardware JSON path")
+    h = hosts or int(_num(d, "hosts", source, 1, positive=True))  # type: ignore[arg-type]
+    r = ranks_per_host or int(_num(d, "ranks_per_host", source, 1, positive=True))  # type: ignore[arg-type]
+    if not Path(base).is_absolute() and base not in PRESETS and not Path(base).exists():
+        base = str(Path(source).parent / base)
+    hw = _base(base, h * r, r)
+    intra = _num(d, "intra_host_gbyte_s", source, positive=True)
+    mbit = _num(d, "cross_host_mbit", source, positive=True)
+    link = mbit * 1e6 / 8 if mbit else hw.cross_host_bw * r
+    # the cost model's cross-host figure is per rank: an R-rank host's link carries R shares
+    hw = replace(hw, cross_host_bw=link / r, intra_host_bw=intra * 1e9 if intra else hw.intra_host_bw)
+    c0 = _compute_for(hw.name)
+    compute = DenseCompute(
+        _num(d, "flops_per_s", source, c0.flops_per_s, positive=True),  # type: ignore[arg-type]
+        _num(d, "op_overhead_s", source, c0.op_overhead_s),  # type: ignore[arg-type]
+        _num(d, "load_s_per_sample", source, c0.load_s_per_sample),  # type: ignore[arg-type]
+        _num(d, "value_s", source, c0.value_s),  # type: ignore[arg-type]
+    )
+    tiers = []
+    for i, t in enumerate(d.get("tiers", [])):
+        where = f"{source}' tiers[{i}"
+        if not isinstance(t, dict) or set(t) - {"hosts_per_group", "bandwidth_gbit", "latency_ms"}:
+            raise TopologyError(f"topology '{where}]': a table of hosts_per_group, bandwidth_gbit, latency_ms")
+        missing = [k for k in ("hosts_per_group", "bandwidth_gbit") if k not in t]
+        if missing:
+            raise TopologyError(f"topology '{where}]': missing key(s) {missing}")
+        tiers.append(Tier(int(_num(t, "hosts_per_group", where, positive=True)),  # type: ignore[arg-type]
+                          _num(t, "bandwidth_gbit", where, positive=True) * 1e9 / 8,  # type: ignore[operator]
+                          _num(t, "latency_ms", where, 0.0) / 1e3))  # type: ignore[operator]
+    latency = _num(d, "cross_host_latency_ms", source, 0.0) / 1e3  # type: ignore[operator]
+    ckpt = _num(d, "checkpoint_gbyte_s", source, 1.0, positive=True) * 1e9  # type: ignore[operator]
+    cores = int(_num(d, "shared_cores", source, 0))  # type: ignore[arg-type]
+    return ClusterTopology(str(d.get("name", Path(source).stem)), hw, link, latency, compute, tuple(tiers), ckpt, cores)

@@ -1,0 +1,96 @@
+"""Bytes each link carries for one collective, given where ranks sit: each rank has its own
+link into its host's fabric (``intra_out``/``intra_in``, shared memory or NVLink), each host
+one link to the network shared by its ranks (``host_out``/``host_in``), and each group of hosts
+of a tier one uplink (``tier<i>_out``/``tier<i>_in``). Consecutive ranks share a host,
+consecutive hosts a group, as ``recscale cluster`` and torchrun place them."""
+
+from __future__ import annotations
+
+from recscale.sim.engine import Link
+from recscale.sim.topology import ClusterTopology
+
+
+def bandwidths(topo: ClusterTopology) -> dict[str, float]:
+    bw = {"intra_out": topo.hardware.intra_host_bw, "intra_in": topo.hardware.intra_host_bw,
+          "host_out": topo.host_link_bw, "host_in": topo.host_link_bw}
+    for i, t in enumerate(topo.tiers):
+        bw[f"tier{i}_out"] = bw[f"tier{i}_in"] = t.bandwidth
+    return bw
+
+
+def _groups(topo: ClusterTopology) -> list[tuple[str, int]]:
+    """(link prefix, ranks per group) for every level above a rank whose groups number > 1."""
+    levels = []
+    if topo.hosts > 1:
+        levels.append(("host", topo.ranks_per_host))
+    for i, t in enumerate(topo.tiers):
+        per = t.hosts_per_group * topo.ranks_per_host
+        if per < topo.world_size:
+            levels.append((f"tier{i}", per))
+    return levels
+
+
+def all_to_all(topo: ClusterTopology, per_dest: list[float], toward_dest: bool = True) -> dict[Link, float]:
+    """Every rank s exchanges ``per_dest[d]`` bytes with every other rank d: sent from s to d
+    when ``toward_dest`` (ids, gradients: sources to owners), else from d to s (outputs)."""
+    w = topo.world_size
+    out, inn = ("out", "in") if toward_dest else ("in", "out")
+    links: dict[Link, float] = {}
+    if w == 1:
+        return links
+    total = sum(per_dest)
+    r = topo.ranks_per_host
+    if r > 1:
+        for h in range(topo.hosts):
+            ranks = range(h * r, (h + 1) * r)
+            host_sum = sum(per_dest[d] for d in ranks)
+            for s in ranks:
+                links[(f"intra_{out}", s)] = host_sum - per_dest[s]  # s to its host's others
+                links[(f"intra_{inn}", s)] = per_dest[s] * (r - 1)  # its host's others to s
+    for prefix, per in _groups(topo):
+        for g in range(0, w, per):
+            size = min(per, w - g)
+            group_sum = sum(per_dest[g:g + per])
+            links[(f"{prefix}_{out}", g // per)] = size * (total - group_sum)
+            links[(f"{prefix}_{inn}", g // per)] = group_sum * (w - size)
+    return links
+
+
+def uniform(topo: ClusterTopology, per_pair: float) -> dict[Link, float]:
+    """Every rank sends ``per_pair`` bytes to every other rank (an all-gather of equal parts)."""
+    return all_to_all(topo, [per_pair] * topo.world_size)
+
+
+def ring_all_reduce(topo: ClusterTopology, nbytes: float) -> dict[Link, float]:
+    """A ring all-reduce of ``nbytes`` per rank: each rank sends and receives 2 (W-1)/W of it
+    to and from its ring neighbour; one ring edge leaves each host, and each group of a tier."""
+    w = topo.world_size
+    if w == 1:
+        return {}
+    v = 2 * (w - 1) / w * nbytes
+    r = topo.ranks_per_host
+    links: dict[Link, float] = {}
+    for s in range(w):
+        if topo.hosts == 1 or (s + 1) % r:
+            links[("intra_out", s)] = links[("intra_in", (s + 1) % w)] = v
+    for prefix, per in _groups(topo):
+        for g in range(0, w, per):
+            links[(f"{prefix}_out", g // per)] = links[(f"{prefix}_in", g // per)] = v
+    return links
+
+
+def intra_host(topo: ClusterTopology, per_rank: list[float]) -> dict[Link, float]:
+    """A reduce-scatter or all-gather inside each host: ``per_rank[r]`` bytes out of and into r."""
+    links: dict[Link, float] = {}
+    for s, v in enumerate(per_rank):
+        if v > 0:
+            links[("intra_out", s)] = links[("intra_in", s)] = v
+    return links
+
+
+def merge(*parts: dict[Link, float]) -> dict[Link, float]:
+    out: dict[Link, float] = {}
+    for p in parts:
+        for k, v in p.items():
+            out[k] = out.get(k, 0.0) + v
+    return out

@@ -1,0 +1,167 @@
+"""`recscale simulate`: a simulated step is well-formed and consistent (its breakdown is its
+critical path, its trace is valid, overlap and bandwidth only help), and an MLPerf-sized model
+on 16 hosts x 8 GPUs simulates."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from recscale.cli import main
+from recscale.sim.api import simulate
+from recscale.sim.topology import load_topology, topology_from_dict
+from recscale.sim.traffic import all_to_all, ring_all_reduce
+from recscale.train.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TABLES = ROOT.parent / "shared" / "data" / "tables" / "criteo_table_sizes.json"
+SMALL = ["model.table_rows=[5000]", "data.pooling_factors=[2]", "model.embedding_dim=16",
+         "train.batch_size=512", "model.bottom_mlp=[32, 16]", "model.top_mlp=[32, 1]"]
+FEATURES = 26  # synthetic data: Criteo's 26 sparse features
+
+
+def small(*extra: str):
+    return load_config(ROOT / "configs" / "synthetic.toml", [*SMALL, *extra])
+
+
+def topo(hosts: int, per_host: int, mbit: float, **kw):
+    return topology_from_dict({"base": "local-cpu", "hosts": hosts, "ranks_per_host": per_host, "cross_host_mbit": mbit,
+                               "flops_per_s": 2e10, "op_overhead_s": 2e-5, "load_s_per_sample": 1e-7, **kw}, "test")
+
+
+@pytest.mark.parametrize("plan", ["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel", "auto"])
+def test_step_is_consistent(plan):
+    res = simulate(small(f"sharding.default={plan}"), topo(2, 2, 1000))
+    assert res.step_time_s > 0 and res.samples_per_s == pytest.approx(512 / res.step_time_s)
+    # the breakdown is the critical path's time by category over the step: it sums to the step
+    assert sum(res.breakdown.values()) == pytest.approx(res.step_time_s, rel=1e-9)
+    assert all(v >= 0 for v in res.breakdown.values())
+    # the path runs forward in time, each op starting no earlier than its cause ended (or
+    # than its link was freed by it), and ends where the step ends
+    path = res.critical_path
+    assert path[-1].end == pytest.approx(res.window[1])
+    for a, b in zip(path, path[1:]):
+        assert b.start >= a.start and b.end >= a.end
+    # in steady state no rank computes longer than a step
+    for r in range(4):
+        compute = sum(op.duration_s for op in res.ops if op.step == 2 and op.stream == "compute" and r in op.ranks)
+        assert compute <= res.step_time_s * (1 + 1e-9)
+
+
+def test_pipeline_never_slower_and_bandwidth_never_hurts():
+    for plan in ("table_wise", "row_wise", "data_parallel"):
+        prev = None
+        for mbit in (50, 200, 1000, 10_000, 100_000):
+            on = simulate(small(f"sharding.default={plan}"), topo(2, 2, mbit)).step_time_s
+            off = simulate(small(f"sharding.default={plan}", "train.pipeline=false"), topo(2, 2, mbit)).step_time_s
+            assert on <= off * (1 + 1e-9), (plan, mbit, on, off)
+            if prev is not None:
+                assert on <= prev * (1 + 1e-9), (plan, mbit)
+            prev = on
+    # a slow link shows: the pipeline hides the ids exchange, and 50 Mbit/s costs more than 100 Gbit/s
+    slow = simulate(small("sharding.default=table_wise"), topo(2, 1, 50))
+    fast = simulate(small("sharding.default=table_wise"), topo(2, 1, 100_000))
+    assert slow.step_time_s > 2 * fast.step_time_s
+    assert slow.breakdown.get("output distribution", 0) > 0
+
+
+def test_link_bytes_follow_placement():
+    t = topo(2, 2, 1000)
+    # every source sends 10 bytes to rank 3 only: host 0's two ranks send 20 bytes over its link,
+    # rank 2 sends 10 over shared memory, rank 3 receives 30
+    links = all_to_all(t, [0, 0, 0, 10.0])
+    assert links[("host_out", 0)] == 20 and links[("host_in", 1)] == 20 and links[("host_out", 1)] == 0
+    assert links[("intra_out", 2)] == 10 and links[("intra_in", 3)] == 10
+    ring = ring_all_reduce(t, 100.0)
+    assert ring[("host_out", 0)] == pytest.approx(2 * 3 / 4 * 100)
+    tiered = topology_from_dict({"base": "zionex", "hosts": 4, "ranks_per_host": 2,
+                                 "tiers": [{"hosts_per_group": 2, "bandwidth_gbit": 10}]}, "test")
+    links = all_to_all(tiered, [1.0] * 8)
+    assert links[("tier0_out", 0)] == 4 * 4  # 4 ranks of building 0 send to 4 ranks elsewhere
+
+
+def test_cli_writes_json_and_trace(tmp_path, capsys):
+    spec = tmp_path / "two_hosts.toml"
+    spec.write_text('base = "local-cpu"\nhosts = 2\nranks_per_host = 1\ncross_host_mbit = 200\nflops_per_s = 2e10\n')
+    out, trace = tmp_path / "sim.json", tmp_path / "trace.json"
+    sets = [a for s in [*SMALL, "sharding.default=table_wise"] for a in ("--set", s)]
+    rc = main(["simulate", "--config", str(ROOT / "configs" / "synthetic.toml"), *sets, "--topology", str(spec),
+               "--json", str(out), "--trace", str(trace)])
+    assert rc == 0
+    assert "samples/s" in capsys.readouterr().out
+    d = json.loads(out.read_text())
+    assert d["step_time_s"] > 0 and d["samples_per_s"] == pytest.approx(512 / d["step_time_s"])
+    assert sum(d["breakdown"].values()) == pytest.approx(d["step_time_s"])
+    assert d["topology"]["world_size"] == 2 and len(d["memory_bytes_per_rank"]["per_rank"]) == 2
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert spans and {e["pid"] for e in spans} == {0, 1}
+    assert all(e["dur"] >= 0 and 0 <= e["ts"] <= d["step_time_s"] * 1e6 + 1e-6 for e in spans)
+    assert any(e["name"] == "output all-to-all" for e in spans)
+
+
+def test_bad_topology_is_one_line_error(tmp_path, capsys):
+    spec = tmp_path / "t.toml"
+    spec.write_text('hosts = 2\ncross_host_mbps = 200\n')
+    assert main(["simulate", "--topology", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert "cross_host_mbps" in err and "unknown key" in err and "Traceback" not in err
+    assert main(["simulate", "--topology", "nonesuch"]) == 2
+
+
+@pytest.mark.skipif(not TABLES.is_file(), reason="no MLPerf table shapes under ../shared/data/tables")
+def test_mlperf_dcnv2_on_16_hosts_of_8_gpus(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from simulator_dcnv2 import config_text
+
+    cfg_path = tmp_path / "dcnv2.toml"
+    cfg_path.write_text(config_text(TABLES, "mlperf_dlrm_dcnv2"))
+    t = time.perf_counter()
+    res = simulate(load_config(cfg_path, []), load_topology("zionex", 16, 8))
+    seconds = time.perf_counter() - t
+    print(f"DLRM-DCNv2 shapes on 16 x 8 zionex: {res.samples_per_s:,.0f} samples/s, simulated in {seconds:.1f} s")
+    assert len(res.busy_s) == 128 and res.samples_per_s > 0
+    assert sum(res.breakdown.values()) == pytest.approx(res.step_time_s)
+    # every table fits: no rank holds more than its 40 GB
+    assert max(sum(m.values()) for m in res.memory_bytes) < 40e9
+
+
+def test_validation_scoring():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import simulator_validation as sv
+
+    assert sv.kendall_tau([1, 2, 3], [10, 20, 30]) == 1.0 and sv.kendall_tau([1, 2, 3], [3, 2, 1]) == -1.0
+    g = sv.Group("g", 1, 2, None, ("a", "b", "c"))
+    cases = {("g", "a"): sv.Case("g", "a", [100.0], 110.0), ("g", "b"): sv.Case("g", "b", [200.0], 180.0),
+             ("g", "c"): sv.Case("g", "c", [196.0], 190.0)}
+    res = sv.score([g], cases)
+    assert res["configs"] == 3 and res["geomean_error"] == pytest.approx((0.1 * 0.1 * (6 / 196)) ** (1 / 3))
+    # predicted order c > b > a, measured b > c > a: one discordant pair of three; c is within 5% of b
+    (grp,) = res["groups"]
+    assert grp["tau"] == pytest.approx(1 / 3) and grp["sim_best"] == "c" and grp["best_within_5pct"]
+
+
+def test_this_machine_needs_a_calibration(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert main(["simulate", "--topology", "this-machine", "--ranks-per-host", "1"]) == 2
+    assert "recscale calibrate --ranks 1" in capsys.readouterr().err
+    from recscale.planner.hardware import LOCAL_CPU, cached_calibration
+
+    path = cached_calibration(1)
+    path.parent.mkdir(parents=True)
+    LOCAL_CPU.with_world(1, 1).save(path)
+    assert load_topology("this-machine", 1, 1).world_size == 1
+
+
+def test_shared_cores_stretch_compute_and_take_the_loader():
+    cfg = small("sharding.default=table_wise")
+    own = simulate(cfg, topo(2, 2, 10_000))
+    shared = simulate(cfg, topo(2, 2, 10_000, shared_cores=2))
+    assert shared.step_time_s > 1.5 * own.step_time_s
+    loads = [op for op in shared.ops if op.name == "load batch"]
+    assert loads and all(op.stream == "compute" for op in loads)
+    assert all(op.stream == "load" for op in own.ops if op.name == "load batch")
