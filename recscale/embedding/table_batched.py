@@ -18,16 +18,20 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recscale.embedding import native
+from recscale.embedding import native, tier_hooks
 from recscale.embedding.config import TableConfig, check_tables
 from recscale.embedding.module import EmbeddingInput, LocalInput, ReadyOutput
 from recscale.embedding.optimizers import SparseOptimizer
 from recscale.embedding.storage import DenseRowStorage, RowStorage
+
+if TYPE_CHECKING:
+    from recscale.embedding.tiered import StorageFactory
 from recscale.host_memory import advise_huge_pages
 from recscale.sparse import JaggedBatch, SparseInputError, permute_bags
 
@@ -141,6 +145,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         row_stat_fn: RowStatFn | None = None,
         kernel: str = "auto",
         row_stat_tables: Collection[str] = (),
+        storage_factory: StorageFactory | None = None,
     ) -> None:
         """``init_fn`` gives a table's initial rows (default: ``init_table_rows``);
         ``grad_reducer`` combines (unique rows, summed gradients) of every replica before the
@@ -148,7 +153,8 @@ class TableBatchedEmbeddingBags(nn.Module):
         gradient over its whole row when only some of its columns live here (column shards), for
         the tables named in ``row_stat_tables`` (grouped apart: the rest keep the fused update);
         ``kernel`` is ``auto`` (native where it builds and applies, else torch), ``native``
-        (error if it cannot be built) or ``torch``; ``RECSCALE_EMBEDDING_KERNEL`` overrides it."""
+        (error if it cannot be built) or ``torch``; ``RECSCALE_EMBEDDING_KERNEL`` overrides it;
+        ``storage_factory`` may give a group another row storage (None: dense, in RAM)."""
         super().__init__()
         tables = list(tables)
         if not tables:
@@ -167,6 +173,7 @@ class TableBatchedEmbeddingBags(nn.Module):
             native.load()  # a first-use compile happens here, not inside the first (timed) step
         self.seed = seed
         self._init_fn = init_fn or (lambda t: init_table_rows(t, seed))
+        self._storage_factory = storage_factory
         self.groups: list[TableGroup] = []
         for members in group_tables(tables, self.row_stat_tables):
             self.groups.append(self._build_group(members[0].dim, members[0].torch_dtype, members, seed))
@@ -183,14 +190,18 @@ class TableBatchedEmbeddingBags(nn.Module):
         for t in tables:
             offsets.append(rows)
             rows += t.num_rows
-        # One buffer filled table by table: a concatenation would hold every table twice at peak.
-        weight = torch.empty(rows, dim, dtype=dtype, device=self.device)
-        advise_huge_pages(weight)  # before the first write: random rows, fewer TLB misses
-        # On the meta device (a model about to be sharded: ``recscale.sharding.shard``) the module
-        # only describes its tables; no rows exist, so none are drawn.
-        for t, off in zip(tables, offsets) if weight.device.type != "meta" else ():
-            weight[off : off + t.num_rows].copy_(self._init_fn(t))
-        storage = DenseRowStorage(weight, self.optimizer.state_columns(dim))
+        storage = None
+        if self._storage_factory is not None:
+            storage = self._storage_factory(tables, offsets, dim, dtype, self.optimizer.state_columns(dim))
+        if storage is None:
+            # One buffer filled table by table: a concatenation would hold every table twice at peak.
+            weight = torch.empty(rows, dim, dtype=dtype, device=self.device)
+            advise_huge_pages(weight)  # before the first write: random rows, fewer TLB misses
+            # On the meta device (a model about to be sharded: ``recscale.sharding.shard``) the module
+            # only describes its tables; no rows exist, so none are drawn.
+            for t, off in zip(tables, offsets) if weight.device.type != "meta" else ():
+                weight[off : off + t.num_rows].copy_(self._init_fn(t))
+            storage = DenseRowStorage(weight, self.optimizer.state_columns(dim))
         features = tuple(f for t in tables for f in t.features)
         feat_off = [off for t, off in zip(tables, offsets) for _ in t.features]
         feat_mean = [t.pooling == "mean" for t in tables for _ in t.features]
@@ -219,6 +230,11 @@ class TableBatchedEmbeddingBags(nn.Module):
     def forward(self, batch: JaggedBatch | EmbeddingInput) -> torch.Tensor:
         if not isinstance(batch, JaggedBatch):
             batch = batch.wait()
+        if (self._storage_factory is not None and not torch.is_grad_enabled() and batch.batch_size > 1
+                and not tier_hooks.fits_caches(self, batch)):
+            # An evaluation batch larger than a cache is pooled in parts (samples pool apart).
+            half = batch.batch_size // 2
+            return torch.cat([self(part) for part in batch.split([half, batch.batch_size - half])])
         outs, offsets = [], None
         for g in self.groups:
             mod = self._native_kernels(g)
@@ -238,7 +254,8 @@ class TableBatchedEmbeddingBags(nn.Module):
         """The native kernels when they serve this group: fp32 rows in one dense CPU buffer."""
         if self.kernel == "torch" or self.device.type != "cpu":
             return None
-        if g.dtype != torch.float32 or not isinstance(g.storage, DenseRowStorage) or g.num_rows >= 2**32:
+        dense = isinstance(g.storage, DenseRowStorage) or getattr(g.storage, "native_slots", False)
+        if g.dtype != torch.float32 or not dense or g.num_rows >= 2**32:
             return None
         return native.load()
 
@@ -247,8 +264,12 @@ class TableBatchedEmbeddingBags(nn.Module):
         weights = batch.weights
         if weights is not None and weights.dtype != torch.float32:
             weights = weights.float()
-        args = (values.contiguous(), offsets, batch.batch_size, g.feature_index(batch.keys),
-                None if weights is None else weights.contiguous())  # fmt: skip
+        feat_idx = g.feature_index(batch.keys)
+        row_off, feat_rows, num_rows = g.feature_row_offset, g.feature_num_rows, g.num_rows
+        if not isinstance(g.storage, DenseRowStorage):  # a cache: the kernels see slot ids
+            values, row_off, feat_rows, num_rows = _slot_values(g, values, offsets, batch.batch_size, feat_idx)
+        args = (values.contiguous(), offsets, batch.batch_size, feat_idx,
+                None if weights is None else weights.contiguous(), row_off, feat_rows, num_rows)  # fmt: skip
         if torch.is_grad_enabled():
             return _NativeFusedPooling.apply(self._grad_anchor, self, g, mod, batch.keys, args)
         return _native_pool(mod, g, batch.keys, *args)
@@ -313,14 +334,14 @@ class TableBatchedEmbeddingBags(nn.Module):
         ``g.touched``. Replicas of data-parallel tables gather their row gradients in between; a
         column shard that needs its whole row's statistic sums first, then updates natively
         with it; an optimizer the kernel does not mirror updates in Python."""
-        values, offsets, batch_size, feat_idx, weights = args
-        is_mean, row_off = g.feature_mean_u8, g.feature_row_offset
+        values, offsets, batch_size, feat_idx, weights, row_off, _, num_rows = args
+        is_mean = g.feature_mean_u8
         opt = self.optimizer
         step_args = native.optimizer_args(opt, g.step + 1)
         needs_row_stat = self._needs_row_stat(g)
         if step_args is None or needs_row_stat or self.grad_reducer is not None:
             unique, summed = mod.row_gradients(
-                grad, values, offsets, batch_size, feat_idx, row_off, is_mean, weights, g.num_rows, g.dim
+                grad, values, offsets, batch_size, feat_idx, row_off, is_mean, weights, num_rows, g.dim
             )
             if step_args is None or needs_row_stat:
                 self._apply_gradients(g, unique, summed, mod, step_args)
@@ -361,13 +382,17 @@ class TableBatchedEmbeddingBags(nn.Module):
         raise KeyError(f"no embedding table named '{table}'")
 
     def table_weight(self, table: str) -> torch.Tensor:
-        """A view of one table's rows (in its storage dtype)."""
+        """A view of one table's rows (in its storage dtype); a copy for a tiered storage."""
         g, off, t = self._locate(table)
+        if not isinstance(g.storage, DenseRowStorage):
+            return g.storage.read_rows(off, t.num_rows)[0]  # type: ignore[attr-defined]
         return g.storage.weight[off : off + t.num_rows]
 
     def table_state(self, table: str) -> dict[str, torch.Tensor]:
-        """Views of one table's optimizer state rows."""
+        """Views of one table's optimizer state rows; copies for a tiered storage."""
         g, off, t = self._locate(table)
+        if not isinstance(g.storage, DenseRowStorage):
+            return g.storage.read_rows(off, t.num_rows)[1]  # type: ignore[attr-defined]
         return {k: v[off : off + t.num_rows] for k, v in g.storage.state_tensors().items()}
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
@@ -380,6 +405,8 @@ class TableBatchedEmbeddingBags(nn.Module):
         return super()._apply(fn, recurse)
 
     def _load_hook(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        if not all(isinstance(g.storage, DenseRowStorage) for g in self.groups):
+            raise NotImplementedError("loading rows into tables on the SSD tier is not supported; place them in RAM")
         for t in self.tables:
             key = f"{prefix}tables.{t.name}.weight"
             if key in state_dict:
@@ -478,10 +505,26 @@ def row_gradients(
     return unique, summed
 
 
-def _native_pool(mod, g: TableGroup, keys: tuple[str, ...], values, offsets, batch_size, feat_idx, weights):
+def _slot_values(g: TableGroup, values, offsets, batch_size: int, feat_idx: torch.Tensor):
+    """A copy of ``values`` whose ids of ``g``'s features are cache slots of its storage, with
+    the row offsets (zero) and table sizes (all slots) the kernels then take."""
+    values = values.to(torch.int64, copy=True)
+    starts, ends = offsets[feat_idx * batch_size], offsets[(feat_idx + 1) * batch_size]
+    lens = ends - starts
+    idx = torch.cat([torch.arange(a, b) for a, b in zip(starts.tolist(), ends.tolist())])
+    per_id = lambda t: torch.repeat_interleave(t, lens, output_size=idx.numel())  # noqa: E731
+    values[idx] = g.storage.native_lookup(  # type: ignore[attr-defined]
+        per_id(g.feature_row_offset), per_id(g.feature_num_rows), values[idx]
+    )
+    slots = g.storage.weight.shape[0]
+    zeros = torch.zeros_like(g.feature_row_offset)
+    return values, zeros, torch.full_like(g.feature_num_rows, slots), slots
+
+
+def _native_pool(mod, g: TableGroup, keys: tuple[str, ...], values, offsets, batch_size, feat_idx, weights,
+                 row_off, feat_rows, num_rows):
     out, bad = mod.pool(
-        g.storage.weight, values, offsets, batch_size, feat_idx, g.feature_row_offset, g.feature_num_rows,
-        g.feature_mean_u8, weights,
+        g.storage.weight, values, offsets, batch_size, feat_idx, row_off, feat_rows, g.feature_mean_u8, weights,
     )  # fmt: skip
     pos = int(bad[0])
     if pos >= 0:  # the first id outside its table, named like JaggedBatch.validate does

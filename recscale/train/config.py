@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import sys
 import types
 import typing
@@ -203,6 +204,47 @@ class DistConfig:
 
 
 @dataclass
+class TierTableConfig:
+    placement: Literal["ram", "ssd"] = "ssd"
+    # Rows of this table's RAM cache (0: a share of tiers.ram_budget_mb, by table size).
+    cache_rows: int = 0
+
+
+@dataclass
+class TiersConfig:
+    # RAM for embedding rows in MiB: tables that do not fit go to the SSD tier behind a cache
+    # (0: every table in RAM, no tier).
+    ram_budget_mb: int = 0
+    # Directory of the tier files (one per table); must exist and be writable.
+    ssd_dir: str = ""
+    # Which cached rows make room: "lookahead" keeps rows the next batches need.
+    policy: Literal["lru", "lfu", "lookahead"] = "lookahead"
+    # Batches whose rows are known (and prefetched) ahead of the one training.
+    lookahead_batches: int = 2
+    # Threads reading rows from the tier files in the background.
+    io_threads: int = 8
+    tables: dict[str, TierTableConfig] = field(default_factory=dict)
+
+    def enabled(self) -> bool:
+        return self.ram_budget_mb > 0 or any(t.placement == "ssd" for t in self.tables.values())
+
+    def validate(self) -> None:
+        for key in ("ram_budget_mb", "lookahead_batches", "io_threads"):
+            _non_negative(f"tiers.{key}", getattr(self, key))
+        for name, t in self.tables.items():
+            _non_negative(f"tiers.tables.{name}.cache_rows", t.cache_rows)
+        if not self.enabled():
+            return
+        d = Path(self.ssd_dir)
+        if not self.ssd_dir:
+            raise ConfigError("config key 'tiers.ssd_dir': required when a table is on the SSD tier; name a directory")
+        if not d.is_dir():
+            raise ConfigError(f"config key 'tiers.ssd_dir': '{d}' is not a directory; create it or choose another")
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise ConfigError(f"config key 'tiers.ssd_dir': '{d}' is not writable; choose a writable directory")
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -214,6 +256,7 @@ class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+    tiers: TiersConfig = field(default_factory=TiersConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -399,6 +442,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'sharding.plan': file '{cfg.sharding.plan}' does not exist")
     for name, ts in cfg.sharding.tables.items():
         _non_negative(f"sharding.tables.{name}.shards", ts.shards)
+    cfg.tiers.validate()
     try:
         cfg.checkpoint.validate()
         cfg.lr_schedule.validate()

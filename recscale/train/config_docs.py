@@ -42,6 +42,8 @@ SECTION_NOTES: dict[str, str] = {
     "comm": "Wire precision of the collectives between ranks.",
     "dist": "Process groups and transports between ranks.",
     "checkpoint": "Check-N-Run checkpoints; see [checkpointing.md](checkpointing.md).",
+    "tiers": "Tables larger than memory: a RAM cache of hot rows over a file per table on an SSD; "
+             "see [tiers.md](tiers.md). Off by default.",
 }
 
 MEANINGS: dict[str, str] = {
@@ -104,6 +106,12 @@ MEANINGS: dict[str, str] = {
     "sharding.tables": "per-table settings, e.g. `[sharding.tables.t_C3]` with `type = "
                        "\"row_wise\"` (tables are named `t_` + feature name)",
     "sharding.tables.NAME.type": "this table's sharding type",
+    "tiers.tables": "per-table placement, e.g. `[tiers.tables.t_C3]` with `placement = \"ssd\"` "
+                    "and `cache_rows = 100000`; tables not listed go to the SSD tier only when "
+                    "`ram_budget_mb` cannot hold them",
+    "tiers.tables.NAME.placement": "`ram`: the whole table in memory; `ssd`: its file behind a cache",
+    "tiers.tables.NAME.cache_rows": "rows of this table's RAM cache (0: a share of `ram_budget_mb`, "
+                                    "by table size)",
     "dist.shared_memory": "on CPU, when every rank runs on one x86 host, embedding exchanges copy "
                           "through `/dev/shm` instead of gloo's TCP loopback; "
                           "`RECSCALE_SHARED_MEMORY=0` also turns it off",

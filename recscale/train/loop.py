@@ -22,6 +22,7 @@ from recscale.comm.dense_sync import DenseGradSync
 from recscale.comm.process_group import ProcessGroups, destroy_process_groups, env_topology, init_process_groups
 from recscale.data import Batch
 from recscale.embedding import TableBatchedEmbeddingBags, TableConfig, make_optimizer
+from recscale.embedding.tier_hooks import close_tiers
 from recscale.model import DLRM
 from recscale.model.native import interaction_kernels
 from recscale.native_build import cpu_multiplies_bf16
@@ -38,6 +39,7 @@ from recscale.train.metrics import EvalMetrics, evaluate_predictions
 from recscale.train.pipeline import TrainPipeline, train_step
 from recscale.train.replay import Replay, check_world_size, versions
 from recscale.train.process_tuning import ProcessTuning, tune_process
+from recscale.train.tiers import tier_factory, tier_summary
 
 
 def seed_everything(seed: int) -> None:
@@ -156,8 +158,11 @@ def build_model(
 
         check_one_process_inputs(cfg, tables)
     # To be sharded, the tables are only described here (meta device): no rank holds them all.
+    # Tables on the SSD tier run in one process only: tier_factory refuses them on several ranks.
+    tiers = tier_factory(cfg, tables, optimizer, groups.world_size if sharded and groups else 1)
     embeddings = TableBatchedEmbeddingBags(tables, optimizer, seed=cfg.train.seed,
-                                           device="meta" if sharded else device, kernel=cfg.model.embedding_kernel)
+                                           device="meta" if sharded else device, kernel=cfg.model.embedding_kernel,
+                                           storage_factory=tiers)
     m = cfg.model
     model = DLRM(embeddings, num_dense, m.bottom_mlp, m.top_mlp, m.mlp_precision, m.interaction, m.dcn_layers, m.dcn_low_rank)
     if sharded:
@@ -303,7 +308,8 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], repla
         data.train.set_epoch(epoch)
         t0 = time.perf_counter()
         first = start.next_batch if epoch == start.epoch else 0  # a resumed run skips what it trained
-        pipeline = TrainPipeline(data.train_loader(first), model.embeddings, device, cfg.train.pipeline)
+        pipeline = TrainPipeline(data.train_loader(first), model.embeddings, device, cfg.train.pipeline,
+                                 cfg.tiers.lookahead_batches)
         for next_batch, (batch, sparse) in enumerate(pipeline, start=first + 1):
             f = schedule.factor(state.step, schedule_steps) if schedule.enabled else None
             if f is not None and f != lr_factor:
@@ -320,6 +326,7 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], repla
                 guard.check(state.step, False, ckpt.last_checkpoint)  # where the loop syncs anyway
                 elapsed = state.train_seconds + time.perf_counter() - t0
                 extra = {"lr_factor": f"{lr_factor:.3g}"} if lr_factor is not None else {}
+                extra.update({k: f"{v:.3g}" for k, v in tier_summary(model.embeddings, state.step, elapsed).items() if k != "prefetched_rows"})
                 bar.set_postfix(loss=f"{float(running_loss) / max(running_n, 1):.4f}", samples_per_s=f"{state.samples / elapsed:,.0f}", **extra)
             bar.update(1)
             if cfg.train.eval_every_steps and state.step % cfg.train.eval_every_steps == 0:
@@ -375,7 +382,9 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], repla
         "embedding_kernel": "native" if kernel_native else "torch",
         "embedding_kernel_native": kernel_native,
         "versions": versions(),
+        **tier_summary(model.embeddings, state.step, state.train_seconds),
     }
+    close_tiers(model.embeddings)  # every row written back: the tier files are complete
     return summary
 
 

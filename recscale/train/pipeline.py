@@ -12,6 +12,7 @@ the same operators, only earlier.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from recscale.comm.dense_sync import DenseGradSync
 from recscale.data import Batch
 from recscale.embedding.module import EmbeddingInput, EmbeddingModule
+from recscale.embedding.tier_hooks import announce_batch, begin_batch, forget_announced, tiered_storages
 from recscale.model import DLRM
 
 Prepared = tuple[Batch, EmbeddingInput]  # the batch and its ids as the model's embeddings take them (maybe in flight)
@@ -32,16 +34,23 @@ class TrainPipeline:
     already started for the next batch is waited for rather than left dangling.
     """
 
-    def __init__(self, batches: Iterable[Batch], embeddings: EmbeddingModule, device: torch.device, enabled: bool = True):
+    def __init__(self, batches: Iterable[Batch], embeddings: EmbeddingModule, device: torch.device, enabled: bool = True,
+                 lookahead: int = 1):
+        """``lookahead``: with tables on the SSD tier, batches whose rows are announced to it
+        (and read in the background) ahead of the one training."""
         self._batches = batches
         self._embeddings = embeddings
         self._device = device
         self._enabled = enabled
-        self._ahead: Prepared | None = None
+        self._tiered = enabled and lookahead > 0 and bool(tiered_storages(embeddings))
+        self._depth = max(1, lookahead) if self._tiered else 1
+        self._ahead: deque[Prepared] = deque()
 
     def _prepare(self, batch: Batch) -> Prepared:
         batch = batch.to(self._device, non_blocking=True)
         self._embeddings.validate(batch.sparse)
+        if self._tiered:  # its missing rows start loading now, while earlier batches train
+            announce_batch(self._embeddings, batch.sparse)
         return batch, self._embeddings.start_input_dist(batch.sparse)
 
     def __iter__(self) -> Iterator[Prepared]:
@@ -50,22 +59,25 @@ class TrainPipeline:
             for batch in it:
                 yield self._prepare(batch)
             return
-        first = next(it, None)
-        if first is None:
-            return
-        self._ahead = self._prepare(first)
-        while self._ahead is not None:
-            current = self._ahead
-            following = next(it, None)
-            # Batch i+1's ids start travelling before batch i computes.
-            self._ahead = self._prepare(following) if following is not None else None
-            yield current
+        for batch in it:
+            self._ahead.append(self._prepare(batch))
+            if len(self._ahead) > self._depth:
+                # Batch i+1's ids start travelling (and up to i+k's rows loading) before batch i computes.
+                yield self._next()
+        while self._ahead:
+            yield self._next()
+
+    def _next(self) -> Prepared:
+        if self._tiered:
+            begin_batch(self._embeddings)
+        return self._ahead.popleft()
 
     def close(self) -> None:
-        """Finish an exchange started for a batch that will not be trained."""
-        if self._ahead is not None:
-            self._ahead[1].wait()
-            self._ahead = None
+        """Finish exchanges started for batches that will not be trained."""
+        while self._ahead:
+            self._ahead.popleft()[1].wait()
+        if self._tiered:  # a later pipeline announces its own batches
+            forget_announced(self._embeddings)
 
 
 def train_step(model: DLRM, batch: Batch, sparse: EmbeddingInput, dense_opt: torch.optim.Optimizer,

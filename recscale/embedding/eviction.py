@@ -1,0 +1,64 @@
+"""Which cached rows make room for missing ones: ``lru``, ``lfu`` and ``lookahead``.
+
+A policy ranks the cache slots of one table shard; the highest-ranked unpinned slots are
+evicted. Each keeps its bookkeeping in tensors over the slots, so ranking a cache of a million
+rows is a few vector operations, not a loop.
+
+``lookahead`` uses what the training pipeline already knows: the rows of the next
+``lookahead_batches`` batches. A row needed within that window is evicted only when nothing
+else is left, and then the one needed farthest ahead goes first (Belady's choice within the
+window); rows not needed in the window go in least-recently-used order.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+PolicyName = Literal["lru", "lfu", "lookahead"]
+POLICIES: tuple[str, ...] = ("lru", "lfu", "lookahead")
+
+_TICK_BITS = 40  # a tick per batch: 2^40 batches is beyond any run
+_FAR = 1 << 60  # above every in-window rank
+
+
+class EvictionPolicy:
+    """Per-slot recency and frequency; ``rank`` orders the slots for eviction."""
+
+    def __init__(self, name: str, slots: int) -> None:
+        if name not in POLICIES:
+            raise ValueError(f"tiers.policy: expected one of {list(POLICIES)}, got {name!r}")
+        self.name = name
+        self.last_use = torch.zeros(slots, dtype=torch.int64)
+        self.freq = torch.zeros(slots, dtype=torch.int64)
+
+    def admitted(self, slots: torch.Tensor) -> None:
+        """``slots`` now hold new rows: their history starts afresh."""
+        self.freq[slots] = 0
+
+    def used(self, slots: torch.Tensor, tick: int) -> None:
+        """``slots`` serve the lookup of batch ``tick`` (unique slots)."""
+        self.last_use[slots] = tick
+        self.freq[slots] += 1
+
+    def rank(self, next_use: torch.Tensor | None) -> torch.Tensor:
+        """Eviction key per slot, larger = evict first. ``next_use``: for each slot the index of
+        the next window batch that needs it, or -1 for none (``lookahead`` only)."""
+        age = (1 << _TICK_BITS) - 1 - self.last_use  # older: larger
+        if self.name == "lru":
+            return age
+        if self.name == "lfu":
+            rare = ((1 << 20) - 1 - self.freq.clamp(max=(1 << 20) - 1)) << _TICK_BITS
+            return rare + age
+        if next_use is None:
+            return age
+        in_window = next_use >= 0
+        return torch.where(in_window, (next_use << _TICK_BITS) + age, _FAR + age)
+
+    def victims(self, k: int, evictable: torch.Tensor, next_use: torch.Tensor | None) -> torch.Tensor:
+        """The ``k`` evictable slots ranked highest (ties: the lower slot), ascending."""
+        key = self.rank(next_use)
+        key = torch.where(evictable, key, torch.full_like(key, -1))
+        order = torch.sort(key, descending=True, stable=True).indices[:k]
+        return order.sort().values

@@ -1,0 +1,403 @@
+"""Row storage for tables larger than memory: a RAM cache of hot rows over a file per table.
+
+``TieredRowStorage`` serves one group of same-dim tables (as ``DenseRowStorage`` does). Its
+``weight`` is a buffer of slots: the rows of tables placed in RAM at fixed slots, then one cache
+of ``cache_rows`` slots per table placed on the SSD tier. ``slots_for`` admits the missing rows
+of a lookup (evicting by the table's policy, writing dirty victims back first) and returns cache
+slots, so both the torch and the native kernels pool and update cache slots exactly as they
+would the whole table: results are bitwise those of the all-in-RAM run.
+
+Prefetch: ``announce`` gives the rows of a future batch; rows neither cached nor already on
+their way are read by background threads into a staging buffer, with the write-back generation
+of each row at the time the read was issued. Only the training thread changes the cache, and
+it waits for the write-backs of its victims, so a read issued later sees the written record; a staged
+copy is installed only if its row has not been written back since its read was issued,
+otherwise it is dropped and the row read again. A row that the current batch updates is
+cached (pinned) for that batch, so the next batch finds it in the cache, never a stale copy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from recscale.embedding.config import TableConfig
+from recscale.embedding.eviction import EvictionPolicy
+from recscale.embedding.storage import DenseRowStorage, RowStorage
+from recscale.embedding.tier_file import RowFile, TierError, TierFileMeta, decode, encode
+from recscale.sparse import SparseInputError
+
+Placement = Literal["ram", "ssd"]
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@dataclass(frozen=True)
+class TierSettings:
+    """How the SSD tier runs: where its files live, the policy and the prefetch depth."""
+
+    ssd_dir: str
+    policy: str = "lookahead"
+    lookahead_batches: int = 2
+    io_threads: int = 8
+
+
+@dataclass
+class TierStats:
+    """Counters since the start (or ``reset``): unique-row lookups, those served by the cache,
+    bytes read and written, rows installed from a prefetch, seconds spent waiting for rows."""
+
+    lookups: int = 0
+    hits: int = 0
+    read_bytes: int = 0
+    write_bytes: int = 0
+    prefetched_rows: int = 0
+    stale_prefetches: int = 0
+    stall_seconds: float = 0.0
+
+    def add(self, other: TierStats) -> None:
+        for k in self.__dataclass_fields__:
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+
+
+@dataclass
+class _Read:
+    """A prefetch in flight: rows, their generations at issue, the buffer the threads fill."""
+
+    seq: int
+    rows: torch.Tensor
+    gens: torch.Tensor
+    out: np.ndarray
+    futures: list
+
+    def wait(self) -> None:
+        for f in self.futures:
+            f.result()
+        self.futures = []
+
+
+@dataclass
+class _Segment:
+    """One SSD-placed table of the group: its file, cache slots and bookkeeping."""
+
+    table: TableConfig
+    row_start: int  # first group row
+    base: int  # first slot
+    slots: int
+    file: RowFile
+    policy: EvictionPolicy
+    row_of_slot: torch.Tensor  # [slots] table-local row, -1 free
+    gen: torch.Tensor  # [rows] write-backs of each row so far
+    stage_key: torch.Tensor  # [rows] (read id << 32 | position) of a staged copy, -1 none
+    used: int = 0
+    reads: dict[int, _Read] = field(default_factory=dict)
+    next_read: int = 0
+
+
+class TieredRowStorage(RowStorage):
+    """Rows of RAM-placed tables at fixed slots, SSD-placed tables behind per-table caches."""
+
+    native_slots = True  # the native kernels may run on ``weight`` with slot ids
+
+    def __init__(
+        self, tables: Sequence[TableConfig], offsets: Sequence[int], dim: int, dtype: torch.dtype,
+        state_columns: dict[str, int], placement: dict[str, tuple[Placement, int]], settings: TierSettings,
+        seed: int, pool: ThreadPoolExecutor | None = None,
+    ) -> None:
+        from recscale.embedding.table_batched import init_rows  # the in-RAM run's initial rows
+
+        self.num_rows = sum(t.num_rows for t in tables)
+        self.dim, self.dtype = dim, dtype
+        self.settings, self.pool = settings, pool
+        self.stats = TierStats()
+        self._state_names = tuple(state_columns)
+        total = sum(t.num_rows if placement[t.name][0] == "ram" else placement[t.name][1] for t in tables)
+        weight = torch.zeros(total, dim, dtype=dtype)
+        self._cache = DenseRowStorage(weight, state_columns)
+        self._dirty = torch.zeros(total, dtype=torch.bool)
+        self._map = torch.full((self.num_rows,), -1, dtype=torch.int32)  # group row -> slot
+        self.segments: list[_Segment] = []
+        slot = 0
+        for t, off in zip(tables, offsets):
+            where, cache_rows = placement[t.name]
+            if where == "ram":
+                weight[slot : slot + t.num_rows] = init_rows(t, seed)
+                self._map[off : off + t.num_rows] = torch.arange(slot, slot + t.num_rows, dtype=torch.int32)
+                slot += t.num_rows
+                continue
+            meta = TierFileMeta(t.name, t.num_rows, 0, dim, _DTYPE_NAMES[dtype], tuple(state_columns.items()), seed)
+
+            def init(start: int, n: int, t: TableConfig = t) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                return init_rows(t, seed, start, n), {k: torch.zeros(n, c) for k, c in state_columns.items()}
+
+            self.segments.append(_Segment(
+                t, off, slot, cache_rows, RowFile.create(settings.ssd_dir, meta, init),
+                EvictionPolicy(settings.policy, cache_rows), torch.full((cache_rows,), -1, dtype=torch.int64),
+                torch.zeros(t.num_rows, dtype=torch.int32), torch.full((t.num_rows,), -1, dtype=torch.int64),
+            ))  # fmt: skip
+            slot += cache_rows
+        self._tick = 0
+        self._seq = 0  # batches begun
+        self._announced = 0
+        self._window: deque[torch.Tensor] = deque()  # unique group rows of announced batches
+
+    # ------------------------------------------------------------------ RowStorage
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._cache.weight
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return self._cache.state_tensors()
+
+    def gather(self, slots):
+        return self._cache.gather(slots)
+
+    def scatter(self, slots, w, state):
+        self._dirty[slots] = True
+        self._cache.scatter(slots, w, state)
+
+    def add_rows(self, slots, delta, alpha=1.0):
+        self._dirty[slots] = True
+        self._cache.add_rows(slots, delta, alpha)
+
+    def slots_for(self, rows: torch.Tensor) -> torch.Tensor:
+        """Cache slots of ``rows`` (group rows, any shape), admitting missing ones first. Under
+        autograd every returned slot is marked dirty: backward updates each row it looked up."""
+        flat = rows.reshape(-1)
+        if flat.numel() == 0:
+            return flat.to(torch.int64).view(rows.shape)
+        if int(flat.min()) < 0 or int(flat.max()) >= self.num_rows:
+            raise SparseInputError(f"row ids must lie in [0, {self.num_rows}) of this table group")
+        self._tick += 1
+        uniq = torch.unique(flat)
+        for seg in self.segments:
+            lo, hi = segment_span(uniq, seg)
+            if hi > lo:
+                self._serve(seg, uniq[lo:hi] - seg.row_start, self.stats if torch.is_grad_enabled() else TierStats())
+        slots = self._map[flat].to(torch.int64)
+        if torch.is_grad_enabled():
+            self._dirty[slots] = True
+        return slots.view(rows.shape)
+
+    # ------------------------------------------------------------------ cache
+    def _serve(self, seg: _Segment, rows: torch.Tensor, stats: TierStats) -> None:
+        """Make the unique table rows ``rows`` resident (pinned for this call); ``stats`` counts
+        the lookups and the wait (training lookups only: evaluation is not the step)."""
+        n = rows.numel()
+        if n > seg.slots:
+            raise TierError(
+                f"table '{seg.table.name}': a batch looks up {n} distinct rows but its cache holds "
+                f"{seg.slots}; set tiers.tables.{seg.table.name}.cache_rows >= {n} (or a larger "
+                "tiers.ram_budget_mb), or place the table in RAM"
+            )
+        slots = self._map[rows + seg.row_start].to(torch.int64)
+        missing = rows[slots < 0]
+        stats.lookups += n
+        stats.hits += n - missing.numel()
+        if missing.numel():
+            t0 = time.perf_counter()
+            self._admit(seg, missing, pinned=slots[slots >= 0] - seg.base)
+            stats.stall_seconds += time.perf_counter() - t0
+            slots = self._map[rows + seg.row_start].to(torch.int64)
+        seg.policy.used(slots - seg.base, self._tick)
+
+    def _admit(self, seg: _Segment, missing: torch.Tensor, pinned: torch.Tensor) -> None:
+        n, free = missing.numel(), seg.slots - seg.used
+        target = torch.arange(seg.used, seg.used + min(n, free), dtype=torch.int64)
+        if n > free:
+            evictable = torch.zeros(seg.slots, dtype=torch.bool)
+            evictable[: seg.used] = True
+            evictable[pinned] = False
+            next_use = self._next_use(seg) if seg.policy.name == "lookahead" else None
+            victims = seg.policy.victims(n - free, evictable, next_use)
+            self._write_back(seg, victims)
+            self._map[seg.row_of_slot[victims] + seg.row_start] = -1
+            target = torch.cat([target, victims])
+        seg.used = min(seg.slots, seg.used + n)
+        w, state = decode(seg.file.meta, self._fetch(seg, missing), self.dtype)
+        cache_slots = target + seg.base
+        self._cache.scatter(cache_slots, w, state)
+        self._dirty[cache_slots] = False
+        seg.row_of_slot[target] = missing
+        self._map[missing + seg.row_start] = cache_slots.to(torch.int32)
+        seg.policy.admitted(target)
+        seg.file.drop_pages()
+
+    def _write_back(self, seg: _Segment, victims: torch.Tensor) -> None:
+        cache_slots = victims + seg.base
+        dirty = self._dirty[cache_slots]
+        if not bool(dirty.any()):
+            return
+        cache_slots = cache_slots[dirty]
+        rows = seg.row_of_slot[cache_slots - seg.base]
+        order = torch.argsort(rows)
+        rows, cache_slots = rows[order], cache_slots[order]
+        w = self._cache.weight.index_select(0, cache_slots)  # storage dtype, not float32
+        state = {k: v.index_select(0, cache_slots) for k, v in self._cache.state_tensors().items()}
+        seg.gen[rows] += 1  # before the write: a read issued earlier is now known stale
+        # Waited for here: a read issued after this returns sees the written records.
+        for f in seg.file.write_async(rows.numpy(), encode(seg.file.meta, w, state).numpy(), self.pool):
+            f.result()
+        self.stats.write_bytes += rows.numel() * seg.file.record_bytes
+        self._dirty[cache_slots] = False
+
+    def _fetch(self, seg: _Segment, rows: torch.Tensor) -> torch.Tensor:
+        """``[n, record_bytes]`` records of ``rows`` (ascending): from valid staged copies, the
+        rest read now."""
+        out = torch.empty(rows.numel(), seg.file.record_bytes, dtype=torch.uint8)
+        key = seg.stage_key[rows]
+        need = key < 0
+        staged = (~need).nonzero().view(-1)
+        if staged.numel():
+            ids = key[staged] >> 32
+            for rid in torch.unique(ids).tolist():
+                read = seg.reads[rid]
+                read.wait()
+                at = staged[ids == rid]
+                pos = key[at] & 0xFFFFFFFF
+                valid = read.gens[pos] == seg.gen[rows[at]]
+                out[at[valid]] = torch.from_numpy(read.out)[pos[valid]]
+                need[at[~valid]] = True
+                self.stats.prefetched_rows += int(valid.sum())
+                self.stats.stale_prefetches += int((~valid).sum())
+            seg.stage_key[rows] = -1
+        idx = need.nonzero().view(-1)
+        if idx.numel():
+            buf = np.empty((idx.numel(), seg.file.record_bytes), dtype=np.uint8)
+            for f in seg.file.read_async(rows[idx].numpy(), buf, self.pool):
+                f.result()
+            out[idx] = torch.from_numpy(buf)
+        self.stats.read_bytes += rows.numel() * seg.file.record_bytes
+        return out
+
+    def _next_use(self, seg: _Segment) -> torch.Tensor:
+        """Per cache slot, the first announced batch that needs its row (-1: none)."""
+        next_use = torch.full((seg.slots,), -1, dtype=torch.int64)
+        for j in reversed(range(len(self._window))):
+            rows = self._window[j]
+            lo, hi = segment_span(rows, seg)
+            slots = self._map[rows[lo:hi]].to(torch.int64)
+            next_use[slots[slots >= 0] - seg.base] = j
+        return next_use
+
+    # ------------------------------------------------------------------ prefetch
+    def announce(self, rows: torch.Tensor) -> None:
+        """The group rows of the batch after the last announced one: remembered for the
+        lookahead policy, and its rows neither cached nor staged are read in the background."""
+        uniq = torch.unique(rows.reshape(-1))
+        self._window.append(uniq)
+        self._announced += 1
+        for seg in self.segments:
+            lo, hi = segment_span(uniq, seg)
+            local = uniq[lo:hi] - seg.row_start
+            local = local[(self._map[local + seg.row_start] < 0) & (seg.stage_key[local] < 0)]
+            if local.numel() == 0:
+                continue
+            rid = seg.next_read
+            seg.next_read += 1
+            out = np.empty((local.numel(), seg.file.record_bytes), dtype=np.uint8)
+            read = _Read(self._announced, local, seg.gen[local].clone(), out, [])
+            read.futures = [self.pool.submit(seg.file.read, local.numpy(), out)] if self.pool else []
+            if self.pool is None:
+                seg.file.read(local.numpy(), out)
+            seg.reads[rid] = read
+            seg.stage_key[local] = (rid << 32) | torch.arange(local.numel(), dtype=torch.int64)
+
+    def begin_batch(self) -> None:
+        """The next announced batch is about to run: it leaves the window, and staged copies of
+        batches already run are dropped."""
+        if self._window:
+            self._window.popleft()
+        self._seq += 1
+        for seg in self.segments:
+            for rid in [r for r, read in seg.reads.items() if read.seq < self._seq]:
+                read = seg.reads.pop(rid)
+                read.wait()
+                still = seg.stage_key[read.rows] >> 32 == rid
+                seg.stage_key[read.rows[still]] = -1
+
+    def forget_announced(self) -> None:
+        """Batches announced but never to run (a pipeline stopped early) leave the window, and
+        their staged copies are dropped."""
+        self._window.clear()
+        self._announced = self._seq
+        for seg in self.segments:
+            for rid, read in seg.reads.items():
+                read.wait()
+                still = seg.stage_key[read.rows] >> 32 == rid
+                seg.stage_key[read.rows[still]] = -1
+            seg.reads.clear()
+
+    # ------------------------------------------------------------------ whole rows, closing
+    def read_rows(self, start: int, n: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Copies of group rows ``[start, start + n)`` of one table (weights in the storage
+        dtype, state float32): the file's records overlaid with the cached rows."""
+        seg = next((s for s in self.segments if s.row_start == start), None)
+        if seg is None:
+            slots = self._map[start : start + n].to(torch.int64)
+            return self.weight[slots].clone(), {k: v[slots].clone() for k, v in self.state_tensors().items()}
+        buf = np.empty((n, seg.file.record_bytes), dtype=np.uint8)
+        seg.file.read(np.arange(n, dtype=np.int64), buf)
+        w, state = decode(seg.file.meta, torch.from_numpy(buf), self.dtype)
+        cached = (seg.row_of_slot >= 0).nonzero().view(-1)
+        rows, slots = seg.row_of_slot[cached], cached + seg.base
+        w[rows] = self.weight[slots]
+        for k, v in self.state_tensors().items():
+            state[k][rows] = v[slots]
+        return w, state
+
+    def flush(self) -> None:
+        """Write every dirty cached row back (they stay cached, now clean)."""
+        for seg in self.segments:
+            self._write_back(seg, torch.arange(seg.used, dtype=torch.int64))
+
+    def close(self, shutdown_pool: bool = True) -> None:
+        """Flush and mark each file clean: it then holds every row of the last step."""
+        self.flush()
+        for seg in self.segments:
+            for read in seg.reads.values():
+                read.wait()
+            seg.reads.clear()
+            seg.file.close()
+        if shutdown_pool and self.pool is not None:
+            self.pool.shutdown(wait=True)
+
+    def native_lookup(self, feature_offsets: torch.Tensor, bounds: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Slot ids for ``values``, where each id's group row is ``values + feature_offsets``
+        (per id); ``bounds`` (per id) the table sizes, checked first."""
+        bad = (values < 0) | (values >= bounds)
+        if bool(bad.any()):
+            pos = int(bad.nonzero()[0])
+            raise SparseInputError(f"id {int(values[pos])} is outside its table of {int(bounds[pos])} rows; "
+                                   "ids must be in [0, rows) (hash or clip ids to the table size)")
+        return self.slots_for(values.to(torch.int64) + feature_offsets)
+
+
+def segment_span(sorted_rows: torch.Tensor, seg: _Segment) -> tuple[int, int]:
+    """[lo, hi) positions of ``seg``'s rows in ascending group rows."""
+    lo, hi = torch.searchsorted(sorted_rows, torch.tensor([seg.row_start, seg.row_start + seg.table.num_rows])).tolist()
+    return lo, hi
+
+
+StorageFactory = Callable[[list[TableConfig], list[int], int, torch.dtype, dict[str, int]], RowStorage | None]
+
+
+def tiered_storage_factory(placement: dict[str, tuple[Placement, int]], settings: TierSettings, seed: int) -> StorageFactory:
+    """For ``TableBatchedEmbeddingBags(storage_factory=...)``: a ``TieredRowStorage`` for each
+    group with an SSD-placed table (tables missing from ``placement`` stay in RAM), None
+    (dense storage) for the others. The groups share one pool of ``io_threads`` readers."""
+    pool = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="recscale-tier") if settings.io_threads else None
+
+    def make(tables, offsets, dim, dtype, state_columns):
+        if not any(placement.get(t.name, ("ram", 0))[0] == "ssd" for t in tables):
+            return None
+        full = {t.name: placement.get(t.name, ("ram", 0)) for t in tables}
+        return TieredRowStorage(tables, offsets, dim, dtype, state_columns, full, settings, seed, pool)
+
+    return make
