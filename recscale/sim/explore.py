@@ -215,7 +215,7 @@ def _simulate(specs: list[TableSpec], cfg: Config, p: Pieces, c: Candidate) -> S
     return simulate_step(StepInputs(specs, wl, p.plan, d, c.pipeline, _DENSE_WIRE[c.dense], cfg.checkpoint.interval_steps), p.topo)
 
 
-def explore(cfg: Config, cluster: TieredCluster, time_budget_s: float = 120.0, top_k: int = 8,
+def explore(cfg: Config, cluster: TieredCluster, time_budget_s: float = 120.0, top_k: int = 24,
             max_auc_loss: float = 0.002) -> Exploration:
     t0 = time.perf_counter()
     specs = table_specs(cfg)
@@ -268,15 +268,20 @@ def explore(cfg: Config, cluster: TieredCluster, time_budget_s: float = 120.0, t
     seen: set[tuple] = set()
     # the best of every placement first: what the job gains by using fewer buildings or ranks
     # per host shows next to the best that uses them all
-    firsts: dict[Placement, Scored] = {}
+    # (three plans each: the analytic score orders placements well, plans within one less so)
+    firsts: dict[Placement, list[Scored]] = {}
     for s in ranked:
-        firsts.setdefault(s.candidate.placement, s)
-    order = list(firsts.values()) + [s for s in ranked if firsts[s.candidate.placement] is not s]
+        group = firsts.setdefault(s.candidate.placement, [])
+        if len(group) < 3 and all(g.candidate.plan_name != s.candidate.plan_name for g in group):
+            group.append(s)
+    early = [s for group in firsts.values() for s in group]
+    ids = {id(s) for s in early}
+    order = early + [s for s in ranked if id(s) not in ids]
     for s in order:
-        if len(scored) >= top_k + len(firsts) or (scored and time.perf_counter() - t0 > time_budget_s * 0.9):
+        if len(scored) >= top_k + len(early) or (scored and time.perf_counter() - t0 > time_budget_s * 0.8):
             break
         key = (s.candidate.placement, s.candidate.plan_name, s.candidate.pipeline)
-        if key in seen and len(scored) >= top_k // 2:
+        if key in seen and len(scored) >= len(early) + top_k // 2:
             continue  # keep the simulated set varied: precision alone rarely reorders plans
         seen.add(key)
         s.result = _simulate(specs, cfg, cache[(s.candidate.placement, s.candidate.plan_name)], s.candidate)
