@@ -153,7 +153,7 @@ def analytic_step_s(p: Pieces, c: Candidate) -> float:
     return max(chain, link)
 
 
-def plan_variants(specs: list[TableSpec], cfg: Config, cluster: TieredCluster, topo: ClusterTopology) -> dict[str, ShardingPlan]:
+def plan_variants(specs: list[TableSpec], cfg: Config, topo: ClusterTopology) -> dict[str, ShardingPlan]:
     """Named plans for one placement: the greedy table-wise default, the planner costed on the
     host link (no tier awareness) and on the slowest tier's per-rank share, and families that
     replicate the small tables and shard the rest one way (row-split tables reduce inside a host
@@ -229,7 +229,7 @@ def explore(cfg: Config, cluster: TieredCluster, time_budget_s: float = 120.0, t
             notes.append(f"{pl}: global batch {cfg.train.batch_size} does not split over {sub.world_size} ranks")
             continue
         topo = sub.topology()
-        for name, plan in plan_variants(specs, cfg, cluster, topo).items():
+        for name, plan in plan_variants(specs, cfg, topo).items():
             p = pieces(specs, cfg, topo, plan)
             if p.fits:
                 cache[(pl, name)] = p

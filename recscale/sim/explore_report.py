@@ -54,7 +54,8 @@ def to_dict(e: Exploration) -> dict:
     return {
         "cluster": e.cluster.to_dict(),
         "candidates": [_entry(e, s) | {"name": _name(e, s)} for s in e.scored],
-        "baselines": {k: (_entry(e, b) if isinstance(b, Scored) else {"unavailable": b}) for k, b in e.baselines.items()},
+        "baselines": {k: (_entry(e, b) | {"name": _name(e, b)} if isinstance(b, Scored) else {"unavailable": b})
+                      for k, b in e.baselines.items()},
         "speedup_over_baselines": gains(e),
         "speedup_over_baselines_using_every_rank": gains(e, best_using_all(e)),
         "search": {"candidates_scored": e.analytic_count, "analytic_seconds": e.analytic_seconds,

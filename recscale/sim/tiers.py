@@ -44,6 +44,7 @@ class TieredCluster:
     pods_per_building: int
     buildings: int
     links: dict[str, LinkTier]
+    shared_cores: int = 0  # all ranks on one machine of this many cores (emulated hosts); 0: own cores
 
     @property
     def hosts_per_building(self) -> int:
@@ -61,7 +62,7 @@ class TieredCluster:
         """The cluster a job placed on its first ``buildings`` buildings with ``ranks_per_host``
         ranks on each host sees."""
         return TieredCluster(self.name, self.base, ranks_per_host, self.hosts_per_pod, self.pods_per_building,
-                             buildings, self.links)
+                             buildings, self.links, self.shared_cores)
 
     def topology(self) -> ClusterTopology:
         host = self.links["host"]
@@ -75,12 +76,14 @@ class TieredCluster:
             tiers.append({"hosts_per_group": self.hosts_per_building, "bandwidth_gbit": b.bandwidth_gbit,
                           "latency_ms": b.latency_ms})
         d = {"name": self.name, "base": self.base, "hosts": self.hosts, "ranks_per_host": self.ranks_per_host,
-             "cross_host_mbit": host.bandwidth_gbit * 1e3, "cross_host_latency_ms": host.latency_ms, "tiers": tiers}
+             "cross_host_mbit": host.bandwidth_gbit * 1e3, "cross_host_latency_ms": host.latency_ms, "tiers": tiers,
+             "shared_cores": self.shared_cores}
         return topology_from_dict(d, self.name)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "base": self.base, **{k: getattr(self, k) for k in _SHAPE},
-                "links": {k: {"bandwidth_gbit": v.bandwidth_gbit, "latency_ms": v.latency_ms} for k, v in self.links.items()}}
+                "links": {k: {"bandwidth_gbit": v.bandwidth_gbit, "latency_ms": v.latency_ms} for k, v in self.links.items()},
+                "shared_cores": self.shared_cores}
 
 
 def _host_gbit(base: str) -> float:
@@ -107,7 +110,7 @@ def _pos(d: dict, key: str, where: str, default: float | None, zero_ok: bool = F
 def cluster_from_dict(d: dict, source: str = "tiers") -> TieredCluster:
     if not isinstance(d, dict):
         raise TopologyError(f"tiers file '{source}': expected an object with keys {sorted({'name', 'base', 'links', *_SHAPE})}")
-    unknown = sorted(set(d) - {"name", "base", "links", *_SHAPE})
+    unknown = sorted(set(d) - {"name", "base", "links", "shared_cores", *_SHAPE})
     if unknown:
         raise TopologyError(f"tiers file '{source}': unknown key(s) {unknown}; known: {sorted({'name', 'base', 'links', *_SHAPE})}")
     base = d.get("base", "zionex")
@@ -141,7 +144,10 @@ def cluster_from_dict(d: dict, source: str = "tiers") -> TieredCluster:
             over = _pos(spec, "oversubscription", where, 1.0)
             bw = _pos(spec, "bandwidth_gbit", where, None) or hosts * below / over  # type: ignore[operator]
         links[tier] = LinkTier(bw, lat)  # type: ignore[arg-type]
-    return TieredCluster(str(d.get("name", Path(source).stem)), base, **shape, links=links)
+    cores = d.get("shared_cores", 0)
+    if not isinstance(cores, int) or isinstance(cores, bool) or cores < 0:
+        raise TopologyError(f"tiers file '{source}': key 'shared_cores' must be an integer >= 0, got {cores!r}")
+    return TieredCluster(str(d.get("name", Path(source).stem)), base, **shape, links=links, shared_cores=cores)
 
 
 PRESETS: dict[str, dict] = {
