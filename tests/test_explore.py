@@ -67,7 +67,7 @@ def test_spent_budget_still_returns_baselines():
 
 @pytest.mark.parametrize("bad, word", [({"buildings": 0}, "buildings"), ({"racks": 2}, "racks"),
                                        ({"links": {"building": {"oversubscription": -1}}}, "oversubscription"),
-                                       ({"base": "nonesuch"}, "base")])
+                                       ({"base": "nonesuch"}, "base"), ({"shared_cores": -1}, "shared_cores")])
 def test_bad_tiers_is_one_line_error(tmp_path, capsys, bad, word):
     spec = tmp_path / "t.json"
     spec.write_text(json.dumps({**TIERS, **bad}))
