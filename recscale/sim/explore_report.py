@@ -21,7 +21,7 @@ def _entry(e: Exploration, s: Scored) -> dict:
         "breakdown": r.breakdown,
         "overrides": c.overrides(),
         "launch": {"buildings": c.placement.buildings, "hosts": sub.hosts, "ranks_per_host": sub.ranks_per_host,
-                   "world_size": sub.world_size, "per_rank_batch": r.samples_per_s * r.step_time_s / sub.world_size},
+                   "world_size": sub.world_size, "per_rank_batch": round(r.samples_per_s * r.step_time_s) // sub.world_size},
         "plan_name": c.plan_name,
         "accuracy_cost": {"eval_logloss_increase": s.accuracy[0], "eval_auc_loss": s.accuracy[1]},
         "plan": e.plans[(c.placement, c.plan_name)].to_dict(),
