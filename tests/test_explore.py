@@ -42,6 +42,8 @@ def test_explore_small_is_ranked_and_beats_baselines(tmp_path):
     for name in ("production-default", "recscale-planner"):
         assert speeds[0] >= e.baselines[name].result.samples_per_s
     assert isinstance(e.baselines["torchrec-planner"], str)
+    # on a slow, oversubscribed building link the search finds more than the flat default
+    assert speeds[0] > 1.3 * e.baselines["production-default"].result.samples_per_s
     out, html = tmp_path / "x.json", tmp_path / "x.html"
     tiers = tmp_path / "t.json"
     tiers.write_text(json.dumps(TIERS))
