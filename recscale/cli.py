@@ -351,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     from recscale.sim.command import add_parser as add_simulate_parser
 
     add_simulate_parser(sub)
+    from recscale.sim.explore_command import add_parser as add_explore_parser
+
+    add_explore_parser(sub)
     return parser
 
 

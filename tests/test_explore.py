@@ -1,0 +1,80 @@
+"""`recscale explore`: tiers files become the simulator's topology, the search returns a ranked,
+well-formed result whose best is no worse than any baseline under the simulator, a spent time
+budget still returns the baselines, and bad tiers input is a one-line error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from recscale.cli import main
+from recscale.sim.explore import explore
+from recscale.sim.tiers import cluster_from_dict, load_cluster
+from recscale.sim.topology import TopologyError
+from recscale.train.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["model.table_rows=[5000, 300, 40000]", "data.pooling_factors=[2]", "model.embedding_dim=16",
+         "train.batch_size=512", "model.bottom_mlp=[32, 16]", "model.top_mlp=[32, 1]"]
+TIERS = {"name": "small", "base": "local-cpu", "ranks_per_host": 2, "hosts_per_pod": 2, "pods_per_building": 1,
+         "buildings": 2, "links": {"host": {"bandwidth_gbit": 1}, "building": {"oversubscription": 4, "latency_ms": 1.0}}}
+
+
+def test_tiers_become_topology():
+    two = load_cluster("two-buildings").topology()
+    assert (two.hosts, two.ranks_per_host, two.world_size) == (16, 8, 128)
+    (tier,) = two.tiers  # one building uplink: 8 hosts' links, 1:4 oversubscribed, 1 ms more
+    assert tier.hosts_per_group == 8 and tier.latency_s == pytest.approx(1e-3)
+    assert tier.bandwidth == pytest.approx(8 * two.host_link_bw / 4)
+    z = load_cluster("zionex").topology()
+    assert z.world_size == 128 and z.tiers == ()
+    small = cluster_from_dict(TIERS, "t")
+    assert small.shrink(1, 1).topology().world_size == 2 and small.shrink(1, 1).topology().tiers == ()
+
+
+def test_explore_small_is_ranked_and_beats_baselines(tmp_path):
+    cfg = load_config(ROOT / "configs" / "synthetic.toml", SMALL)
+    e = explore(cfg, cluster_from_dict(TIERS, "t"), time_budget_s=60, top_k=4)
+    speeds = [s.result.samples_per_s for s in e.scored]
+    assert speeds == sorted(speeds, reverse=True) and e.analytic_count >= len(e.scored) > 2
+    for name in ("production-default", "recscale-planner"):
+        assert speeds[0] >= e.baselines[name].result.samples_per_s
+    assert isinstance(e.baselines["torchrec-planner"], str)
+    # on a slow, oversubscribed building link the search finds more than the flat default
+    assert speeds[0] > 1.3 * e.baselines["production-default"].result.samples_per_s
+    out, html = tmp_path / "x.json", tmp_path / "x.html"
+    tiers = tmp_path / "t.json"
+    tiers.write_text(json.dumps(TIERS))
+    args = ["explore", "--config", str(ROOT / "configs" / "synthetic.toml"), "--topology", str(tiers), "--time-budget", "60",
+            "--top", "3", "--out", str(out), "--report", str(html)] + [a for s in SMALL for a in ("--set", s)]
+    assert main(args) == 0
+    d = json.loads(out.read_text())
+    c = d["candidates"]
+    assert [x["predicted_samples_per_s"] for x in c] == sorted((x["predicted_samples_per_s"] for x in c), reverse=True)
+    for x in c + list(v for v in d["baselines"].values() if "unavailable" not in v):
+        assert x["plan"]["world_size"] == x["launch"]["world_size"] and x["overrides"] and x["breakdown"]
+        assert sum(x["breakdown"].values()) == pytest.approx(x["step_time_s"])
+    assert set(d["baselines"]) == {"production-default", "recscale-planner", "torchrec-planner"}
+    assert "<table>" in html.read_text()
+
+
+def test_spent_budget_still_returns_baselines():
+    cfg = load_config(ROOT / "configs" / "synthetic.toml", SMALL)
+    e = explore(cfg, cluster_from_dict(TIERS, "t"), time_budget_s=1e-6, top_k=4)
+    assert e.notes and len(e.scored) >= 1
+    assert e.scored[0].result.samples_per_s >= e.baselines["production-default"].result.samples_per_s
+
+
+@pytest.mark.parametrize("bad, word", [({"buildings": 0}, "buildings"), ({"racks": 2}, "racks"),
+                                       ({"links": {"building": {"oversubscription": -1}}}, "oversubscription"),
+                                       ({"base": "nonesuch"}, "base"), ({"shared_cores": -1}, "shared_cores")])
+def test_bad_tiers_is_one_line_error(tmp_path, capsys, bad, word):
+    spec = tmp_path / "t.json"
+    spec.write_text(json.dumps({**TIERS, **bad}))
+    with pytest.raises(TopologyError):
+        load_cluster(str(spec))
+    assert main(["explore", "--config", str(ROOT / "configs" / "synthetic.toml"), "--topology", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert word in err and "Traceback" not in err and err.count("\n") == 1
