@@ -192,15 +192,17 @@ def _kernels(args: argparse.Namespace) -> int:
     import warnings
 
     from recscale import native_build
+    from recscale.checkpoint.native import quantize_kernels
     from recscale.embedding import native
     from recscale.model.native import interaction_kernels
 
     t0 = time.monotonic()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # said below, once
-        embedding, interaction = native.load(), interaction_kernels()
+        embedding, interaction, quantizer = native.load(), interaction_kernels(), quantize_kernels()
     print(f"native kernels in {native_build.cache_root()}: embedding {'ready' if embedding else 'unavailable'}, "
-          f"dot interaction {'ready' if interaction else 'unavailable'} ({time.monotonic() - t0:.0f} s)")
+          f"dot interaction {'ready' if interaction else 'unavailable'}, checkpoint quantizer "
+          f"{'ready' if quantizer else 'unavailable'} ({time.monotonic() - t0:.0f} s)")
     if embedding is None:
         print(f"recscale: the pure-PyTorch kernels will run (same results, slower): {native.failure()}", file=sys.stderr)
     return 0
@@ -319,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     kb = sub.add_parser("kernels", help="compile the native CPU kernels now (make setup does), not on first use")
     kbs = kb.add_subparsers(dest="kernels_command", required=True)
-    kbs.add_parser("build", help="compile (or load from the cache) the embedding and interaction kernels")
+    kbs.add_parser("build", help="compile (or load from the cache) the embedding, interaction and quantizer kernels")
     kb.set_defaults(func=_kernels)
 
     data = sub.add_parser("data", help="prepare click logs into sharded Parquet for fast, resumable reading")
