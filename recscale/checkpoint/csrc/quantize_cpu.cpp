@@ -48,17 +48,19 @@ inline void sq_error_pair(const float* x, int64_t d, float lo_a, float hi_a, flo
       acc_b[k] += static_cast<double>(sq(x[j + k], lo_b, hi_b, s_b, inv_b));
     }
   }
-  double ta = 0.0, tb = 0.0;
-  for (; j < d; ++j) {
-    ta += static_cast<double>(sq(x[j], lo_a, hi_a, s_a, inv_a));
-    tb += static_cast<double>(sq(x[j], lo_b, hi_b, s_b, inv_b));
+  for (int k = 0; j < d; ++j, ++k) {
+    acc_a[k] += static_cast<double>(sq(x[j], lo_a, hi_a, s_a, inv_a));
+    acc_b[k] += static_cast<double>(sq(x[j], lo_b, hi_b, s_b, inv_b));
   }
-  for (int k = 0; k < kLanes; ++k) {
-    ta += acc_a[k];
-    tb += acc_b[k];
+  // A tree over the lanes: the next step waits for this sum, so its latency is what counts.
+  for (int w = kLanes / 2; w >= 1; w /= 2) {
+    for (int k = 0; k < w; ++k) {
+      acc_a[k] += acc_a[k + w];
+      acc_b[k] += acc_b[k + w];
+    }
   }
-  *out_a = ta;
-  *out_b = tb;
+  *out_a = acc_a[0];
+  *out_b = acc_b[0];
 }
 
 std::tuple<at::Tensor, at::Tensor> greedy_range(const at::Tensor& x, int64_t levels, int64_t bins, int64_t steps) {
