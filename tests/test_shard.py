@@ -75,7 +75,7 @@ def test_shard_takes_a_one_process_model_only():
 
 
 class _HostColumnWise(ShardingType):
-    """The worked example of docs/architecture-sharding.md: column shards on the ranks of one host."""
+    """The worked example of docs/architecture.md: column shards on the ranks of one host."""
 
     name = "host_column_wise"
 
