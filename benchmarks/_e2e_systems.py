@@ -4,7 +4,7 @@ Each system trains the same DLRM (same tables, MLPs, dot interaction, row-wise A
 embeddings, Adagrad for the MLPs) on the same batches, which come from recscale's synthetic
 generator; only the way each stack stores, looks up, updates and communicates differs:
 
-* ``recscale``: ``recscale.train.loop.build_model`` (what ``recscale train`` builds), its
+* ``recscale``: ``recscale.train.model_factory.build_model`` (what ``recscale train`` builds), its
   pipelined ``train_step``;
 * ``torchrec``: TorchRec's ``EmbeddingBagCollection`` inside TorchRec's own ``DLRM`` model,
   sharded table-wise by ``DistributedModelParallel`` (FBGEMM's fused CPU kernels, exact row-wise
@@ -176,7 +176,7 @@ class RecscaleSystem(System):
         from recscale.comm.process_group import env_topology, init_process_groups
         from recscale.train.config import load_config
         from recscale.host_memory import retain_freed_memory
-        from recscale.train.loop import build_dense_optimizer, build_model
+        from recscale.train.model_factory import build_dense_optimizer, build_model
 
         sets = [
             f"model.table_rows={list(spec.table_rows)}", f"model.embedding_dim={spec.dim}",

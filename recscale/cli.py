@@ -14,7 +14,8 @@ from recscale import __version__
 def _train(args: argparse.Namespace) -> int:
     from recscale.atomic import check_output_dir, check_output_file
     from recscale.train.config import ConfigError, load_config
-    from recscale.train.loop import format_summary, train, write_json_atomic
+    from recscale.train.loop import train
+    from recscale.train.summary import format_summary, write_json_atomic
     from recscale.train.replay import load_replay
 
     if args.summary_json:  # before any work: a bad path must not cost the run's summary

@@ -75,7 +75,7 @@ def test_set_overrides_parse_toml_values(tmp_path):
 def test_dense_adagrad_settings_reach_the_optimizer(tmp_path):
     import torch
 
-    from recscale.train.loop import build_dense_optimizer
+    from recscale.train.model_factory import build_dense_optimizer
 
     cfg = load_config(write(tmp_path, "[dense_optimizer]\nname = 'adagrad'\ninitial_accumulator_value = 0.1\neps = 1e-6\n"))
     w = torch.nn.Parameter(torch.zeros(3))

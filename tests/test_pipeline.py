@@ -13,7 +13,8 @@ from recscale.comm.dense_sync import DenseGradSync
 from recscale.comm.process_group import env_topology, init_process_groups
 from recscale.train.config import load_config
 from recscale.train.datasets import build_data
-from recscale.train.loop import build_dense_optimizer, build_model, seed_everything
+from recscale.train.loop import seed_everything
+from recscale.train.model_factory import build_dense_optimizer, build_model
 from recscale.train.pipeline import TrainPipeline, train_step
 
 OVERRIDES = [

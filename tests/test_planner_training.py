@@ -28,7 +28,7 @@ def _cfg(tmp_path, *extra):
 
 def _plan_on_ranks(rank, world, cfg):
     from recscale.comm.process_group import Topology, init_process_groups
-    from recscale.train.loop import build_plan, build_tables
+    from recscale.train.model_factory import build_plan, build_tables
 
     groups = init_process_groups(Topology(world, rank, world), timeout_s=60)
     tables = build_tables(cfg, tuple(f"s{i}" for i in range(4)))

@@ -110,7 +110,7 @@ def test_two_rank_auto_runs_give_equal_summaries_idle_and_under_load(two_rank_ru
 
 def test_the_recorded_hardware_and_config_plan_the_recorded_plan_again(two_rank_runs):
     from recscale.train.config import config_from_dict
-    from recscale.train.loop import build_tables
+    from recscale.train.model_factory import build_tables
     from recscale.train.planning import auto_plan
 
     _, a, _, _ = two_rank_runs

@@ -136,7 +136,7 @@ def test_skipped_bad_rows_are_reported_with_a_held_out_eval(tmp_path, capsys):
 
 def test_bf16_mlps_on_a_cpu_without_bf16_matmuls_warn(monkeypatch):
     import recscale.native_build as native_build
-    import recscale.train.loop as loop
+    import recscale.train.model_factory as model_factory
 
     for signature, native in (("model name : X\nflags : fpu sse2 avx2 avx512f avx512_bf16\n", True),
                               ("model name : X\nflags : fpu sse2 avx2\n", False),
@@ -145,10 +145,10 @@ def test_bf16_mlps_on_a_cpu_without_bf16_matmuls_warn(monkeypatch):
         assert native_build.cpu_multiplies_bf16() is native
     cfg = load_config(None, TINY_SYNTHETIC + ["model.mlp_precision=bf16"])
     names = tuple(f"c{i}" for i in range(3))
-    monkeypatch.setattr(loop, "cpu_multiplies_bf16", lambda: False)
+    monkeypatch.setattr(model_factory, "cpu_multiplies_bf16", lambda: False)
     with pytest.warns(UserWarning, match="mlp_precision = 'bf16' on a CPU without"):
         build_model(cfg, names, 13, torch.device("cpu"))
-    monkeypatch.setattr(loop, "cpu_multiplies_bf16", lambda: True)
+    monkeypatch.setattr(model_factory, "cpu_multiplies_bf16", lambda: True)
     import warnings
 
     with warnings.catch_warnings():
