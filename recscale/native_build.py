@@ -24,7 +24,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+import warnings
 from collections.abc import Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -196,3 +198,29 @@ def build(prefix: str, source: Path, flag_sets: Sequence[FlagSet], *, what: str)
             if isinstance(e, TimeoutError):  # other flags would not be faster: give up at once
                 break
     raise NativeBuildError("; ".join(errors))
+
+
+class LazyKernel:
+    """A kernel built on first call and kept: ``None`` when ``env_var`` is "0" or the build fails
+    (said once, in a warning; the caller then runs its PyTorch twin, same results, slower)."""
+
+    def __init__(self, prefix: str, source: Path, flag_sets: Sequence[FlagSet], what: str, env_var: str) -> None:
+        self.prefix, self.source, self.flag_sets, self.what, self.env_var = prefix, source, flag_sets, what, env_var
+        self._lock = threading.Lock()
+        self._module: ModuleType | None = None
+        self._tried = False
+
+    def __call__(self) -> ModuleType | None:
+        if os.environ.get(self.env_var, "1") == "0":
+            return None
+        if self._tried:
+            return self._module
+        with self._lock:
+            if not self._tried:
+                try:
+                    self._module = build(self.prefix, self.source, self.flag_sets, what=self.what)
+                except Exception as e:  # noqa: BLE001 - a compiler error, a missing compiler or ninja
+                    warnings.warn(f"recscale: {self.what} could not be built, using the PyTorch one "
+                                  f"(same results, slower): {e}", RuntimeWarning, stacklevel=2)
+                self._tried = True
+        return self._module

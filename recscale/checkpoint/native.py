@@ -11,14 +11,9 @@ definition in ``quantize.py`` runs instead (same results, slower).
 
 from __future__ import annotations
 
-import os
-import threading
-import warnings
 from pathlib import Path
-from types import ModuleType
 
-from recscale import native_build
-from recscale.native_build import FlagSet
+from recscale.native_build import FlagSet, LazyKernel
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "quantize_cpu.cpp"
 ENV_VAR = "RECSCALE_NATIVE_QUANTIZE"
@@ -27,26 +22,5 @@ FLAG_SETS: tuple[FlagSet, ...] = (
     FlagSet(("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math")),
     FlagSet(("-O3", "-ffp-contract=off", "-fno-trapping-math")),
 )
-_lock = threading.Lock()
-_module: ModuleType | None = None
-_tried = False
-
-
-def quantize_kernels() -> ModuleType | None:
-    """The compiled kernel, or None when switched off or impossible to build here."""
-    global _module, _tried
-    if os.environ.get(ENV_VAR, "1") == "0":
-        return None
-    if _tried:
-        return _module
-    with _lock:
-        if not _tried:
-            try:
-                _module = native_build.build("recscale_quantize", SOURCE, FLAG_SETS,
-                                             what="the native checkpoint quantizer")
-            except Exception as e:  # noqa: BLE001 - a compiler error, a missing compiler or ninja
-                warnings.warn(
-                    "recscale: the native checkpoint quantizer could not be built, using the PyTorch one "
-                    f"(same results, slower): {e}", RuntimeWarning, stacklevel=2)
-            _tried = True
-    return _module
+# The compiled kernel, or None when switched off or impossible to build here.
+quantize_kernels = LazyKernel("recscale_quantize", SOURCE, FLAG_SETS, "the native checkpoint quantizer", ENV_VAR)
