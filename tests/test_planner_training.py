@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -84,22 +85,20 @@ def test_this_machine_prefers_a_cached_calibration(tmp_path, monkeypatch):
 def test_this_machine_is_measured_once_on_first_use_then_cached(tmp_path, monkeypatch):
     """No calibration cached: one quick `recscale calibrate --quick` (a bounded child process,
     announced), cached per machine; later jobs load it; a full calibration wins over it."""
-    import subprocess
-
     from recscale.planner import hardware
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv(hardware.CALIBRATE_ENV, raising=False)
     runs, said = [], []
 
-    def fake_run(cmd, capture_output, text, timeout):
-        runs.append((cmd, timeout))
+    def fake_run(cmd, timeout_s):
+        runs.append((cmd, timeout_s))
         out = Path(cmd[cmd.index("--out") + 1])
         out.parent.mkdir(parents=True, exist_ok=True)
         Hardware("local-2", 2, 2, 1e9, 1e10, 1e9, 1e9, id_s=3e-9).save(out)
-        return subprocess.CompletedProcess(cmd, 0, "", "")
+        return 0, ""
 
-    monkeypatch.setattr(hardware.subprocess, "run", fake_run)
+    monkeypatch.setattr(hardware, "run_bounded", fake_run)
     hw = this_machine(4, 2, gpu=False, say=said.append)
     assert (hw.name, hw.id_s, hw.world_size) == ("local-2", 3e-9, 4)
     assert len(runs) == 1 and runs[0][0][-5:] == ["--quick", "--ranks", "2", "--out", str(cached_calibration(2, quick=True))]
@@ -110,8 +109,6 @@ def test_this_machine_is_measured_once_on_first_use_then_cached(tmp_path, monkey
 
 
 def test_built_in_description_is_a_fallback_that_says_so(tmp_path, monkeypatch):
-    import subprocess
-
     from recscale.planner import hardware
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -121,12 +118,46 @@ def test_built_in_description_is_a_fallback_that_says_so(tmp_path, monkeypatch):
     assert "built-in 'local-cpu'" in said[-1] and "RECSCALE_CALIBRATE=off" in said[-1] and "recscale calibrate" in said[-1]
     monkeypatch.delenv(hardware.CALIBRATE_ENV)
 
-    def too_slow(cmd, capture_output, text, timeout):
-        raise subprocess.TimeoutExpired(cmd, timeout)
-
-    monkeypatch.setattr(hardware.subprocess, "run", too_slow)
+    monkeypatch.setattr(hardware, "run_bounded", lambda cmd, timeout_s: (None, ""))
     assert this_machine(2, 2, gpu=False, say=said.append).name == LOCAL_CPU.name
     assert "took over" in said[-1] and not cached_calibration(2, quick=True).exists()
+
+
+def test_ranks_asking_at_once_share_one_calibration(tmp_path, monkeypatch):
+    """Two ranks of a job reach the planner together: one calibrates, the other waits for its file."""
+    import threading
+
+    from recscale.planner import hardware
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(hardware.CALIBRATE_ENV, raising=False)
+    runs = []
+
+    def slow_run(cmd, timeout_s):
+        runs.append(cmd)
+        time.sleep(0.5)
+        Hardware("local-2", 2, 2, 1e9, 1e10, 1e9, 1e9).save(Path(cmd[cmd.index("--out") + 1]))
+        return 0, ""
+
+    monkeypatch.setattr(hardware, "run_bounded", slow_run)
+    why = []
+    threads = [threading.Thread(target=lambda: why.append(hardware.quick_calibration(2, say=lambda _: None))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert why == ["", ""] and len(runs) == 1
+
+
+def test_a_timed_out_child_is_killed_with_the_workers_it_started():
+    """The workers a timed-out child started hold its pipes; they go too, so the wait returns."""
+    from recscale.planner.hardware import run_bounded
+
+    script = ("import subprocess, sys, time; "
+              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); time.sleep(120)")
+    t0 = time.monotonic()
+    code, _ = run_bounded([sys.executable, "-c", script], 2.0)
+    assert code is None and time.monotonic() - t0 < 60
 
 
 def test_nnls_recovers_non_negative_constants():

@@ -5,8 +5,10 @@ Bandwidths are in bytes per second per rank, memory in bytes per rank, latency i
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -244,15 +246,48 @@ def quick_calibration(ranks: int, say: Callable[[str], None] = _say, timeout_s: 
         f"cached in {out}; `recscale calibrate` makes the full one) ...")
     t0 = time.monotonic()
     cmd = [sys.executable, "-m", "recscale", "calibrate", "--quick", "--ranks", str(ranks), "--out", str(out)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Every rank of a job asks at once: one measures, the others wait and read its result
+    # (two calibrations side by side would measure each other).
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.is_file():
+            return ""
+        code, text = run_bounded(cmd, timeout_s)
+    if code is None:
         return f"the quick calibration took over {timeout_s:.0f} s"
-    if proc.returncode != 0 or not out.is_file():
-        lines = (proc.stderr or proc.stdout).strip().splitlines()
-        return f"the quick calibration failed: {lines[-1] if lines else f'exit status {proc.returncode}'}"
+    if code != 0 or not out.is_file():
+        lines = text.strip().splitlines()
+        return f"the quick calibration failed: {lines[-1] if lines else f'exit status {code}'}"
     say(f"planner: measured this machine in {time.monotonic() - t0:.0f} s")
     return ""
+
+
+def run_bounded(cmd: list[str], timeout_s: float) -> tuple[int | None, str]:
+    """Run ``cmd`` in a process group of its own; past ``timeout_s`` kill the whole group.
+    Returns (exit status or None on timeout, stderr or else stdout). Killing only the child, as
+    ``subprocess.run`` does, leaves its worker processes holding the pipes, and the wait for
+    their end never returns."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid)
+        proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+        return None, ""
+    finally:
+        _kill_group(proc.pid)  # workers the child left behind
+    return proc.returncode, stderr or stdout
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def resolve_hardware(name_or_file: str, world_size: int | None = None, ranks_per_host: int | None = None) -> Hardware:
