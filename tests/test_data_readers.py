@@ -112,6 +112,51 @@ def test_synthetic_is_deterministic_in_range_and_multi_hot():
     assert 0.18 < a.labels.mean().item() < 0.32
 
 
+def _per_table_block(src: SyntheticClickData, block: int):
+    """Block ``block`` of the stream by the generator's formula, one table at a time."""
+    from recscale.data.synthetic import BLOCK, _splitmix64, _unit, bag_lengths, scatter_ranks, zipf_ranks
+
+    cfg = src.cfg
+    rng = np.random.default_rng([cfg.seed, block * BLOCK])
+    dense = np.log1p(rng.exponential(3.0, size=(BLOCK, cfg.num_dense))).astype(np.float32)
+    logit = dense.astype(np.float64) @ src._dense_w
+    values, lengths = [], []
+    for t, (rows, pf) in enumerate(zip(cfg.table_rows, cfg.pooling_factors)):
+        lens = bag_lengths(rng, BLOCK, pf)
+        ids = scatter_ranks(zipf_ranks(rng, int(lens.sum()), rows, cfg.zipf_alpha), rows, src._salt[t])
+        h = _splitmix64(ids.astype(np.uint64) ^ src._salt[t])
+        effect = np.sqrt(-2.0 * np.log(_unit(h))) * np.cos(2.0 * np.pi * _unit(_splitmix64(h)))
+        logit += src._effect_scale * (np.bincount(np.repeat(np.arange(BLOCK), lens), effect, BLOCK) / np.sqrt(pf))
+        values.append(ids)
+        lengths.append(lens)
+    return dense, values, lengths, logit + src._bias
+
+
+@pytest.mark.parametrize("alpha", [1.05, 1.0])
+def test_synthetic_stream_is_the_per_table_formula(alpha):
+    """All tables computed at once give bit for bit the stream of the per-table formula, also
+    for a range that starts and ends inside blocks."""
+    from recscale.data.synthetic import BLOCK
+
+    cfg = SyntheticConfig(num_samples=4 * BLOCK, table_rows=(7, 1000, 1, 300_000), pooling_factors=(1, 3, 2, 1),
+                          zipf_alpha=alpha, seed=4)
+    src = SyntheticClickData(cfg)
+    blocks = [_per_table_block(src, i) for i in (1, 2)]
+    lo, hi = 100, BLOCK + 700  # samples of blocks 1 and 2
+    got = src.make_samples(BLOCK + lo, hi - lo)
+    ref_dense = np.concatenate([b[0] for b in blocks])[lo:hi]
+    ref_logit = np.concatenate([b[3] for b in blocks])[lo:hi]
+    np.testing.assert_array_equal(got.dense.numpy(), ref_dense)
+    np.testing.assert_array_equal(src.planted_logits(BLOCK + lo, hi - lo), ref_logit)
+    for t, key in enumerate(got.sparse.keys):
+        lens = np.concatenate([b[2][t] for b in blocks])
+        starts = np.concatenate([[0], np.cumsum(lens)])
+        ids = np.concatenate([b[1][t] for b in blocks])[starts[lo] : starts[hi]]
+        vals, got_lens = got.sparse[key]
+        np.testing.assert_array_equal(got_lens.numpy(), lens[lo:hi])
+        np.testing.assert_array_equal(vals.numpy(), ids)
+
+
 def test_synthetic_ids_are_zipf_skewed():
     vals, _ = SyntheticClickData(CFG).make_samples(0, 20_000).sparse["s0"]
     _, counts = torch.unique(vals, return_counts=True)

@@ -20,6 +20,8 @@ from recscale.sparse import JaggedBatch
 
 # Samples are generated in blocks of this many, each from its own seed.
 BLOCK = 1024
+# Ids whose arithmetic runs in one go (their temporaries stay in the CPU's cache).
+CHUNK_IDS = 16384
 
 
 @dataclass(frozen=True)
@@ -63,13 +65,23 @@ def _unit(h: np.ndarray) -> np.ndarray:
 
 def zipf_ranks(rng: np.random.Generator, n: int, num_rows: int, alpha: float) -> np.ndarray:
     """0-based ranks in [0, num_rows) with P(rank k) roughly proportional to (k + 1)^-alpha."""
-    u = rng.random(n)
+    return ranks_from_uniform(rng.random(n), num_rows, zipf_constant(num_rows, alpha), alpha)
+
+
+def zipf_constant(num_rows: int, alpha: float) -> float:
+    """The inverse-CDF constant of a table of ``num_rows`` (a Python float, as the formula was
+    always computed)."""
+    return math.log(num_rows + 1.0) if abs(alpha - 1.0) < 1e-9 else (num_rows + 1.0) ** (1.0 - alpha)
+
+
+def ranks_from_uniform(u: np.ndarray, num_rows: int | np.ndarray, constant: float | np.ndarray, alpha: float) -> np.ndarray:
+    """``zipf_ranks`` of the uniform draws ``u``; ``num_rows`` and ``constant`` (``zipf_constant``)
+    are one table's or each draw's (several tables at once: the same arithmetic per element)."""
     if abs(alpha - 1.0) < 1e-9:
-        r = np.exp(u * math.log(num_rows + 1.0))
+        r = np.exp(u * constant)
     else:
-        top = (num_rows + 1.0) ** (1.0 - alpha)
-        r = (1.0 + u * (top - 1.0)) ** (1.0 / (1.0 - alpha))
-    return np.minimum(np.floor(r).astype(np.int64) - 1, num_rows - 1).clip(0)
+        r = (1.0 + u * (constant - 1.0)) ** (1.0 / (1.0 - alpha))
+    return np.minimum(np.floor(r).astype(np.int64) - 1, np.asarray(num_rows, dtype=np.int64) - 1).clip(0)
 
 
 def bag_lengths(rng: np.random.Generator, count: int, pooling: int) -> np.ndarray:
@@ -77,10 +89,21 @@ def bag_lengths(rng: np.random.Generator, count: int, pooling: int) -> np.ndarra
     return np.ones(count, dtype=np.int64) if pooling == 1 else rng.integers(0, 2 * pooling + 1, size=count)
 
 
-def scatter_ranks(ranks: np.ndarray, num_rows: int, salt: np.uint64) -> np.ndarray:
+def scatter_ranks(ranks: np.ndarray, num_rows: int | np.ndarray, salt: np.uint64 | np.ndarray) -> np.ndarray:
     """Spread hot ranks over the table so hot rows are not simply 0, 1, 2, ... (a hash modulo
-    the rows, which merges a few ranks)."""
-    return (_splitmix64(ranks.astype(np.uint64) + salt) % np.uint64(num_rows)).astype(np.int64)
+    the rows, which merges a few ranks); ``num_rows`` and ``salt`` per table or per rank."""
+    return (_splitmix64(ranks.astype(np.uint64) + salt) % np.asarray(num_rows, dtype=np.uint64)).astype(np.int64)
+
+
+def _runs(sizes: list[int], target: int) -> list[tuple[int, int]]:
+    """Consecutive ranges ``[a, b)`` of ``sizes``, each closed once its sum reaches ``target``."""
+    runs, a, total = [], 0, 0
+    for i, n in enumerate(sizes):
+        total += n
+        if total >= target or i == len(sizes) - 1:
+            runs.append((a, i + 1))
+            a, total = i + 1, 0
+    return runs
 
 
 def unique_fraction(num_rows: int, pooling: int, zipf_alpha: float, global_batch: int, seed: int = 0,
@@ -108,63 +131,84 @@ class SyntheticClickData:
         self._dense_w = rng.normal(0.0, 0.6 / math.sqrt(max(cfg.num_dense, 1)), cfg.num_dense)
         self._salt = rng.integers(1, 2**62, size=len(cfg.table_rows), dtype=np.int64).astype(np.uint64)
         self._effect_scale = 1.6 / math.sqrt(len(cfg.table_rows))
+        self._rows = np.array(cfg.table_rows, dtype=np.int64)
+        self._zipf_constants = np.array([zipf_constant(r, cfg.zipf_alpha) for r in cfg.table_rows])
+        self._sqrt_pooling = np.array([math.sqrt(pf) for pf in cfg.pooling_factors])
         self._cache: tuple[int, tuple] | None = None
         self._bias = self._calibrate_bias()
 
     def __len__(self) -> int:
         return self.cfg.num_samples
 
-    def _effects(self, table: int, ids: np.ndarray) -> np.ndarray:
-        """Planted effect of each (table, id): an approximately normal value from two hashes."""
-        h = _splitmix64(ids.astype(np.uint64) ^ self._salt[table])
+    def _effects(self, ids: np.ndarray, salts: np.ndarray) -> np.ndarray:
+        """Planted effect of each (table, id), ``salts`` being each id's table salt: an
+        approximately normal value from two hashes."""
+        h = _splitmix64(ids.astype(np.uint64) ^ salts)
         u1, u2 = _unit(h), _unit(_splitmix64(h))
         return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * math.pi * u2)
 
-    def _latent(self, start: int, count: int) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray], np.ndarray]:
-        """Samples [start, start + count) of the stream (seeded by ``start``)."""
+    def _latent(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Samples [start, start + count) of the stream (seeded by ``start``): dense
+        ``[count, num_dense]``, ids (key-major), lengths ``[tables, count]``, logits.
+
+        Each table draws its bag lengths and then its ids' uniforms from the one generator, in
+        table order; the arithmetic on them runs over runs of tables of about ``CHUNK_IDS`` ids
+        (per table, the numpy calls on one-id features cost more than their arithmetic; over a
+        whole multi-hot batch, the arrays outgrow the CPU's cache)."""
         cfg = self.cfg
         rng = np.random.default_rng([cfg.seed, start])
         dense = np.log1p(rng.exponential(3.0, size=(count, cfg.num_dense))).astype(np.float32)
         logit = dense.astype(np.float64) @ self._dense_w
-        values, lengths = [], []
-        for t, (rows, pf) in enumerate(zip(cfg.table_rows, cfg.pooling_factors)):
-            lens = bag_lengths(rng, count, pf)
-            ids = scatter_ranks(zipf_ranks(rng, int(lens.sum()), rows, cfg.zipf_alpha), rows, self._salt[t])
-            eff = self._effects(t, ids)
-            bag = np.repeat(np.arange(count), lens)
-            per_sample = np.bincount(bag, weights=eff, minlength=count) / math.sqrt(pf)
-            logit += self._effect_scale * per_sample
-            values.append(ids)
-            lengths.append(lens)
-        return dense, values, lengths, logit
+        lengths = np.empty((len(cfg.table_rows), count), dtype=np.int64)
+        draws = []
+        for t, pf in enumerate(cfg.pooling_factors):
+            lengths[t] = bag_lengths(rng, count, pf)
+            draws.append(rng.random(int(lengths[t].sum())))
+        per_table = lengths.sum(1)
+        ids, sums = [], np.empty(lengths.shape)
+        for a, b in _runs(per_table.tolist(), CHUNK_IDS):
+            # Each id's table constants (a table alone: scalars, cheaper than arrays).
+            n = per_table[a:b]
+            spread = (lambda v: v[a]) if b - a == 1 else (lambda v: np.repeat(v[a:b], n))  # noqa: E731
+            rows, salts = spread(self._rows), spread(self._salt)
+            run_ids = ranks_from_uniform(np.concatenate(draws[a:b]), rows, spread(self._zipf_constants), cfg.zipf_alpha)
+            run_ids = scatter_ranks(run_ids, rows, salts)
+            bag = np.repeat(np.arange((b - a) * count), lengths[a:b].reshape(-1))
+            sums[a:b] = np.bincount(bag, self._effects(run_ids, salts), (b - a) * count).reshape(b - a, count)
+            ids.append(run_ids)
+        per_sample = self._effect_scale * (sums / self._sqrt_pooling[:, None])
+        for t in range(len(per_sample)):  # table by table: the same order of additions as ever
+            logit += per_sample[t]
+        return dense, np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64), lengths, logit
 
-    def _block(self, index: int) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray], np.ndarray, np.ndarray]:
-        """Block ``index`` of BLOCK samples: dense, ids, lengths, logits, labels. A sample's
-        content depends only on its global position, however requests split the stream."""
+    def _block(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Block ``index`` of BLOCK samples: dense, ids, lengths, each bag's start in the ids
+        (``[tables, BLOCK + 1]``), logits, labels. A sample's content depends only on its
+        global position, however requests split the stream."""
         if self._cache is not None and self._cache[0] == index:
             return self._cache[1]
-        dense, values, lengths, logit = self._latent(index * BLOCK, BLOCK)
+        dense, ids, lengths, logit = self._latent(index * BLOCK, BLOCK)
         logit = logit + self._bias
         p = 1.0 / (1.0 + np.exp(-logit))
         labels = (np.random.default_rng([self.cfg.seed, index, 1]).random(BLOCK) < p).astype(np.float32)
-        block = (dense, values, lengths, logit, labels)
+        starts = np.zeros((lengths.shape[0], BLOCK + 1), dtype=np.int64)
+        np.cumsum(lengths, axis=1, out=starts[:, 1:])
+        starts += np.concatenate([[0], np.cumsum(lengths.sum(1))[:-1]])[:, None]
+        block = (dense, ids, lengths, starts, logit, labels)
         self._cache = (index, block)
         return block
 
     def _range(self, start: int, count: int):
-        """Pieces of the blocks covering global samples [start, start + count)."""
+        """Pieces of the blocks covering global samples [start, start + count): dense, each
+        table's ids, lengths ``[tables, n]``, logits, labels."""
         pieces = []
         pos, end = start, start + count
         while pos < end:
             index, lo = divmod(pos, BLOCK)
             hi = min(BLOCK, lo + end - pos)
-            dense, values, lengths, logit, labels = self._block(index)
-            ids, lens = [], []
-            for v, l in zip(values, lengths):
-                offs = np.concatenate([[0], np.cumsum(l)])
-                ids.append(v[offs[lo] : offs[hi]])
-                lens.append(l[lo:hi])
-            pieces.append((dense[lo:hi], ids, lens, logit[lo:hi], labels[lo:hi]))
+            dense, ids, lengths, starts, logit, labels = self._block(index)
+            per_table = [ids[a:b] for a, b in zip(starts[:, lo].tolist(), starts[:, hi].tolist())]
+            pieces.append((dense[lo:hi], per_table, lengths[:, lo:hi], logit[lo:hi], labels[lo:hi]))
             pos += hi - lo
         return pieces
 
@@ -188,13 +232,12 @@ class SyntheticClickData:
             raise IndexError(f"samples [{start}, {start + count}) outside [0, {self.cfg.num_samples})")
         pieces = self._range(self.offset + start, count)
         num_tables = len(self.cfg.table_rows)
-        dense = np.concatenate([p[0] for p in pieces]) if pieces else np.zeros((0, self.cfg.num_dense), np.float32)
-        labels = np.concatenate([p[4] for p in pieces]) if pieces else np.zeros(0, np.float32)
-        values = [np.concatenate([p[1][t] for p in pieces] or [np.zeros(0, np.int64)]) for t in range(num_tables)]
-        lengths = [np.concatenate([p[2][t] for p in pieces] or [np.zeros(0, np.int64)]) for t in range(num_tables)]
-        sparse = JaggedBatch(
-            self.sparse_names,
-            torch.from_numpy(np.concatenate(values)),
-            torch.from_numpy(np.concatenate(lengths)),
-        )
+        if not pieces:
+            sparse = JaggedBatch(self.sparse_names, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+            return Batch(torch.zeros(0, self.cfg.num_dense), sparse, torch.zeros(0))
+        dense = np.concatenate([p[0] for p in pieces])
+        labels = np.concatenate([p[4] for p in pieces])
+        values = np.concatenate([p[1][t] for t in range(num_tables) for p in pieces])
+        lengths = np.concatenate([p[2] for p in pieces], axis=1).reshape(-1)
+        sparse = JaggedBatch(self.sparse_names, torch.from_numpy(values), torch.from_numpy(lengths))
         return Batch(torch.from_numpy(np.ascontiguousarray(dense)), sparse, torch.from_numpy(labels))
