@@ -414,9 +414,10 @@ BUILDERS: dict[str, Callable[[ModelSpec], System]] = {
 
 _COMM = ("comm:", "c10d", "gloo", "all_to_all", "alltoall", "all2all", "allreduce", "all_reduce", "allgather",
          "all_gather", "record_param_comms", "wait_tensor", "_OutputDist", "_OutputSend", "_OutputRecv", "All2All", "ReduceScatter", "Awaitable")
-_EMB = ("e2e.embeddings", "_FusedPooling", "EmbeddingBag", "SplitLookup", "fbgemm", "embedding", "Embedding")
+# "FusedPooling": the torch and the native operators, forward and backward (the fused update).
+_EMB = ("e2e.embeddings", "FusedPooling", "EmbeddingBag", "SplitLookup", "fbgemm", "embedding", "Embedding")
 _MLP = ("e2e.mlp", "Addmm", "Mm", "Relu", "Threshold", "Bmm", "_TrianglePairs", "_NativeInteraction", "Linear", "Index", "Optimizer.step",
-        "BinaryCrossEntropy", "Mean", "Squeeze", "Cat", "View", "Transpose", "Unsqueeze", "Div", "Permute")
+        "BinaryCrossEntropy", "binary_cross_entropy", "Mean", "Squeeze", "Cat", "View", "Transpose", "Unsqueeze", "Div", "Permute")
 
 
 def _category(name: str) -> str | None:
