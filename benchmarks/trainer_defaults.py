@@ -65,17 +65,20 @@ class Case:
     notes: list[str] = field(default_factory=list)
 
 
-def criteo_1m(quick: bool) -> Case:
-    rows, batch, steps = (10_000, 256, 10) if quick else (1_000_000, 2048, 150)
+def criteo_1m(quick: bool, rows: int | None = None) -> Case:
+    """``rows``: per table instead of 1M (10k with ``quick``)."""
+    batch, steps = (256, 10) if quick else (2048, 150)
+    rows = rows or (10_000 if quick else 1_000_000)
     spec = ModelSpec("criteo-1m", (rows,) * 26, (1,) * 26, 64, (512, 256, 64), (512, 256, 1), batch)
     # 26 values: with synthetic data the list's length is the number of features.
     sets = [f"model.table_rows=[{','.join([str(rows)] * 26)}]", "model.embedding_dim=64", "model.bottom_mlp=[512,256,64]",
             "model.top_mlp=[512,256,1]", f"train.batch_size={batch}", f"data.num_samples={steps * batch}",
             "data.eval_samples=4096"]
-    return Case("criteo-1m", spec, None, sets, steps, num_batches=4 if quick else 16)
+    notes = [] if rows == 1_000_000 else [f"criteo-1m: {rows:,} rows per table instead of 1M (--rows)"]
+    return Case("criteo-1m", spec, None, sets, steps, num_batches=4 if quick else 16, notes=notes)
 
 
-def criteo_10k(quick: bool) -> Case:
+def criteo_10k(quick: bool, rows: int | None = None) -> Case:
     """The shipped Criteo 10k config; the harness gets its model shape (rows from the data)."""
     from recscale.train.config import load_config
     from recscale.train.datasets import build_data, with_table_rows
@@ -91,7 +94,7 @@ def criteo_10k(quick: bool) -> Case:
                 notes=["criteo-10k: harness and TorchRec train its shape on synthetic batches; the trainer reads the file"])
 
 
-CASES: dict[str, Callable[[bool], Case]] = {"criteo-1m": criteo_1m, "criteo-10k": criteo_10k}
+CASES: dict[str, Callable[[bool, int | None], Case]] = {"criteo-1m": criteo_1m, "criteo-10k": criteo_10k}
 
 
 # --------------------------------------------------------------------------- the systems' turns
@@ -203,8 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {list(SYSTEMS)}")
     p.add_argument("--rounds", type=int, default=None, help="interleaved turns per system (default 3; --quick 1)")
     p.add_argument("--quick", action="store_true", help="tiny tables and batches, one round: a smoke run")
+    p.add_argument("--rows", type=int, default=None, help="criteo-1m: rows per table (default 1M; a smaller "
+                   "model where memory is short: each process holds its tables, 6.7 GB at 1M)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = p.parse_args(argv)
+    if args.rows is not None and args.rows < 1:
+        raise SystemExit(f"--rows must be >= 1, got {args.rows}")
     rounds = args.rounds or (1 if args.quick else 3)
     if rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {rounds}")
@@ -220,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         systems.remove("torchrec")
         notes.append(f"torchrec: not importable ({why}); see benchmarks/README.md to install it")
     rows: list[dict[str, Any]] = []
-    cases = [CASES[c](args.quick) for c in args.cases.split(",")]
+    cases = [CASES[c](args.quick, args.rows) for c in args.cases.split(",")]
     with tempfile.TemporaryDirectory(prefix="recscale-defaults-") as d:
         tmp = Path(d)
         log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"recscale-defaults-{os.getpid()}"
