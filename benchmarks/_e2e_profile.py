@@ -102,3 +102,17 @@ def reset_peak_rss() -> None:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         pass
+
+
+def release_memory() -> None:
+    """Hand the freed heap back to the OS (``malloc_trim``; the harness's allocator settings
+    otherwise keep it), so the next model's peak RSS counts only its own memory."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass

@@ -123,7 +123,8 @@ class RecscaleSystem(System):
         if tuning is not None:
             tuning.after_build()
         plan = getattr(self.model.embeddings, "plan", None)
-        self.plan_summary = {"chosen": _counts(plan.sharding_types().values())} if plan else {"chosen": {"unsharded": 1}}
+        chosen = _counts(plan.sharding_types().values()) if plan else {"unsharded": 1}
+        self.plan_summary = {"chosen": chosen}
 
     def prepare(self, batch: Batch) -> Batch:
         return batch  # already recscale's own input type
@@ -197,8 +198,9 @@ class _PlainDLRM(nn.Module):
         self.f, self.dim, self.dcn = f, spec.dim, spec.interaction == "dcn"
         if self.dcn:
             width = f * spec.dim
-            self.cross_v = nn.ModuleList(nn.Linear(width, spec.dcn_low_rank, bias=False) for _ in range(spec.dcn_layers))
-            self.cross_w = nn.ModuleList(nn.Linear(spec.dcn_low_rank, width) for _ in range(spec.dcn_layers))
+            rank, layers = spec.dcn_low_rank, range(spec.dcn_layers)
+            self.cross_v = nn.ModuleList(nn.Linear(width, rank, bias=False) for _ in layers)
+            self.cross_w = nn.ModuleList(nn.Linear(rank, width) for _ in layers)
         else:
             li, lj = torch.tril_indices(f, f, offset=-1)
             self.register_buffer("li", li, persistent=False)
