@@ -7,8 +7,9 @@ updates and communicates differs:
 
 * ``recscale``: ``recscale.train.model_factory.build_model`` (what ``recscale train`` builds), its
   pipelined ``train_step``; its in-process tuning (``train.tune_process``, ``retain_host_memory``)
-  off, so it runs in the harness's environment like everyone else. ``recscale-tuned``: that
-  tuning on top. ``recscale-sharded``: one process through the sharded path (a one-rank process
+  off, so it runs in the harness's environment like everyone else (the huge-page advice on its
+  tables is part of the embedding module and stays; the harness's ``glibc.malloc.hugetlb``
+  gives every system's large allocations huge pages). ``recscale-tuned``: that tuning on top. ``recscale-sharded``: one process through the sharded path (a one-rank process
   group, ``recscale.sharding.shard``, the dense all-reduce). ``recscale-bf16``:
   ``model.mlp_precision = "bf16"``.
 * ``plain``: one ``nn.EmbeddingBag(sparse=True)`` per table, row-wise Adagrad written out on the

@@ -31,7 +31,7 @@ def test_e2e_quick_runs_and_prints_the_table(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     rows = data["results"]
     got = {(r["config"], r["setup"], r["system"]) for r in rows}
-    has_torchrec = importlib.util.find_spec("torchrec") is not None and importlib.util.find_spec("fbgemm_gpu") is not None
+    has_torchrec = all(importlib.util.find_spec(m) is not None for m in ("torchrec", "fbgemm_gpu"))
     for config in ("criteo-dlrm", "dcnv2"):
         for setup in ("1proc", "2ranks"):
             assert {(config, setup, "recscale"), (config, setup, "plain")} <= got
