@@ -45,6 +45,11 @@ from recscale.comm.local_processes import free_port  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 SETUPS = {"1proc": (1, 2), "2ranks": (2, 1)}  # name: (ranks, threads per rank)
 MAX_BF16_STEP_S = 2.0
+# A worker with torch (and TorchRec) imported holds 0.27-0.38 GB resident, part of it shared
+# library pages counted once; a built dcnv2 worker held 1.75 GB: 0.44 tables, 0.22 batches, the
+# rest a step's activations, gradients and allocator slack.
+IDLE_WORKER_BYTES = 2**28
+STEP_BYTES = 0.75 * 2**30
 DEFAULT_SYSTEMS = "recscale,recscale-tuned,recscale-sharded,torchrec,torchrec-tw,torchrec-ebc,plain"
 # What recscale's in-process tuning does (recscale.host_memory, recscale.train.process_tuning),
 # given by the harness to every worker instead: glibc keeps freed blocks under 1 GiB and never
@@ -190,25 +195,37 @@ class Worker:
 
 
 def memory_estimate(spec: ModelSpec, system: str, ranks: int, num_batches: int) -> float:
-    """Bytes one system's job is expected to hold: its tables (replicated on every rank by
-    plain PyTorch's DDP), the batches, and a process's own footprint (torch, TorchRec, a step's
-    activations: about 1 GiB measured on dcnv2)."""
+    """Bytes one system's job is expected to hold with a model built, beyond an idle worker's
+    ``IDLE_WORKER_BYTES``: its tables (replicated on every rank by plain PyTorch's DDP), the
+    batches and a step's working memory."""
     tables = spec.table_bytes() * (ranks if system.startswith("plain") else 1)
-    return 1.2 * tables + ranks * (num_batches * spec.batch_bytes() + 2**30)
+    return 1.2 * tables + ranks * (num_batches * spec.batch_bytes() + STEP_BYTES)
+
+
+# Systems compared with each other stay in one group where they fit: the headline trio, the bf16
+# trio, recscale's variants, TorchRec's variants.
+UNITS = (("recscale", "torchrec", "plain"), ("recscale-bf16", "torchrec-bf16", "plain-bf16"),
+         ("recscale-tuned", "recscale-sharded", "recscale-nopipe"), ("torchrec-tw", "torchrec-ebc"))
 
 
 def memory_groups(spec: ModelSpec, systems: list[str], ranks: int, num_batches: int, budget: float) -> list[list[str]]:
-    """Split ``systems`` (in priority order) into groups that fit in ``budget`` bytes together;
-    each group races on its own (all its workers hold their models at once)."""
+    """Split ``systems`` into groups that fit in ``budget`` bytes together, keeping each of
+    ``UNITS`` whole where it fits; each group races on its own (its workers hold their models
+    at once)."""
+    units = [[s for s in u if s in systems] for u in UNITS]
+    units = [u for u in units if u] + [[s] for s in systems if not any(s in u for u in UNITS)]
     groups: list[list[str]] = [[]]
     used = 0.0
-    for s in systems:
-        need = memory_estimate(spec, s, ranks, num_batches)
-        if groups[-1] and used + need > budget:
-            groups.append([])
-            used = 0.0
-        groups[-1].append(s)
-        used += need
+    for unit in units:
+        need = sum(memory_estimate(spec, s, ranks, num_batches) for s in unit)
+        parts = [unit] if need <= budget else [[s] for s in unit]  # a unit too big alone is split
+        for part in parts:
+            need = sum(memory_estimate(spec, s, ranks, num_batches) for s in part)
+            if groups[-1] and used + need > budget:
+                groups.append([])
+                used = 0.0
+            groups[-1] += part
+            used += need
     return groups
 
 
@@ -273,8 +290,10 @@ def run_setup(setup: str, specs: list[ModelSpec], systems_for, args, log_dir: Pa
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=600))
-    budget = args.memory_gb * 2**30 if args.memory_gb else 0.85 * available_memory()
     names = [s for s in BUILDERS if any(s in systems_for(spec, setup) for spec in specs)]
+    # Every worker stays up for the whole setup; the models of one group share the rest.
+    budget = (args.memory_gb * 2**30 if args.memory_gb else 0.85 * available_memory())
+    budget -= len(names) * ranks * IDLE_WORKER_BYTES
     workers = {s: Worker(f"{s}-{setup}", s, ranks, env, f"127.0.0.1:{port}", store, log_dir) for s in names}
     rows: list[dict] = []
     try:

@@ -53,3 +53,22 @@ def test_e2e_quick_runs_and_prints_the_table(tmp_path: Path) -> None:
         assert abs(r["vs_plain"] - r["samples_per_s"]["median"] / peer["samples_per_s"]["median"]) < 1e-9
     assert data["machine"]["mem_bw_gbs"] > 0 and data["machine"]["fp32_gflops"] > 0
     assert data["specs"][1]["interaction"] == "dcn" and data["specs"][1]["dcn_low_rank"] == 512
+
+
+def test_systems_that_do_not_fit_together_race_in_groups_that_do() -> None:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import e2e
+        from _e2e_spec import make_spec
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    spec = make_spec("criteo-dlrm")
+    systems = ["recscale", "torchrec", "plain", "recscale-bf16", "torchrec-bf16", "plain-bf16", "recscale-tuned"]
+    assert e2e.memory_groups(spec, systems, 1, 64, float("inf")) == [systems]
+    one = e2e.memory_estimate(spec, "recscale", 1, 64)
+    groups = e2e.memory_groups(spec, systems, 1, 64, 3.5 * one)
+    # Each group fits, the compared trios stay whole, and every system races once.
+    assert groups == [systems[:3], systems[3:6], systems[6:]]
+    assert e2e.memory_groups(spec, systems[:3], 1, 64, 1.5 * one) == [[s] for s in systems[:3]]
+    # Plain PyTorch replicates its tables on every rank; the sharded systems do not.
+    assert e2e.memory_estimate(spec, "plain", 2, 64) - e2e.memory_estimate(spec, "recscale", 2, 64) > spec.table_bytes()
