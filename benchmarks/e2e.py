@@ -46,10 +46,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SETUPS = {"1proc": (1, 2), "2ranks": (2, 1)}  # name: (ranks, threads per rank)
 MAX_BF16_STEP_S = 2.0
 # A worker with torch (and TorchRec) imported holds 0.27-0.38 GB resident, part of it shared
-# library pages counted once; a built dcnv2 worker held 1.75 GB: 0.44 tables, 0.22 batches, the
-# rest a step's activations, gradients and allocator slack.
+# library pages counted once; a built dcnv2 worker (batch 2048) held 1.75 GB: 0.44 tables, 0.22
+# batches, the rest a step's activations, gradients and allocator slack (dcnv2's are the widest).
 IDLE_WORKER_BYTES = 2**28
-STEP_BYTES = 0.75 * 2**30
+STEP_BYTES_PER_SAMPLE = 0.75 * 2**30 / 2048
 DEFAULT_SYSTEMS = "recscale,recscale-tuned,recscale-sharded,torchrec,torchrec-tw,torchrec-ebc,plain"
 # What recscale's in-process tuning does (recscale.host_memory, recscale.train.process_tuning),
 # given by the harness to every worker instead: glibc keeps freed blocks under 1 GiB and never
@@ -199,7 +199,7 @@ def memory_estimate(spec: ModelSpec, system: str, ranks: int, num_batches: int) 
     ``IDLE_WORKER_BYTES``: its tables (replicated on every rank by plain PyTorch's DDP), the
     batches and a step's working memory."""
     tables = spec.table_bytes() * (ranks if system.startswith("plain") else 1)
-    return 1.2 * tables + ranks * (num_batches * spec.batch_bytes() + STEP_BYTES)
+    return 1.2 * tables + ranks * (num_batches * spec.batch_bytes() + spec.batch_size * STEP_BYTES_PER_SAMPLE)
 
 
 # Systems compared with each other stay in one group where they fit: the headline trio, the bf16
