@@ -13,7 +13,7 @@ this machine (measured here: memory bandwidth and matmul FLOP/s).
 
     python benchmarks/e2e.py                               # every config, 1 process and 2 ranks
     python benchmarks/e2e.py --configs dcnv2 --setups 1proc --rounds 3
-    python benchmarks/e2e.py --quick --json out/e2e.json   # tiny sizes, a minute or two
+    python benchmarks/e2e.py --quick --json out/e2e.json   # tiny sizes, a few minutes
 """
 
 from __future__ import annotations
