@@ -80,7 +80,7 @@ def choose(d: dict) -> dict[str, dict]:
 
 def run_once(entry: dict, batch: int, seconds: float, quick: bool) -> dict:
     """Train ``entry`` with the explorer's command for about ``seconds`` of predicted time."""
-    steps = max(8 if quick else 12, min(400, round(entry["predicted_samples_per_s"] * seconds / batch)))
+    steps = max(6 if quick else 8, min(400, round(entry["predicted_samples_per_s"] * seconds / batch)))
     cmd = list(entry["cluster_command"])
     assert cmd[:2] == ["recscale", "cluster"] and "train" in cmd, cmd
     with tempfile.TemporaryDirectory() as tmp:
@@ -95,8 +95,11 @@ def run_once(entry: dict, batch: int, seconds: float, quick: bool) -> dict:
         s = json.loads(summary.read_text())
     m = re.search(r"between the groups carried ([\d,.]+) MB from group 0 and ([\d,.]+) MB", proc.stdout)
     cross_mb = max(float(m.group(1).replace(",", "")), float(m.group(2).replace(",", ""))) if m else 0.0
+    # the busiest host link, either way (setup and evaluation included: an upper bound on training's share)
+    host_mb = max((float(x.replace(",", "")) for x in re.findall(r"(?:sent|received) ([\d,.]+) MB", proc.stdout)),
+                  default=0.0)
     return {"samples_per_s": float(s["train_samples_per_sec"]), "steps": steps, "train_seconds": s["train_seconds"],
-            "cross_mb_busiest_way": cross_mb}
+            "cross_mb_busiest_way": cross_mb, "host_mb_busiest": host_mb}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turns", type=int, default=None, help="interleaved turns (default 3; quick 1)")
     ap.add_argument("--hosts-per-group", type=int, default=2)
     ap.add_argument("--ranks-per-host", type=int, default=1)
-    ap.add_argument("--intra-mbit", type=float, default=300.0, help="each host's link inside its group")
-    ap.add_argument("--cross-mbit", type=float, default=100.0, help="the one link between the two groups")
+    ap.add_argument("--intra-mbit", type=float, default=100.0, help="each host's link inside its group")
+    ap.add_argument("--cross-mbit", type=float, default=50.0,
+                    help="the one link between the two groups (default: 1:4 oversubscribed, as two-buildings)")
     ap.add_argument("--batch-size", type=int, default=2048, help="the global batch the explorer keeps fixed")
     ap.add_argument("--max-auc-loss", type=float, default=0.002, help="passed to recscale explore")
     ap.add_argument("--seconds", type=float, default=None, help="predicted training seconds per run (default 15; quick 5)")
@@ -129,19 +133,21 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"turn {turn + 1}/{turns}  {k:32s} {r['samples_per_s']:10,.0f} samples/s  "
                       f"({r['steps']} steps, cross link {r['cross_mb_busiest_way']:,.1f} MB)", flush=True)
     rows, out = [], {}
-    cross_bytes_s = args.cross_mbit * 1e6 / 8
+    cross_bytes_s, host_bytes_s = args.cross_mbit * 1e6 / 8, args.intra_mbit * 1e6 / 8
     for k, e in chosen.items():
         sps = [r["samples_per_s"] for r in measured[k]]
         med = statistics.median(sps)
         busy = statistics.median(r["cross_mb_busiest_way"] * 1e6 / cross_bytes_s / r["train_seconds"] for r in measured[k])
+        host_busy = statistics.median(r["host_mb_busiest"] * 1e6 / host_bytes_s / r["train_seconds"] for r in measured[k])
         out[k] = {"name": e["name"], "launch": e["launch"], "command": e["cluster_command"],
                   "predicted_samples_per_s": e["predicted_samples_per_s"], "measured": measured[k],
-                  "measured_median": med, "spread": (max(sps) - min(sps)) / med, "cross_link_busy": busy}
+                  "measured_median": med, "spread": (max(sps) - min(sps)) / med, "cross_link_busy": busy,
+                  "host_link_busy": host_busy}
         rows.append([k, e["name"][:70], f"{med:,.0f}", f"±{100 * out[k]['spread']:.0f}%",
                      f"{e['predicted_samples_per_s']:,.0f}", f"{100 * (e['predicted_samples_per_s'] - med) / med:+.1f}%",
-                     f"{100 * busy:.0f}%"])
+                     f"{100 * busy:.0f}%", f"{100 * host_busy:.0f}%"])
     print(format_table(["run", "configuration", "measured samples/s", "spread", "predicted", "pred. error",
-                        "cross link busy"], rows, 2))
+                        "cross link busy", "busiest host link"], rows, 2))
     top, base = out["explorer top"], out["production-default"]
     per_turn = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(top["measured"], base["measured"])]
     gain_m = statistics.median(per_turn) - 1
