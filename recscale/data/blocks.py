@@ -217,7 +217,10 @@ def _clean_block(block: Block, schema: DataSchema, skip_bad_rows: bool) -> Clean
     is_text = isinstance(block.data, bytes)
     invalid: list[int] = []
     first_error: tuple[int, str] | None = None  # (line, message) of a row of the wrong width
-    if is_text:
+    if is_text and not block.data.replace(b"\n", b"").replace(b"\r", b""):  # type: ignore[union-attr]
+        # Only line ends (pyarrow calls that an empty file): no rows.
+        table = pa.table({n: pa.array([], pa.string()) for n in (schema.label, *schema.dense_names, *schema.sparse_names)})
+    elif is_text:
         try:
             table = _read_text(block, schema, typed=True, invalid=invalid)
         except pa.ArrowInvalid:

@@ -168,7 +168,7 @@ def _file_blocks(opts: PrepareOptions, path: str, raw, stream, index: int,
         advance(raw.tell() - pos)
         pos = raw.tell()
         if not chunk:
-            if rest.strip():
+            if rest.replace(b"\r", b""):  # a last line without its newline (spaces are a row too)
                 yield Block(index, path, line, rest, columns)
                 index += 1
             break
