@@ -163,7 +163,9 @@ def test_binary_rows_are_skipped_and_counted(inputs, capsys):
     assert code == 0 and "prepared 40 rows" in out and "skipped 1 bad rows" in out and "binary.tsv:5" in out
     manifest = json.loads((inputs / "skipped" / "manifest.json").read_text())
     assert manifest["rows"] == 40 and manifest["skipped_rows"] == 1
+    # A plain folder's and plain files' permissions, not a temporary folder's owner-only ones.
     assert oct(os.stat(inputs / "skipped").st_mode & 0o777) == oct(0o777 & ~_umask())
+    assert oct(os.stat(inputs / "skipped" / "manifest.json").st_mode & 0o777) == oct(0o666 & ~_umask())
 
 
 def _umask() -> int:
