@@ -48,6 +48,8 @@ def files(d: Path) -> None:
     (d / "dense_str.json").write_text(json.dumps({"label": "y", "dense": "age", "sparse": [{"name": "u", "table_rows": 9}],
                                                   "columns": ["y", "age", "u"]}))
     (d / "data.csv").write_text("1,30,7\n0,40,8\n")
+    (d / "not.parquet").write_bytes(b"PAR1 but not really")
+    (d / "schema.json").write_text(json.dumps({"label": "y", "dense": ["age"], "sparse": [{"name": "u", "table_rows": 9}]}))
     (d / "plan_rank_zero.json").write_text(json.dumps(PLAN))
     (d / "not_json.json").write_bytes(b"\x00\xff not json {")
     (d / "a_file").write_text("x")
@@ -110,6 +112,8 @@ CASES: dict[str, Case] = {
                                                  ("--out", "is a directory")),
     "prepare --out naming a file": Case(prepare("binary.tsv", out="a_file"), ("--out", "a_file", "is a file")),
     "prepare --out unwritable": Case(prepare("binary.tsv", out="/proc/recscale-prepared"), ("--out", "/proc")),
+    "not a Parquet file, prepare": Case(prepare("not.parquet", "--schema", "{d}/schema.json", fmt="parquet"),
+                                        ("not.parquet", "not a readable Parquet file")),
     'schema "header": "yes"': Case(prepare("data.csv", "--schema", "{d}/header_yes.json", fmt="csv"),
                                    ("'header'", "true or false")),
     'schema "dense": "age"': Case(prepare("data.csv", "--schema", "{d}/dense_str.json", fmt="csv"),
@@ -163,7 +167,9 @@ def test_binary_rows_are_skipped_and_counted(inputs, capsys):
     assert code == 0 and "prepared 40 rows" in out and "skipped 1 bad rows" in out and "binary.tsv:5" in out
     manifest = json.loads((inputs / "skipped" / "manifest.json").read_text())
     assert manifest["rows"] == 40 and manifest["skipped_rows"] == 1
+    # A plain folder's and plain files' permissions, not a temporary folder's owner-only ones.
     assert oct(os.stat(inputs / "skipped").st_mode & 0o777) == oct(0o777 & ~_umask())
+    assert oct(os.stat(inputs / "skipped" / "manifest.json").st_mode & 0o777) == oct(0o666 & ~_umask())
 
 
 def _umask() -> int:

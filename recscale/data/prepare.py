@@ -187,13 +187,25 @@ def _parquet_blocks(opts: PrepareOptions, advance: Callable[[int], None]) -> Ite
     index = 0
     rows_per_batch = max(1, opts.block_bytes // 256)
     for path in opts.inputs:
-        pf = pq.ParquetFile(path)
+        try:
+            pf = pq.ParquetFile(path)
+        except (pa.ArrowException, OSError) as e:
+            raise DataFormatError(f"{path}: not a readable Parquet file ({shown(str(e), 120)[1:-1]}); "
+                                  "give Parquet files, or --format csv / criteo-tsv for text") from None
         names = set(pf.schema_arrow.names)
         missing = [n for n in (opts.schema.label, *opts.schema.dense_names, *opts.schema.sparse_names) if n not in names]
         if missing:
             raise SchemaError(f"{path}: Parquet file has no column(s) {missing} (it has {sorted(names)})")
         size, first = os.path.getsize(path), 1
-        for batch in pf.iter_batches(batch_size=rows_per_batch):
+        batches = pf.iter_batches(batch_size=rows_per_batch)
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
+            except (pa.ArrowException, OSError) as e:  # a damaged page or a cut file
+                raise DataFormatError(f"{path}: row {first} on cannot be read ({shown(str(e), 120)[1:-1]}); "
+                                      "the Parquet file is damaged or cut") from None
             yield Block(index, path, first, batch)
             index += 1
             first += batch.num_rows

@@ -25,23 +25,33 @@ def check_out(out: Path, overwrite: bool) -> None:
 
 
 def staging(out: Path) -> Path:
-    """A new, empty hidden sibling of ``out`` that everything is written into and that is renamed
-    to ``out`` at the end: a failed prepare leaves nothing at ``--out``."""
+    """A new, empty hidden folder that everything is written into and that becomes ``out`` at
+    the end: a sibling of ``out``, or inside it when ``out`` is a mount point (which cannot be
+    renamed); a failed prepare leaves nothing at ``--out``."""
+    where = out if _is_mount(out) else out.parent
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+        where.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=where))
         mask = os.umask(0o022)
         os.umask(mask)
         os.chmod(tmp, 0o777 & ~mask)  # a plain folder's permissions, not mkdtemp's owner-only ones
     except OSError as e:
-        raise OutputPathError(f"--out '{out}': cannot create a folder in '{out.parent}' ({e.strerror}); "
+        raise OutputPathError(f"--out '{out}': cannot create a folder in '{where}' ({e.strerror}); "
                               "give a writable path") from None
     return tmp
 
 
 def publish(tmp: Path, out: Path) -> None:
-    """Rename the finished folder to ``out``; an earlier ``out`` (empty, or replaced with
-    ``--overwrite``) is moved aside first and deleted after."""
+    """Make the finished folder ``out``. A sibling is renamed to ``out``; an earlier ``out``
+    (empty, or replaced with ``--overwrite``) is moved aside first and deleted after. Inside a
+    mount point, the old entries are deleted (the manifest first) and the new ones moved up (the
+    manifest last): a reader never takes a half-moved folder for a finished one."""
+    if tmp.parent == out:
+        _clear(out, keep=tmp)
+        for p in sorted(tmp.iterdir(), key=lambda p: p.name == MANIFEST):
+            os.rename(p, out / p.name)
+        tmp.rmdir()
+        return
     old = None
     if out.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
@@ -49,6 +59,21 @@ def publish(tmp: Path, out: Path) -> None:
     os.rename(tmp, out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _is_mount(out: Path) -> bool:
+    return out.is_dir() and os.path.ismount(out)
+
+
+def _clear(out: Path, keep: Path) -> None:
+    (out / MANIFEST).unlink(missing_ok=True)  # first: the folder is no finished dataset from here on
+    for p in out.iterdir():
+        if p == keep:
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
 
 
 WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.EFBIG)
