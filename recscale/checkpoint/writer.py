@@ -9,6 +9,7 @@ final name: a reader sees the whole checkpoint or nothing, also when a process d
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -257,6 +258,15 @@ def commit(
     return manifest
 
 
+def write_failure(what: str, where: str, e: OSError) -> str:
+    """One line for a checkpoint write the file system refused, with what to do."""
+    full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+    reason = "no space left on the device" if full else (e.strerror or str(e))
+    return (f"{what} could not be written in '{where}' ({reason}) and was not kept; the checkpoints "
+            f"before it are intact; {'free space' if full else 'fix the folder'} (or set checkpoint.dir elsewhere) "
+            "and resume from the last one with --resume")
+
+
 def load_base(storage: Storage, name: str) -> Manifest:
     where = storage.describe(name)
     if storage.size(f"{name}/{MANIFEST}") is None:
@@ -303,6 +313,15 @@ class CheckpointWriter:
     def _run(self, job: WriteJob) -> WriteReport:
         if self._pool is not None:
             lower_thread_priority()
+        try:
+            return self._write(job)
+        except OSError as e:  # a full disk, most often: the checkpoint is dropped whole
+            name = job.manifest.name
+            if self.rank == 0:
+                self.storage.delete_dir(tmp_name(name))
+            raise CheckpointError(write_failure(f"checkpoint {name}", self.storage.describe(), e)) from None
+
+    def _write(self, job: WriteJob) -> WriteReport:
         report = write_rank(self.storage, job)
         if self.rank == 0:
             t0 = time.perf_counter()

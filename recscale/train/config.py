@@ -301,7 +301,8 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     except tomllib.TOMLDecodeError:
         value = text  # a bare word is a string: --set data.source=synthetic
     except ValueError as e:  # e.g. an integer of more digits than Python converts
-        raise ConfigError(f"--set '{cut(item, 60)}': {cut(str(e))}") from None
+        why = "the number has too many digits" if "digits" in str(e) else cut(str(e))
+        raise ConfigError(f"--set '{cut(item, 60)}': {why}; give a value in the key's range") from None
     section = raw.setdefault(parts[0], {})
     if not isinstance(section, dict):
         raise ConfigError(f"--set '{item}': '{parts[0]}' is not a section")
