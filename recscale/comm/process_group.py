@@ -135,7 +135,9 @@ def init_process_groups(
 def _attempt_store(topology: Topology, timeout: datetime.timedelta) -> dist.Store | None:
     """Under torchrun with restarts: the launcher's store, with keys of this attempt only. torchrun
     keeps one store for every attempt of a job, and gloo would otherwise read the addresses the
-    ranks of a dead attempt left there and fail to connect. None outside torchrun."""
+    ranks of a dead attempt left there and fail to connect. (The count is per host: across hosts
+    a host restarted for another's failure keeps its count; see docs/checkpointing.md.) None
+    outside torchrun."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None:
         return None
