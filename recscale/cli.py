@@ -399,6 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from recscale.data.schema import SchemaError
     from recscale.data.sharded_reader import ReaderStateError
     from recscale.embedding.tier_file import TierError
+    from recscale.faults import FaultSpecError
     from recscale.sharding.plan import PlanError
     from recscale.sparse import SparseInputError
     from recscale.train.config import ConfigError
@@ -408,7 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except (
         ConfigError, DataFormatError, SparseInputError, PlanError, FileNotFoundError, SchemaError, ReaderStateError,
-        FileExistsError, CheckpointError, OutputPathError, TierError,
+        FileExistsError, CheckpointError, OutputPathError, TierError, FaultSpecError,
     ) as e:
         print(f"recscale: error: {e}", file=sys.stderr)
         return 2

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from recscale import faults
 from recscale.checkpoint.manifest import MANIFEST, Chunk, CheckpointError, FileEntry, Manifest, tmp_name
 from recscale.checkpoint.quantize import Codec
 from recscale.checkpoint.storage import Storage
@@ -198,6 +199,8 @@ def write_rank(storage: Storage, job: WriteJob) -> WriteReport:
             chunks.append(Chunk(**{**asdict(chunk), "offset": offset, "state": chunk.state}))
             offset += len(payload)
             rows += chunk.num_rows
+            faults.point("checkpoint", job.manifest.step)
+        faults.point("checkpoint", job.manifest.step)
     state_file = rank_file(job.rank, "state")
     storage.write_atomic(f"{tmp}/{state_file}", job.rank_state)
     files = [
