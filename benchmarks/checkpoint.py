@@ -248,6 +248,9 @@ def main() -> int:
     ap.add_argument("--interleave-baselines", action="store_true",
                     help="time the no-checkpoint baseline between settings too (steadier slowdown figures)")
     ap.add_argument("--settings", help="comma-separated subset of labels (policy/quantization/state-X)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the chosen settings this many times in turn (interleaved: load shared with other "
+                         "processes falls on every setting alike); the mean slowdown per setting is printed")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--model", choices=["synthetic", "criteo-dlrm"], default="synthetic",
                     help="criteo-dlrm: 26 x 1M x dim 64 with row-wise Adagrad, checkpointed every --interval-min "
@@ -278,9 +281,10 @@ def main() -> int:
     results = []
     work = Path(tempfile.mkdtemp(prefix="recscale-ckpt-bench-"))
     try:
-        for s in chosen:
+        for i, s in enumerate(chosen * max(args.repeat, 1)):
             root = work / s.label.replace("/", "_")
             results.append(run_setting(args, s, batches, spi, root))
+            results[-1]["repeat"] = i // len(chosen)
             shutil.rmtree(root, ignore_errors=True)
             if args.interleave_baselines:
                 bases.append(train_only(args, batches))
@@ -301,7 +305,7 @@ def main() -> int:
         r["stall_share"] = r["stall_total_s"] / r["train_wall_s"]
         r["slowdown"] = r["train_wall_s"] / r.get("baseline_s", base) - 1.0
         rows.append([
-            r["setting"], "".join(k[0].upper() if k == "full" else k[0] for k in r["kinds"]),
+            r["setting"] + (f" #{r['repeat']}" if args.repeat > 1 else ""), "".join(k[0].upper() if k == "full" else k[0] for k in r["kinds"]),
             f"{r['bytes_written_total'] / 1e6:,.1f}", f"{r['write_reduction']:.1f}x" if full_ckpt else "-",
             f"{r['stored_peak_bytes'] / 1e6:,.1f}", f"{r['capacity_reduction']:.1f}x" if full_ckpt else "-",
             f"{r['restore_bytes_read'] / 1e6:,.1f}", f"{r['restored_rel_l2_error']:.1e}",
@@ -310,6 +314,11 @@ def main() -> int:
     print(format_table(
         ["setting", "kinds", "written MB", "write red.", "stored MB", "capacity red.", "restore read MB",
          "restore err", "stall", "slowdown"], rows))
+    if args.repeat > 1:
+        for s in chosen:
+            mine = [r for r in results if r["setting"] == s.label]
+            print(f"{s.label}: mean over {len(mine)} runs: slowdown {100 * np.mean([r['slowdown'] for r in mine]):+.1f}%, "
+                  f"stall {100 * np.mean([r['stall_share'] for r in mine]):.2f}%")
     inc = next((r for r in results if r["policy"] == "incremental"), None)
     if inc:
         per = inc["changed_fraction"][1:]
