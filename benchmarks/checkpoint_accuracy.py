@@ -11,7 +11,7 @@ from each runs to the end. ``none`` (fp32 rows and state) must change nothing, b
 ``--case criteo`` (``configs/criteo_10k.toml``, 157 steps): one checkpoint at the middle step
 (``--steps`` for others); one figure is one draw (see ``checkpoint_sensitivity.py``).
 
-    python benchmarks/checkpoint_accuracy.py --case synthetic [--codecs none,adaptive3] [--jobs 2] [--json PATH]
+    python benchmarks/checkpoint_accuracy.py --case synthetic [--codecs none,adaptive3:fp32] [--jobs 2] [--json PATH]
     python benchmarks/checkpoint_accuracy.py --case criteo [--steps mid,40,120] [--set KEY=VALUE ...] [--json PATH]
 """
 
@@ -53,8 +53,11 @@ def uninterrupted(config: str, overrides: list[str], seed: int) -> dict:
 
 def restores(config: str, overrides: list[str], codec: str, state: str, policy: str, seed: int,
              points: list[int]) -> list[dict]:
-    """One run writing checkpoints at ``points`` (equally spaced), then a resume from each."""
-    state = "fp32" if codec == "none" else state  # none: the exact checkpoint
+    """One run writing checkpoints at ``points`` (equally spaced), then a resume from each.
+    ``codec`` may name its optimizer state precision after a colon (``adaptive3:fp32``)."""
+    label = codec
+    codec, _, own_state = codec.partition(":")
+    state = "fp32" if codec == "none" else own_state or state  # none: the exact checkpoint
     common = overrides + [f"train.seed={seed}"]
     out = []
     with tempfile.TemporaryDirectory(prefix="recscale-acc-") as d:
@@ -70,7 +73,7 @@ def restores(config: str, overrides: list[str], codec: str, state: str, policy: 
             res = train_quietly(config, common + [
                 f"checkpoint.dir='{d}/resume'", f"checkpoint.resume='{found[0]}'", "checkpoint.at_end=false",
             ])
-            out.append({"codec": codec, "state": state, "policy": policy, "seed": seed, "restore_step": p,
+            out.append({"codec": label, "state": state, "policy": policy, "seed": seed, "restore_step": p,
                         "eval_logloss": res["eval_logloss"], "eval_auc": res["eval_auc"]})
     return out
 
@@ -79,7 +82,7 @@ def synthetic(args) -> int:
     seeds = list(range(args.seeds))
     spread_seeds = list(range(max(args.spread_seeds, args.seeds)))
     codecs = args.codecs.split(",") if args.codecs else SYNTHETIC_CODECS
-    state = args.state or "fp16"
+    state = args.state or "bf16"
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
         base_f = {s: pool.submit(uninterrupted, args.config, args.set, s) for s in spread_seeds}
         steps = base_f[0].result()["steps"]
@@ -157,7 +160,7 @@ def main() -> int:
     ap.add_argument("--case", choices=["criteo", "synthetic"], default="criteo")
     add_train_config_args(ap, Path(PER_CASE))
     ap.add_argument("--codecs", default="", help="comma-separated (default: every codec of the case)")
-    ap.add_argument("--state", default="", help="optimizer state precision in the checkpoint (criteo: fp32, synthetic: fp16)")
+    ap.add_argument("--state", default="", help="optimizer state precision in the checkpoint (criteo: fp32, synthetic: bf16)")
     ap.add_argument("--steps", default="mid", help="criteo: restore steps, comma-separated ('mid': the middle step)")
     ap.add_argument("--policy", default="intermittent", help="synthetic: the checkpoint policy")
     ap.add_argument("--points", type=int, default=3, help="synthetic: restore points, equally spaced")
