@@ -78,6 +78,8 @@ def data_fingerprint(cfg: Config, data: DataSplits) -> dict[str, Any]:
     }
     if d.source == "synthetic":
         fp.update(pooling_factors=list(d.pooling_factors), zipf_alpha=d.zipf_alpha, table_rows=list(cfg.model.table_rows))
+        if d.seed >= 0:  # recorded only when set, so checkpoints written before the key existed still resume
+            fp["data_seed"] = d.seed
     reader_fp = getattr(data.train, "fingerprint", None)
     if callable(reader_fp):  # the prepared-data reader: its plan also depends on the world size
         fp["reader"] = json.loads(json.dumps({k: v for k, v in reader_fp().items() if k != "rank"}, default=str))

@@ -92,7 +92,7 @@ def build_data(cfg: Config, rank: int = 0, world_size: int = 1, num_workers: int
             table_rows=tuple(rows),
             pooling_factors=tuple(pf),
             zipf_alpha=d.zipf_alpha,
-            seed=t.seed,
+            seed=t.seed if d.seed < 0 else d.seed,
         )
         train_src = SyntheticClickData(SyntheticConfig(num_samples=d.num_samples, **base))
         # Evaluation samples come from a disjoint part of the same stream.
