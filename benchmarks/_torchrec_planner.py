@@ -152,3 +152,41 @@ class TorchRecPlanning:
         wherever the shards sit."""
         plan = ShardingPlan(self.world, self.hw.ranks_per_host, tuple(TablePlan(t, k, tuple(sh)) for t, k, sh in options))
         return [[s.perf.total / 1000 for s in so.shards] for so in self._estimate(plan)]
+
+
+# ---------------------------------------------------------------------- planning a training run
+def training_plan(model, pooling: dict[str, float], batch_size: int, table_wise_only: bool = False):
+    """TorchRec's plan for ``model``'s ``EmbeddingBagCollection`` on this process group's CPU
+    ranks, as a TorchRec user would make it: ``EmbeddingShardingPlanner`` told each table's mean
+    pooling factor (``pooling``, by table name) and the per-rank ``batch_size``, choosing among
+    every sharding type and compute kernel TorchRec's sharder offers on CPU (the fused FBGEMM
+    kernel, or the dense one that data-parallel tables need); ``table_wise_only``: table-wise
+    with the fused kernel. Returns the plan and a summary of its choices, for the report."""
+    import torch.distributed as dist
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.types import ShardingType
+
+    world = dist.get_world_size()
+    sharder = EmbeddingBagCollectionSharder()
+    if table_wise_only:
+        types, kernels = [ShardingType.TABLE_WISE.value], [EmbeddingComputeKernel.FUSED.value]
+    else:
+        types = list(sharder.sharding_types("cpu"))
+        kernels = sorted({k for t in types for k in sharder.compute_kernels(t, "cpu")})
+    constraints = {
+        name: ParameterConstraints(sharding_types=types, compute_kernels=kernels, pooling_factors=[max(p, 1e-3)])
+        for name, p in pooling.items()
+    }
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world, compute_device="cpu", local_world_size=world),
+        batch_size=batch_size, constraints=constraints,
+    )
+    plan = planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
+    chosen: dict[str, int] = {}
+    for params in plan.plan.values():
+        for ps in params.values():  # type: ignore[attr-defined]
+            key = f"{ps.sharding_type}/{ps.compute_kernel}"
+            chosen[key] = chosen.get(key, 0) + 1
+    return plan, {"offered_sharding_types": types, "offered_kernels": kernels, "chosen": chosen}

@@ -89,6 +89,9 @@ SETTINGS = [  # uniform and adaptive of the same bit width write the same bytes;
     Setting("intermittent", "uniform3", "fp16"),
     Setting("intermittent", "uniform2", "fp16"),
     Setting("intermittent", "adaptive2", "fp16"),
+    # bf16 keeps row-wise Adagrad's small accumulators, which fp16 flushes toward its subnormals
+    Setting("intermittent", "adaptive3", "bf16"),
+    Setting("intermittent", "adaptive3", "fp32"),
     Setting("one_shot", "uniform2", "fp16"),
     Setting("incremental", "uniform2", "fp16"),
 ]
@@ -202,7 +205,8 @@ def run_setting(args, s: Setting, batches, steps_per_interval: int, root: Path) 
 def quantizer_throughput(dim: int, rows: int = 32768) -> list[dict]:
     """Each row codec's encode rate on one thread (MB of fp32 rows per second per core): the
     writer quantizes on one background thread. Adaptive is timed with its native range search
-    and with the PyTorch definition (same codes)."""
+    and with the PyTorch definition (same codes). Per second of the thread's CPU time (steady on
+    a shared machine) and of wall time."""
     x = torch.randn(rows, dim) * torch.rand(rows, 1) * 0.05
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -216,14 +220,14 @@ def quantizer_throughput(dim: int, rows: int = 32768) -> list[dict]:
                 os.environ["RECSCALE_NATIVE_QUANTIZE"] = "0"  # read on every call: the PyTorch search
             try:
                 codec.encode(x[:256])  # untimed: a first use builds the native kernel
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 codec.encode(x)
-                seconds = time.perf_counter() - t0
+                seconds, cpu = time.perf_counter() - t0, time.thread_time() - c0
             finally:
                 if method == "adaptive" and not native:
                     os.environ.pop("RECSCALE_NATIVE_QUANTIZE", None)
             out.append({"codec": codec.name + ("" if native or method != "adaptive" else " (PyTorch)"),
-                        "mb_per_s_per_core": x.numel() * 4 / seconds / 1e6})
+                        "mb_per_s_per_core": x.numel() * 4 / cpu / 1e6, "mb_per_wall_s": x.numel() * 4 / seconds / 1e6})
     finally:
         torch.set_num_threads(saved)
     return out
@@ -248,6 +252,9 @@ def main() -> int:
     ap.add_argument("--interleave-baselines", action="store_true",
                     help="time the no-checkpoint baseline between settings too (steadier slowdown figures)")
     ap.add_argument("--settings", help="comma-separated subset of labels (policy/quantization/state-X)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the chosen settings this many times in turn (interleaved: load shared with other "
+                         "processes falls on every setting alike); the mean slowdown per setting is printed")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--model", choices=["synthetic", "criteo-dlrm"], default="synthetic",
                     help="criteo-dlrm: 26 x 1M x dim 64 with row-wise Adagrad, checkpointed every --interval-min "
@@ -272,15 +279,17 @@ def main() -> int:
           f"{spi} steps per interval (expected {args.target:.0%} of rows changed), {args.intervals} intervals, "
           f"{threads} training thread(s), {args.mlp} MLPs")
     quant = quantizer_throughput(args.dim)
-    print("quantizer encode rate, one thread: " + ", ".join(f"{q['codec']} {q['mb_per_s_per_core']:,.0f} MB/s" for q in quant))
+    print("quantizer encode rate, one thread, MB per CPU second (wall): "
+          + ", ".join(f"{q['codec']} {q['mb_per_s_per_core']:,.0f} ({q['mb_per_wall_s']:,.0f})" for q in quant))
     train_only(args, batches[:2])  # untimed: a first use compiles the native kernels
     bases = [train_only(args, batches)]
     results = []
     work = Path(tempfile.mkdtemp(prefix="recscale-ckpt-bench-"))
     try:
-        for s in chosen:
+        for i, s in enumerate(chosen * max(args.repeat, 1)):
             root = work / s.label.replace("/", "_")
             results.append(run_setting(args, s, batches, spi, root))
+            results[-1]["repeat"] = i // len(chosen)
             shutil.rmtree(root, ignore_errors=True)
             if args.interleave_baselines:
                 bases.append(train_only(args, batches))
@@ -301,7 +310,7 @@ def main() -> int:
         r["stall_share"] = r["stall_total_s"] / r["train_wall_s"]
         r["slowdown"] = r["train_wall_s"] / r.get("baseline_s", base) - 1.0
         rows.append([
-            r["setting"], "".join(k[0].upper() if k == "full" else k[0] for k in r["kinds"]),
+            r["setting"] + (f" #{r['repeat']}" if args.repeat > 1 else ""), "".join(k[0].upper() if k == "full" else k[0] for k in r["kinds"]),
             f"{r['bytes_written_total'] / 1e6:,.1f}", f"{r['write_reduction']:.1f}x" if full_ckpt else "-",
             f"{r['stored_peak_bytes'] / 1e6:,.1f}", f"{r['capacity_reduction']:.1f}x" if full_ckpt else "-",
             f"{r['restore_bytes_read'] / 1e6:,.1f}", f"{r['restored_rel_l2_error']:.1e}",
@@ -310,6 +319,11 @@ def main() -> int:
     print(format_table(
         ["setting", "kinds", "written MB", "write red.", "stored MB", "capacity red.", "restore read MB",
          "restore err", "stall", "slowdown"], rows))
+    if args.repeat > 1:
+        for s in chosen:
+            mine = [r for r in results if r["setting"] == s.label]
+            print(f"{s.label}: mean over {len(mine)} runs: slowdown {100 * np.mean([r['slowdown'] for r in mine]):+.1f}%, "
+                  f"stall {100 * np.mean([r['stall_share'] for r in mine]):.2f}%")
     inc = next((r for r in results if r["policy"] == "incremental"), None)
     if inc:
         per = inc["changed_fraction"][1:]

@@ -41,8 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch.distributed as dist  # noqa: E402
 from _common import environment, format_table, write_json  # noqa: E402
-from _e2e_systems import ModelSpec, torchrec_available  # noqa: E402
-from e2e import Worker  # noqa: E402
+from _e2e_spec import ModelSpec  # noqa: E402
+from _e2e_systems import torchrec_available  # noqa: E402
+from e2e import Worker, worker_env  # noqa: E402
 
 from recscale.comm.local_processes import free_port  # noqa: E402
 
@@ -106,9 +107,11 @@ def harness_turn(system: str, case: Case, log_dir: Path) -> float:
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=600))
-    w = Worker(system, 1, HARNESS_THREADS, f"127.0.0.1:{port}", store, log_dir)
+    # e2e.py's default worker environment (threads, allocator, OpenMP waiting).
+    w = Worker(f"{system}-{case.name}", system, 1, worker_env(HARNESS_THREADS, True), f"127.0.0.1:{port}", store,
+               log_dir)
     try:
-        if not w.call("build", spec=case.spec.__dict__, num_batches=case.num_batches):
+        if not w.call("build", system=system, spec=case.spec.to_dict(), num_batches=case.num_batches):
             raise RuntimeError(f"{system}: build failed ({w.error})")
         if not w.call("run", steps=case.warmup):
             raise RuntimeError(f"{system}: warm-up failed ({w.error})")
@@ -243,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     print("targets: train >= 90% of the harness and >= 1.3x the TorchRec loop; >= 40% kept with 1 busy process")
     if args.json:
         write_json(args.json, {"benchmark": "trainer_defaults", "environment": environment(), "rounds": rounds,
-                               "cases": {c.name: {"spec": c.spec.__dict__, "config": c.config, "overrides": c.overrides,
+                               "cases": {c.name: {"spec": c.spec.to_dict(), "config": c.config, "overrides": c.overrides,
                                                   "steps": c.steps} for c in cases},
                                "results": rows, "notes": notes})
     return 0

@@ -60,8 +60,8 @@ def check_output_dir(path: str | os.PathLike[str], what: str) -> None:
         raise OutputPathError(f"{what} '{p}' is a file; give a directory")
     if not p.exists():
         _check_parent(p, what)
-    elif not os.access(p, os.W_OK | os.X_OK):
-        raise OutputPathError(f"{what} '{p}': the directory is not writable; give another one")
+    elif (why := _cannot_create_in(p)) is not None:
+        raise OutputPathError(f"{what} '{p}': the directory is not writable ({why}); give another one")
 
 
 def _check_parent(p: Path, what: str) -> None:
@@ -70,5 +70,17 @@ def _check_parent(p: Path, what: str) -> None:
         parent = parent.parent
     if not parent.is_dir():
         raise OutputPathError(f"{what} '{p}': '{parent}' is a file, not a directory; give a path in a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise OutputPathError(f"{what} '{p}': cannot write in '{parent}' (permission denied); give a writable path")
+    if (why := _cannot_create_in(parent)) is not None:
+        raise OutputPathError(f"{what} '{p}': cannot write in '{parent}' ({why}); give a writable path")
+
+
+def _cannot_create_in(folder: Path) -> str | None:
+    """Why no file can be created in ``folder`` (None: it can). Tried, since permission bits do
+    not tell: root ignores them, and a read-only or special file system refuses whatever they say."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return "permission denied"
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return None
+    except OSError as e:
+        return e.strerror or type(e).__name__

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from recscale import __version__
 
+MAX_RANKS = 1 << 20  # a bound on the ranks one plan is searched for (the search's lists grow with them)
+
 
 def _train(args: argparse.Namespace) -> int:
     from recscale.atomic import check_output_dir, check_output_file
@@ -106,10 +108,15 @@ def _plan(args: argparse.Namespace) -> int:
     from recscale.train.config import ConfigError, load_config
     from recscale.train.planning import table_specs, workload
 
-    for flag, value, low in (("--world-size", args.world_size, 1), ("--ranks-per-host", args.ranks_per_host, 1),
-                             ("--time-budget", args.time_budget, 0), ("--replica-error", args.replica_error, 0)):
-        if value is not None and not (low <= value < float("inf")):
-            raise ConfigError(f"{flag}: expected a finite number >= {low}, got {value}")
+    from recscale.train.config import short
+
+    for flag, value, low, high in (("--world-size", args.world_size, 1, MAX_RANKS),
+                                   ("--ranks-per-host", args.ranks_per_host, 1, MAX_RANKS),
+                                   ("--time-budget", args.time_budget, 0, float("inf")),
+                                   ("--replica-error", args.replica_error, 0, float("inf"))):
+        if value is not None and not (low <= value < high):
+            bound = "finite" if high == float("inf") else f"< {high:,}"
+            raise ConfigError(f"{flag}: expected a number >= {low} and {bound}, got {short(value)}")
     for flag, path in (("--out", args.out), ("--report", args.report)):
         if path:
             check_output_file(path, flag)
@@ -213,7 +220,13 @@ def _data_prepare(args: argparse.Namespace) -> int:
     from recscale.data.prepare import PrepareOptions, build_schema, prepare, resolve_inputs
     from recscale.data.prepared import PreparedDataset
     from recscale.data.schema import SchemaError, load_schema
+    from recscale.train.config import short
 
+    if not 0 < args.block_mb <= 1 << 16:
+        raise SchemaError(f"--block-mb: expected a number of megabytes > 0 and <= 65536, got {short(args.block_mb)}")
+    if args.workers < 0 or args.row_group_rows <= 0:
+        raise SchemaError(f"--workers must be >= 0 (got {short(args.workers)}) and --row-group-rows > 0 "
+                          f"(got {short(args.row_group_rows)})")
     if args.vocab_from:
         if args.table_rows or args.vocab_min_count:
             raise SchemaError("--vocab-from: the table sizes and vocabularies come from that directory; "
@@ -386,6 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from recscale.data.schema import SchemaError
     from recscale.data.sharded_reader import ReaderStateError
     from recscale.embedding.tier_file import TierError
+    from recscale.faults import FaultSpecError
     from recscale.sharding.plan import PlanError
     from recscale.sparse import SparseInputError
     from recscale.train.config import ConfigError
@@ -395,7 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except (
         ConfigError, DataFormatError, SparseInputError, PlanError, FileNotFoundError, SchemaError, ReaderStateError,
-        FileExistsError, CheckpointError, OutputPathError, TierError,
+        FileExistsError, CheckpointError, OutputPathError, TierError, FaultSpecError,
     ) as e:
         print(f"recscale: error: {e}", file=sys.stderr)
         return 2

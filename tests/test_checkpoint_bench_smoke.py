@@ -89,3 +89,21 @@ def test_checkpoint_accuracy_smoke(tmp_path):
     assert by[("none", mid)] == 0.0 and by[("none", 120)] == 0.0
     assert abs(by[("uniform8", mid)]) < 2e-4
     assert abs(by[("uniform8", 120)]) < 2e-4
+
+
+def test_checkpoint_accuracy_synthetic_smoke(tmp_path):
+    """The synthetic accuracy study at a tiny size: an exact restore changes nothing bitwise, a
+    3-bit one changes the final logloss, and the spread comes from the uninterrupted seeds."""
+    out = tmp_path / "acc.json"
+    proc_utils.run(
+        [sys.executable, "benchmarks/checkpoint_accuracy.py", "--case", "synthetic", "--codecs", "none,adaptive3:bf16",
+         "--seeds", "1", "--spread-seeds", "2", "--set", "data.num_samples=8192", "--set", "data.eval_samples=2048",
+         "--set", "lr_schedule.decay_start_step=4", "--json", str(out)],
+        check=True, cwd=ROOT, timeout=240, capture_output=True,
+    )
+    d = json.loads(out.read_text())
+    assert d["points"] == [2, 4, 6]
+    by = {s["codec"]: s for s in d["summary"]}
+    assert by["none"]["bitwise_equal"] and by["none"]["max_abs_rel"] == 0.0
+    assert not by["adaptive3:bf16"]["bitwise_equal"] and by["adaptive3:bf16"]["max_abs_rel"] > 0
+    assert d["spread_rel_std"] > 0 and len(d["uninterrupted"]) == 2

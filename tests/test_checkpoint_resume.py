@@ -65,11 +65,20 @@ def test_two_rank_resume_is_bitwise_identical_and_resumes_on_one_rank(tmp_path):
     ]
     results = run_ranks(rank_runs, 2, runs, timeout_s=180)
     for rank_result in results:
-        (full, s_full, seq_full), (_, _, seq1), (resumed, s_res, seq2) = rank_result
+        (full, s_full, seq_full), (part, _, seq1), (resumed, s_res, seq2) = rank_result
         assert seq1 + seq2 == seq_full  # each rank's share of every batch, in order, none twice
         for k in SUMMARY_KEYS:
             assert resumed[k] == full[k], k
         assert_same(s_res, s_full)
+        # Bytes per step of the steps each process trained: 9 + 7 of them make the 16 of the whole
+        # run. (Input ids and lengths are counted when a batch is distributed, one step ahead: the
+        # run stopped at 9 also distributed the 10th batch, so they are left out.)
+        n, sent = full["steps"], full["comm_bytes_per_step"]
+        assert part["steps"] == 9 and n == 16 and sent["dense_allreduce"] > 0 and sent["output_a2a"] > 0
+        assert resumed["comm_bytes_per_step"]["dense_allreduce"] == sent["dense_allreduce"]  # the same every step
+        for name in ("output_a2a", "grad_a2a", "dense_allreduce"):
+            both = 9 * part["comm_bytes_per_step"][name] + (n - 9) * resumed["comm_bytes_per_step"][name]
+            assert both == pytest.approx(n * sent[name], rel=1e-12), name
     (full2, s_full2, _), (_, s_part, _), _ = results[0]
     # On one rank: restored exactly (zero more steps: the 2-rank state at step 9, bit for bit) ...
     one = [f"checkpoint.resume='{ckpt_dir(tmp_path, 9)}'"]

@@ -173,3 +173,81 @@ def test_delay_without_netem_is_a_clear_error(namespaces):
     assert proc.returncode == 2 and err.strip().count("\n") == 0, err
     assert "delay is unavailable on this kernel" in err, err
     assert not leftovers(f"rsc{proc.pid}-")
+
+
+_SINK = ("import socket,sys\n"
+         "s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', 29611)); s.listen(4)\n"
+         "print('ready', flush=True)\n"
+         "for _ in range(int(sys.argv[1])):\n"
+         "    c, _a = s.accept(); n = 0\n"
+         "    while (b := c.recv(1 << 16)): n += len(b)\n"
+         "    c.close(); print(n, flush=True)\n")
+_SOURCE = ("import socket,sys,time\n"
+           "c=socket.create_connection((sys.argv[1], 29611)); t=time.monotonic()\n"
+           "c.sendall(b'x' * int(sys.argv[2])); c.shutdown(socket.SHUT_WR); c.recv(1); print(time.monotonic() - t)\n")
+
+
+def test_two_groups_share_one_slower_link(namespaces):
+    from recscale.cluster.network import EmulatedNetwork
+
+    prefix = f"rsctest{os.getpid()}g"
+    net = EmulatedNetwork(4, LinkShape(1000), prefix=prefix, groups=2, cross=LinkShape(40))
+    try:
+        net.create()
+        assert [net.group_of(h) for h in range(4)] == [0, 0, 1, 1]
+        qdisc = subprocess.run(["ip", "netns", "exec", net.switch_of(1), "tc", "qdisc", "show", "dev", "x0"],
+                               capture_output=True, text=True).stdout
+        assert "tbf" in qdisc and "40Mbit" in qdisc, qdisc
+        sink = subprocess.Popen(["ip", "netns", "exec", net.namespace(0), sys.executable, "-c", _SINK, "2"],
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            assert sink.stdout.readline().strip() == "ready"
+            nbytes = 1_500_000
+            inside = subprocess.run(["ip", "netns", "exec", net.namespace(1), sys.executable, "-c", _SOURCE,
+                                     net.address(0), str(nbytes)], capture_output=True, text=True, timeout=60)
+            before = net.cross_traffic()
+            across = subprocess.run(["ip", "netns", "exec", net.namespace(3), sys.executable, "-c", _SOURCE,
+                                     net.address(0), str(nbytes)], capture_output=True, text=True, timeout=60)
+            got = [int(sink.stdout.readline()) for _ in range(2)]
+        finally:
+            sink.kill()
+            sink.wait()
+        assert inside.returncode == 0 and across.returncode == 0, (inside.stderr, across.stderr)
+        assert got == [nbytes, nbytes]
+        after = net.cross_traffic()
+        # traffic inside a group never touches the cross link; traffic between the groups all of it
+        assert before.forward_bytes < 100_000 and before.backward_bytes < 100_000, before
+        assert after.backward_bytes - before.backward_bytes >= nbytes, (before, after)
+        # the token bucket bounds it: never faster than 40 Mbit/s (plus one burst)
+        seconds = float(across.stdout.split()[-1])
+        assert (nbytes - 2 * LinkShape(40).burst_bytes) * 8 / seconds <= 40e6 * 1.05, seconds
+    finally:
+        assert not net.destroy()
+    assert not leftovers(prefix)
+
+
+def test_failed_build_of_two_groups_leaves_nothing(namespaces, monkeypatch):
+    from recscale.cluster import network
+
+    prefix = f"rsctest{os.getpid()}f"
+    net = network.EmulatedNetwork(4, LinkShape(1000), prefix=prefix, groups=2, cross=LinkShape(100))
+    real = network.EmulatedNetwork._shape
+
+    def fail_on_host(self, ns, dev, shape):
+        if ns.endswith("-h2"):
+            raise ClusterError("shaping refused")
+        real(self, ns, dev, shape)
+
+    monkeypatch.setattr(network.EmulatedNetwork, "_shape", fail_on_host)
+    with pytest.raises(ClusterError, match="shaping refused"):
+        net.create()
+    assert not leftovers(prefix)
+
+
+def test_group_arguments_are_checked():
+    with pytest.raises(ClusterError, match="--hosts must be even"):
+        ClusterSpec(3, 1, LinkShape(1000), 2, LinkShape(100))
+    with pytest.raises(ClusterError, match="needs --cross-bandwidth-mbit"):
+        ClusterSpec(4, 1, LinkShape(1000), 2)
+    with pytest.raises(ClusterError, match="--groups must be 1 or 2"):
+        ClusterSpec(6, 1, LinkShape(1000), 3, LinkShape(100))

@@ -2,6 +2,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from recscale.cli import main
 from recscale.train.config import Config, ConfigError, load_config
@@ -24,6 +25,7 @@ def test_defaults_are_valid():
 def test_shipped_configs_parse(monkeypatch):
     monkeypatch.chdir(ROOT)
     load_config(ROOT / "configs" / "synthetic.toml")
+    load_config(ROOT / "configs" / "checkpoint_accuracy.toml")
     if (ROOT.parent / "shared" / "data" / "criteo").is_dir():
         cfg = load_config(ROOT / "configs" / "criteo_10k.toml")
         assert cfg.model.table_rows == "auto"
@@ -51,6 +53,7 @@ def test_shipped_configs_parse(monkeypatch):
         ("[data]\nsource = 'criteo_tsv'\ntrain_path = 'no/such.tsv'\n", "'data.train_path': file 'no/such.tsv' does not exist"),
         ("[train\n", "is not valid TOML"),
         ("[dense_optimizer]\neps = 0\n", "'dense_optimizer.eps': expected a value > 0"),
+        ("[data]\nseed = -2\n", "'data.seed': expected a seed >= 0, or -1 to use train.seed"),
         ("[dense_optimizer]\ninitial_accumulator_value = -1\n", "'dense_optimizer.initial_accumulator_value': expected a value >= 0"),
     ],
 )
@@ -112,3 +115,16 @@ def test_num_workers_is_auto_or_a_count() -> None:
     for bad, what in (("many", "expected an integer or 'auto'"), ("-1", "expected a value >= 0")):
         with pytest.raises(ConfigError, match=rf"data\.num_workers'.*{what}"):
             load_config(None, [f"data.num_workers={bad}"])
+
+
+def test_data_seed_fixes_the_synthetic_data_while_the_training_seed_varies() -> None:
+    from recscale.train.datasets import build_data
+
+    def first_batch(sets: list[str]):
+        b = build_data(load_config(None, ["data.num_samples=2048", "data.shuffle=false"] + sets)).train[0]
+        return b.labels, b.sparse.values
+
+    fixed = [first_batch(["data.seed=7", f"train.seed={s}"]) for s in (0, 1)]
+    assert all(torch.equal(a, b) for a, b in zip(*fixed))
+    free = [first_batch([f"train.seed={s}"]) for s in (0, 1)]
+    assert not torch.equal(free[0][1], free[1][1])

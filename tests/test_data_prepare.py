@@ -275,3 +275,24 @@ def test_train_loader_starts_mid_epoch(tmp_path):
         data.train.set_epoch(1)
         part = list(data.train_loader(start_batch=5))
         assert len(part) == len(whole) - 5 and all(_same_batch(a, b) for a, b in zip(part, whole[5:]))
+
+
+def test_a_failed_prepare_leaves_nothing_and_a_rerun_needs_no_overwrite(tmp_path):
+    """prepare writes into a hidden sibling folder and renames it into place at the end: a bad
+    row late in the input (after several shards were written) leaves no trace at --out."""
+    good = [_tsv_row(label=str(i % 2), dense=str(i)) for i in range(300)]
+    f = tmp_path / "d.tsv"
+    f.write_text("\n".join(good + [_tsv_row(label="7")]) + "\n")
+    out = tmp_path / "p"
+    with pytest.raises(DataFormatError, match="d.tsv:301: label 'label' must be 0 or 1"):
+        _prep([f], out, block_bytes=4_000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.tsv"]
+    with pytest.raises(DataFormatError, match="d.tsv:301"):
+        _prep([f], out, block_bytes=4_000, workers=2)  # the error crosses the process boundary whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.tsv"]
+    r = _prep([f], out, block_bytes=4_000, skip_bad_rows=True)  # the same --out, no --overwrite
+    assert r.rows == 300 and r.shards > 5 and PreparedDataset.open(out).num_rows == 300
+    f.write_text("\n".join(good[:100]) + "\n")
+    assert _prep([f], out, overwrite=True).rows == 100  # replaced whole; the old folder is gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.tsv", "p"]
+    assert PreparedDataset.open(out).num_rows == 100

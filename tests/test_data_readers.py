@@ -61,8 +61,8 @@ def _tsv_row(label="1", dense="5", cat="68fd1e64"):
     "bad, fragment",
     [
         ("\t".join(["0"] * 39), "expected 40 tab-separated columns"),
-        (_tsv_row(dense="abc"), "dense feature I1 must be a number, got 'abc'"),
-        (_tsv_row(cat="zz12"), "categorical feature C1 must be a hex string, got 'zz12'"),
+        (_tsv_row(dense="abc"), "dense feature I1 must be a finite number, got 'abc'"),
+        (_tsv_row(cat="zz12"), "categorical feature C1 must be a hex value of 1 to 16 digits, got 'zz12'"),
         (_tsv_row(label="2"), "label must be 0 or 1"),
     ],
 )

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from _e2e_systems import _category  # noqa: E402
+from _e2e_profile import _category  # noqa: E402
 
 
 def test_embedding_operators_forward_and_backward_count_as_embeddings() -> None:

@@ -4,6 +4,7 @@ budget still returns the baselines, and bad tiers input is a one-line error."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -78,3 +79,45 @@ def test_bad_tiers_is_one_line_error(tmp_path, capsys, bad, word):
     assert main(["explore", "--config", str(ROOT / "configs" / "synthetic.toml"), "--topology", str(spec)]) == 2
     err = capsys.readouterr().err
     assert word in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_emulated_two_groups_candidates_are_runnable(tmp_path):
+    """The emulated cluster as tiers: two buildings of hosts sharing this machine's cores; each
+    candidate comes with its plan file and the `recscale cluster` command that trains it."""
+    from recscale.cluster.command import add_parser as cluster_parser
+    from recscale.sharding.plan import ShardingPlan
+    from recscale.sim.tiers import emulated_cluster
+
+    cluster = emulated_cluster(2, 1, 100, 50, 2, compute={"load_s_per_sample": 2e-6})
+    topo = cluster.topology()
+    (tier,) = topo.tiers
+    assert (topo.hosts, topo.world_size, topo.shared_cores) == (4, 4, 2)
+    assert tier.hosts_per_group == 2 and tier.bandwidth == pytest.approx(50e6 / 8)
+    assert topo.host_link_bw == pytest.approx(100e6 / 8) and topo.compute.load_s_per_sample == 2e-6
+    assert cluster.cluster_args() == ["--hosts", "4", "--ranks-per-host", "1", "--bandwidth-mbit", "100",
+                                      "--groups", "2", "--cross-bandwidth-mbit", "50"]
+    assert cluster.shrink(1, 1).cluster_args() == ["--hosts", "2", "--ranks-per-host", "1", "--bandwidth-mbit", "100"]
+    assert load_cluster("two-buildings").cluster_args() is None  # added latency: no netem to emulate it with
+    spec = tmp_path / "emulated.json"
+    spec.write_text(json.dumps(cluster.to_dict()))
+    assert cluster_from_dict(json.loads(spec.read_text()), "e") == cluster
+    out, plans = tmp_path / "x.json", tmp_path / "plans"
+    config = str(ROOT / "configs" / "synthetic.toml")
+    assert main(["explore", "--config", config, "--topology", str(spec), "--time-budget", "30", "--top", "2",
+                 "--out", str(out), "--plans-dir", str(plans)] + [a for s in SMALL for a in ("--set", s)]) == 0
+    d = json.loads(out.read_text())
+    parser = argparse.ArgumentParser()
+    cluster_parser(parser.add_subparsers())
+    for x in d["candidates"][:3] + [d["baselines"]["production-default"]]:
+        cmd = x["cluster_command"]
+        assert cmd[:2] == ["recscale", "cluster"]
+        args = parser.parse_args(cmd[1:])
+        assert args.hosts * args.ranks_per_host == x["launch"]["world_size"]
+        assert (args.groups == 2) == (x["launch"]["buildings"] == 2)
+        train = args.job[1:]
+        assert train == x["train_args"] and train[:3] == ["train", "--config", config]
+        sets = [train[i + 1] for i, a in enumerate(train) if a == "--set"]
+        cfg = load_config(config, sets)  # the overrides and the plan file are valid training input
+        assert cfg.sharding.plan == x["plan_file"] and cfg.train.batch_size == 512
+        plan = ShardingPlan.load(x["plan_file"])
+        assert plan.to_dict() == x["plan"] and plan.world_size == x["launch"]["world_size"]

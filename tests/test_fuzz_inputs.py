@@ -232,3 +232,64 @@ def test_fuzzed_manifests(checkpoint, data):
             assert_one_line(e)
     finally:
         target.write_bytes(original)
+
+
+# ---------------------------------------------------------------------- schema files
+SCHEMA_DOC = {
+    "label": "clicked", "header": False, "delimiter": ",", "label_threshold": None,
+    "columns": ["clicked", "age", "price", "user", "items", "city"],
+    "dense": ["age", {"name": "price", "log": True, "fill": 0.5}],
+    "sparse": [{"name": "user", "kind": "int", "table_rows": 1000},
+               {"name": "items", "kind": "int", "list_separator": "|", "table_rows": 500, "multi_hot": False},
+               {"name": "city", "kind": "string", "transform": "vocab", "min_count": 5}],
+    "sparse_defaults": {"table_rows": 100},
+}
+SPARSE_TYPES = {"name": str, "kind": str, "transform": str, "table_rows": int, "min_count": int,
+                "list_separator": (str, type(None)), "multi_hot": bool}
+
+
+def same(got, given) -> bool:
+    """A value the schema holds is the one the file gave, of the same type (no conversion)."""
+    if isinstance(given, bool) or isinstance(got, bool):
+        return type(got) is type(given) and got == given
+    return got == given and (isinstance(given, type(got)) or (isinstance(got, float) and isinstance(given, int)))
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_schema_files(data):
+    from recscale.data.schema import SchemaError, load_schema
+
+    suffix = data.draw(st.sampled_from([".json", ".toml"]))
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / f"schema{suffix}"
+        doc = mutate(SCHEMA_DOC, data) if data.draw(st.booleans()) else SCHEMA_DOC
+        if suffix == ".json" and data.draw(st.booleans()):
+            path.write_text(json.dumps(doc))
+        elif suffix == ".json":
+            path.write_bytes(raw_mutation(json.dumps(doc).encode(), data))
+            doc = None
+        else:
+            path.write_bytes(data.draw(st.binary(max_size=200)) if data.draw(st.booleans()) else b'label = "y"\nsparse = ["u"]\n')
+            doc = None
+        try:
+            schema = load_schema(path)
+        except SchemaError as e:
+            assert_one_line(e)
+            return
+    event("accepted")
+    if not isinstance(doc, dict):
+        return
+    # Accepted from a document: every value it gave is in the schema as given.
+    assert same(schema.label, doc["label"])
+    assert same(schema.header, doc.get("header", False)) and same(schema.delimiter, doc.get("delimiter", ","))
+    assert list(schema.columns) == list(doc.get("columns", []))
+    for feat, item in zip(schema.dense, doc.get("dense", [])):
+        item = {"name": item} if isinstance(item, str) else item
+        assert all(same(getattr(feat, k), v) for k, v in item.items()), (feat, item)
+    defaults = doc.get("sparse_defaults") or {}
+    for feat, item in zip(schema.sparse, doc.get("sparse", [])):
+        item = {**defaults, **({"name": item} if isinstance(item, str) else item)}
+        assert all(same(getattr(feat, k), v) for k, v in item.items()), (feat, item)
+        assert all(isinstance(getattr(feat, k), t) for k, t in SPARSE_TYPES.items())
+        assert feat.table_rows >= 0 and feat.min_count >= 1

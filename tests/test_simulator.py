@@ -5,6 +5,8 @@ on 16 hosts x 8 GPUs simulates."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -165,3 +167,29 @@ def test_shared_cores_stretch_compute_and_take_the_loader():
     loads = [op for op in shared.ops if op.name == "load batch"]
     assert loads and all(op.stream == "compute" for op in loads)
     assert all(op.stream == "load" for op in own.ops if op.name == "load batch")
+
+
+def test_exchanged_bytes_match_training(tmp_path):
+    """The bytes the simulator puts on the links for ids (with their bags' lengths), outputs,
+    gradients and column-wise row statistics are what two real ranks send each other."""
+    from recscale.comm.local_processes import free_port
+    from recscale.sim.api import training_plan
+    from recscale.sim.step import StepInputs, _volumes
+    from recscale.train.planning import table_specs, workload
+
+    sets = ["model.table_rows=[5000, 300]", "data.pooling_factors=[2, 1]", "sharding.default=column_wise"]
+    summary = tmp_path / "s.json"
+    run = ["train.max_steps=6", "data.num_samples=4096", "data.eval_samples=512", "train.progress=false",
+           "train.threads=1", "data.num_workers=0"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", "-m", "recscale", "train", "--config", str(ROOT / "configs" / "synthetic.toml"),
+           "--summary-json", str(summary)] + [a for s in [*SMALL, *sets, *run] for a in ("--set", s)]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    sent = json.loads(summary.read_text())["comm_bytes_per_step"]  # by rank 0, to rank 1
+    cfg = small(*sets)
+    t = topo(2, 1, 1000)
+    specs = table_specs(cfg)
+    ids, out, grad, _, cw = _volumes(StepInputs(specs, workload(cfg), training_plan(cfg, t, specs), None, True), t)
+    assert out[1] == pytest.approx(sent["output_a2a"]) and grad[1] == pytest.approx(sent["grad_a2a"])
+    assert ids[1] == pytest.approx(sent["input_ids"] + sent["input_lengths"], rel=0.2)
+    assert cw[0] == pytest.approx(sent["cw_row_sq"], rel=0.2)

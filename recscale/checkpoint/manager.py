@@ -28,7 +28,7 @@ from recscale.checkpoint.settings import CheckpointSettings
 from recscale.checkpoint.shards import LocalShard, row_state_names
 from recscale.checkpoint.storage import Storage
 from recscale.checkpoint.tracker import RowTracker
-from recscale.checkpoint.writer import CheckpointWriter, ShardSnapshot, WriteJob, WriteReport
+from recscale.checkpoint.writer import CheckpointWriter, ShardSnapshot, WriteJob, WriteReport, write_failure
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,10 @@ class CheckpointManager:
         if self.run is None or self.rank != 0:
             return
         self.run.info.parent, self.run.info.ancestors = parent, list(ancestors or [])
-        self.storage.write_atomic(RUN_FILE, self.run.info.to_json())
+        try:
+            self.storage.write_atomic(RUN_FILE, self.run.info.to_json())
+        except OSError as e:
+            raise CheckpointError(write_failure(f"the run record {RUN_FILE}", self.storage.describe(), e)) from None
 
     def _retain(self, latest: Manifest) -> None:
         keep_last = self.settings.keep_last

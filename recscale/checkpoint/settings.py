@@ -68,6 +68,9 @@ class CheckpointSettings:
     # Resume from this checkpoint directory, a run folder, or "latest" (the newest run's newest
     # checkpoint under dir); empty: start fresh.
     resume: str = ""
+    # Resume by itself from the newest valid checkpoint under dir when there is one (else start
+    # fresh, or from resume): a job restarted by torchrun --max-restarts continues where it died.
+    auto_resume: bool = False
     # Rank 0 waits this long for every rank's files before it gives up on committing a checkpoint.
     commit_timeout_s: float = 600.0
 
@@ -110,5 +113,7 @@ class CheckpointSettings:
             raise bad("commit_timeout_s", f"expected a value > 0, got {self.commit_timeout_s}")
         if (self.interval_steps or self.interval_minutes) and not self.dir:
             raise bad("dir", "an interval is set but no directory; set checkpoint.dir")
+        if self.auto_resume and not self.dir:
+            raise bad("auto_resume", "needs checkpoint.dir (where to look for checkpoints and write them)")
         if self.resume == "latest" and not self.dir:
             raise bad("resume", "'latest' needs checkpoint.dir (the directory to look in)")

@@ -9,6 +9,7 @@ final name: a reader sees the whole checkpoint or nothing, also when a process d
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -23,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from recscale import faults
 from recscale.checkpoint.manifest import MANIFEST, Chunk, CheckpointError, FileEntry, Manifest, tmp_name
 from recscale.checkpoint.quantize import Codec
 from recscale.checkpoint.storage import Storage
@@ -197,6 +199,8 @@ def write_rank(storage: Storage, job: WriteJob) -> WriteReport:
             chunks.append(Chunk(**{**asdict(chunk), "offset": offset, "state": chunk.state}))
             offset += len(payload)
             rows += chunk.num_rows
+            faults.point("checkpoint", job.manifest.step)
+        faults.point("checkpoint", job.manifest.step)
     state_file = rank_file(job.rank, "state")
     storage.write_atomic(f"{tmp}/{state_file}", job.rank_state)
     files = [
@@ -257,6 +261,15 @@ def commit(
     return manifest
 
 
+def write_failure(what: str, where: str, e: OSError) -> str:
+    """One line for a checkpoint write the file system refused, with what to do."""
+    full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+    reason = "no space left on the device" if full else (e.strerror or str(e))
+    return (f"{what} could not be written in '{where}' ({reason}) and was not kept; the checkpoints "
+            f"before it are intact; {'free space' if full else 'fix the folder'} (or set checkpoint.dir elsewhere) "
+            "and resume from the last one with --resume")
+
+
 def load_base(storage: Storage, name: str) -> Manifest:
     where = storage.describe(name)
     if storage.size(f"{name}/{MANIFEST}") is None:
@@ -303,6 +316,15 @@ class CheckpointWriter:
     def _run(self, job: WriteJob) -> WriteReport:
         if self._pool is not None:
             lower_thread_priority()
+        try:
+            return self._write(job)
+        except OSError as e:  # a full disk, most often: the checkpoint is dropped whole
+            name = job.manifest.name
+            if self.rank == 0:
+                self.storage.delete_dir(tmp_name(name))
+            raise CheckpointError(write_failure(f"checkpoint {name}", self.storage.describe(), e)) from None
+
+    def _write(self, job: WriteJob) -> WriteReport:
         report = write_rank(self.storage, job)
         if self.rank == 0:
             t0 = time.perf_counter()

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from recscale.cluster.network import HOST_IFACE, ClusterError, EmulatedNetwork, LinkShape, LinkTraffic
+from recscale.cluster.network import HOST_IFACE, ClusterError, CrossTraffic, EmulatedNetwork, LinkShape, LinkTraffic
 
 MASTER_PORT = 29500  # inside the emulated hosts' own namespaces: no other job listens there
 _FAILURE_GRACE_S = 5.0  # after a host fails, the others get this long to notice and exit on their own
@@ -35,12 +35,15 @@ class ClusterSpec:
     hosts: int
     ranks_per_host: int
     shape: LinkShape
+    groups: int = 1  # 2: two halves of the hosts joined by one ``cross`` link
+    cross: LinkShape | None = None
 
     def __post_init__(self) -> None:
         if self.hosts < 1:
             raise ClusterError(f"--hosts must be at least 1, got {self.hosts}")
         if self.ranks_per_host < 1:
             raise ClusterError(f"--ranks-per-host must be at least 1, got {self.ranks_per_host}")
+        EmulatedNetwork(self.hosts, self.shape, groups=self.groups, cross=self.cross)  # its checks, nothing built
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class ClusterResult:
     exit_status: int
     traffic: list[LinkTraffic]
     leftovers: list[str]  # what could not be removed (empty: nothing is left behind)
+    cross_traffic: CrossTraffic | None = None  # the link between the groups (two groups)
 
 
 class _Interrupted(Exception):
@@ -82,8 +86,14 @@ def torchrun_command(spec: ClusterSpec, net: EmulatedNetwork, host: int, program
 def describe(spec: ClusterSpec, net: EmulatedNetwork) -> str:
     hosts = ", ".join(f"{net.namespace(h)} {net.address(h)}" + (" (master)" if h == 0 else "")
                       for h in range(spec.hosts))
+    groups = ""
+    if spec.groups == 2:
+        assert spec.cross is not None
+        half = spec.hosts // 2
+        groups = (f"; groups h0..h{half - 1} and h{half}..h{spec.hosts - 1} joined by one link of "
+                  f"{spec.cross.describe()} (switches {net.switch_of(0)}, {net.switch_of(1)})")
     return (f"cluster: {spec.hosts} hosts x {spec.ranks_per_host} ranks (world {spec.hosts * spec.ranks_per_host}), "
-            f"links {spec.shape.describe()}, subnet {net.subnet}; hosts {hosts}; switch {net.switch}")
+            f"links {spec.shape.describe()}, subnet {net.subnet}; hosts {hosts}; switch {net.switch}{groups}")
 
 
 def describe_traffic(traffic: list[LinkTraffic]) -> str:
@@ -92,12 +102,18 @@ def describe_traffic(traffic: list[LinkTraffic]) -> str:
     return "cluster: shaped links carried " + "; ".join(parts)
 
 
+def describe_cross(t: CrossTraffic) -> str:
+    return (f"cluster: the link between the groups carried {t.forward_bytes / 1e6:,.2f} MB from group 0 and "
+            f"{t.backward_bytes / 1e6:,.2f} MB from group 1" + (f", dropped {t.dropped_packets} pkts" if t.dropped_packets else ""))
+
+
 def run_cluster(spec: ClusterSpec, argv: Sequence[str], *, log: Callable[[str], None] = print,
                 prefix: str | None = None) -> ClusterResult:
     """Build the network, run the job on it, tear everything down; never raises for the job's
     own failure (that is the exit status), only for a network that cannot be built."""
     program = program_args(argv)
-    net = EmulatedNetwork(spec.hosts, spec.shape, **({"prefix": prefix} if prefix else {}))
+    net = EmulatedNetwork(spec.hosts, spec.shape, groups=spec.groups, cross=spec.cross,
+                          **({"prefix": prefix} if prefix else {}))
     # Signal handlers can only be set from the main thread; elsewhere the caller handles signals.
     on_main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)} if on_main else {}
@@ -108,6 +124,7 @@ def run_cluster(spec: ClusterSpec, argv: Sequence[str], *, log: Callable[[str], 
     for s in previous:
         signal.signal(s, interrupt)
     traffic: list[LinkTraffic] = []
+    cross: CrossTraffic | None = None
     procs: list[subprocess.Popen] = []
     status, leftovers = 0, []
     try:
@@ -131,6 +148,7 @@ def run_cluster(spec: ClusterSpec, argv: Sequence[str], *, log: Callable[[str], 
             _reap(procs, _FAILURE_GRACE_S)
             if net.subnet is not None:
                 traffic = net.traffic()
+                cross = net.cross_traffic()
             leftovers = net.destroy()
             _reap(procs, 5.0)
         finally:
@@ -138,9 +156,11 @@ def run_cluster(spec: ClusterSpec, argv: Sequence[str], *, log: Callable[[str], 
                 signal.signal(s, handler)
     if traffic:
         log(describe_traffic(traffic))
-    log(f"cluster: removed namespaces {net.switch} and {net.prefix}-h0..h{spec.hosts - 1} with their veths and qdiscs"
+    if cross is not None:
+        log(describe_cross(cross))
+    log(f"cluster: removed namespaces {', '.join(net.switches)} and {net.prefix}-h0..h{spec.hosts - 1} with their veths and qdiscs"
         if not leftovers else f"cluster: could not remove: {'; '.join(leftovers)}")
-    return ClusterResult(status, traffic, leftovers)
+    return ClusterResult(status, traffic, leftovers, cross)
 
 
 def _exit_status(code: int) -> int:

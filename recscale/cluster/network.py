@@ -1,4 +1,4 @@
-"""Emulated hosts on one Linux machine: network namespaces joined through a switch namespace.
+"""Emulated hosts on one Linux machine: network namespaces joined through switch namespaces.
 
 Host ``i`` is the namespace ``<prefix>-h<i>`` with one interface, ``eth0``, holding an address in
 a private /24. Its veth peer ``h<i>`` sits in the namespace ``<prefix>-sw`` on a bridge, so every
@@ -6,6 +6,12 @@ byte between two hosts leaves one host's ``eth0`` and enters the other host thro
 switch's ``h<j>``. Both ends carry a token-bucket qdisc (``tbf``) at the link's rate, so each
 link is shaped in both directions; with ``delay_ms`` a ``netem`` qdisc above the token bucket
 adds half the delay at each end (one way host to host: the full delay).
+
+With two groups (``groups=2``) the hosts split evenly: the first half joins the switch
+``<prefix>-sw``, the second half ``<prefix>-sw1``, and the two switches are joined by one veth
+pair (``x1`` in the first, ``x0`` in the second), shaped both ways at the cross link's own rate:
+every byte between the groups shares that one slower link, as between two buildings. All hosts
+stay in one bridged /24, so addresses do not change with the grouping.
 
 Nothing is created in the machine's own namespace: the veths are made inside the switch
 namespace and one end moved into the host's, so the machine's interfaces, addresses and routes
@@ -52,6 +58,15 @@ class LinkShape:
     def describe(self) -> str:
         delay = f", {self.delay_ms:g} ms one-way delay (netem)" if self.delay_ms else ", no added delay"
         return f"{self.bandwidth_mbit:g} Mbit/s each way (tbf){delay}"
+
+
+@dataclass(frozen=True)
+class CrossTraffic:
+    """What the link between the two groups carried, from its qdiscs' counters."""
+
+    forward_bytes: int  # group 0 -> group 1
+    backward_bytes: int  # group 1 -> group 0
+    dropped_packets: int
 
 
 @dataclass(frozen=True)
@@ -119,6 +134,8 @@ class EmulatedNetwork:
     shape: LinkShape
     prefix: str = field(default_factory=lambda: f"rsc{os.getpid()}")
     subnet: ipaddress.IPv4Network | None = None
+    groups: int = 1
+    cross: LinkShape | None = None  # the link between the two groups (groups=2)
     _namespaces: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -126,10 +143,28 @@ class EmulatedNetwork:
             raise ClusterError(f"--hosts must be between 1 and 250, got {self.hosts}")
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,40}", self.prefix):
             raise ClusterError(f"namespace prefix {self.prefix!r} must be 1-40 letters, digits, '_', '.' or '-'")
+        if self.groups not in (1, 2):
+            raise ClusterError(f"--groups must be 1 or 2, got {self.groups}")
+        if self.groups == 2 and self.hosts % 2:
+            raise ClusterError(f"--groups 2 splits the hosts evenly: --hosts must be even, got {self.hosts}")
+        if self.groups == 2 and self.cross is None:
+            raise ClusterError("--groups 2 needs --cross-bandwidth-mbit (the link between the groups)")
+        if self.groups == 1 and self.cross is not None:
+            raise ClusterError("--cross-bandwidth-mbit needs --groups 2")
 
     @property
     def switch(self) -> str:
-        return f"{self.prefix}-sw"
+        return self.switch_of(0)
+
+    def switch_of(self, group: int) -> str:
+        return f"{self.prefix}-sw" if group == 0 else f"{self.prefix}-sw{group}"
+
+    @property
+    def switches(self) -> list[str]:
+        return [self.switch_of(g) for g in range(self.groups)]
+
+    def group_of(self, host: int) -> int:
+        return host // (self.hosts // self.groups)
 
     def namespace(self, host: int) -> str:
         return f"{self.prefix}-h{host}"
@@ -139,7 +174,7 @@ class EmulatedNetwork:
         return str(self.subnet.network_address + host + 1)
 
     def create(self) -> None:
-        """Build the switch and the hosts; on any failure what was made is removed again."""
+        """Build the switches and the hosts; on any failure what was made is removed again."""
         check_requirements()
         if self.subnet is None:
             self.subnet = free_subnet()
@@ -147,12 +182,23 @@ class EmulatedNetwork:
         if mine:
             raise ClusterError(f"namespaces {sorted(mine)} already exist: another run uses prefix {self.prefix}")
         try:
-            self._add_namespace(self.switch)
-            sw = ["ip", "-n", self.switch]
-            _run(sw + ["link", "add", "br0", "type", "bridge"])
-            _run(sw + ["link", "set", "br0", "up"])
+            for g in range(self.groups):
+                self._add_namespace(self.switch_of(g))
+                sw = ["ip", "-n", self.switch_of(g)]
+                _run(sw + ["link", "add", "br0", "type", "bridge"])
+                _run(sw + ["link", "set", "br0", "up"])
+            if self.groups == 2:
+                assert self.cross is not None
+                a, b = self.switch_of(0), self.switch_of(1)
+                # born in the first switch, one end moved to the second: nothing in the root namespace
+                _run(["ip", "-n", a, "link", "add", "x1", "type", "veth", "peer", "name", "x0", "netns", b])
+                for ns, dev in ((a, "x1"), (b, "x0")):
+                    _run(["ip", "-n", ns, "link", "set", dev, "master", "br0"])
+                    _run(["ip", "-n", ns, "link", "set", dev, "up"])
+                    self._shape(ns, dev, self.cross)
             for h in range(self.hosts):
-                ns = self.namespace(h)
+                ns, switch = self.namespace(h), self.switch_of(self.group_of(h))
+                sw = ["ip", "-n", switch]
                 self._add_namespace(ns)
                 # Both ends are born in the switch namespace; one moves to the host: nothing in the root one.
                 _run(sw + ["link", "add", f"h{h}", "type", "veth", "peer", "name", HOST_IFACE, "netns", ns])
@@ -160,8 +206,8 @@ class EmulatedNetwork:
                 _run(sw + ["link", "set", f"h{h}", "up"])
                 _run(["ip", "-n", ns, "addr", "add", f"{self.address(h)}/{self.subnet.prefixlen}", "dev", HOST_IFACE])
                 _run(["ip", "-n", ns, "link", "set", HOST_IFACE, "up"])
-                self._shape(ns, HOST_IFACE)
-                self._shape(self.switch, f"h{h}")
+                self._shape(ns, HOST_IFACE, self.shape)
+                self._shape(switch, f"h{h}", self.shape)
         except BaseException:
             self.destroy()
             raise
@@ -175,21 +221,21 @@ class EmulatedNetwork:
             _run(["ip", "netns", "exec", ns, "sh", "-c", f"echo 1 > /proc/sys/net/ipv6/conf/{key}/disable_ipv6"],
                  check=False)
 
-    def _shape(self, ns: str, dev: str) -> None:
+    def _shape(self, ns: str, dev: str, shape: LinkShape) -> None:
         tc = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev]
-        tbf = ["tbf", "rate", f"{self.shape.bandwidth_mbit:g}mbit", "burst", str(self.shape.burst_bytes),
+        tbf = ["tbf", "rate", f"{shape.bandwidth_mbit:g}mbit", "burst", str(shape.burst_bytes),
                "latency", f"{_TBF_LATENCY_MS}ms"]
-        if not self.shape.delay_ms:
+        if not shape.delay_ms:
             done = _run(tc + ["root", "handle", "1:"] + tbf, check=False)
             if done.returncode != 0:
                 raise ClusterError(f"cannot shape links with tc tbf ({done.stderr.strip()}): this kernel lacks sch_tbf")
             return
-        done = _run(tc + ["root", "handle", "1:", "netem", "delay", f"{self.shape.delay_ms / 2:g}ms"], check=False)
+        done = _run(tc + ["root", "handle", "1:", "netem", "delay", f"{shape.delay_ms / 2:g}ms"], check=False)
         if done.returncode != 0:
             raise ClusterError(
-                "--latency-ms: delay is unavailable on this kernel "
+                "--latency-ms/--cross-latency-ms: delay is unavailable on this kernel "
                 f"(no netem qdisc: {done.stderr.strip() or 'refused'}); "
-                "run without --latency-ms"
+                "run without them"
             )
         _run(tc + ["parent", "1:1", "handle", "10:"] + tbf)
 
@@ -197,7 +243,7 @@ class EmulatedNetwork:
         """This network's namespaces that exist now (by name; others' are never listed)."""
         out = _run(["ip", "netns", "list"], check=False).stdout
         names = {line.split()[0] for line in out.splitlines() if line.strip()}
-        wanted = {self.switch} | {self.namespace(h) for h in range(self.hosts)}
+        wanted = set(self.switches) | {self.namespace(h) for h in range(self.hosts)}
         return sorted(names & wanted)
 
     def traffic(self) -> list[LinkTraffic]:
@@ -205,9 +251,17 @@ class EmulatedNetwork:
         out = []
         for h in range(self.hosts):
             sent, drop_out = _qdisc_counters(self.namespace(h), HOST_IFACE)
-            received, drop_in = _qdisc_counters(self.switch, f"h{h}")
+            received, drop_in = _qdisc_counters(self.switch_of(self.group_of(h)), f"h{h}")
             out.append(LinkTraffic(h, sent, received, drop_out + drop_in))
         return out
+
+    def cross_traffic(self) -> CrossTraffic | None:
+        """Bytes through the link between the groups so far; None with one group."""
+        if self.groups != 2:
+            return None
+        fwd, d0 = _qdisc_counters(self.switch_of(0), "x1")
+        back, d1 = _qdisc_counters(self.switch_of(1), "x0")
+        return CrossTraffic(fwd, back, d0 + d1)
 
     def kill_processes(self, grace_s: float = 5.0) -> int:
         """SIGTERM, then SIGKILL after ``grace_s``, every process inside this network's namespaces
@@ -239,9 +293,13 @@ class EmulatedNetwork:
         problems: list[str] = []
         self.kill_processes()
         present = set(self.namespaces_present())
-        if self.switch in present:
-            for h in range(self.hosts):  # deleting one end of a veth deletes the pair and both qdiscs
-                _run(["ip", "-n", self.switch, "link", "del", f"h{h}"], check=False)
+        for g, switch in enumerate(self.switches):
+            if switch not in present:
+                continue
+            # deleting one end of a veth deletes the pair and both qdiscs
+            devs = [f"h{h}" for h in range(self.hosts) if self.group_of(h) == g] + (["x1"] if g == 0 and self.groups == 2 else [])
+            for dev in devs:
+                _run(["ip", "-n", switch, "link", "del", dev], check=False)
         for ns in sorted(present, reverse=True):
             done = _run(["ip", "netns", "del", ns], check=False)
             if done.returncode != 0:

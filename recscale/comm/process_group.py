@@ -102,9 +102,11 @@ def init_process_groups(
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
+        store = _attempt_store(topology, timeout) if init_method is None else None
         dist.init_process_group(
             backend,
-            init_method=init_method or "env://",
+            init_method=None if store is not None else init_method or "env://",
+            store=store,
             rank=topology.rank,
             world_size=topology.world_size,
             timeout=timeout,
@@ -128,6 +130,19 @@ def init_process_groups(
         for g in (embedding, embedding_grads):
             enable_shared_memory(g, timeout_s)
     return ProcessGroups(topology, embedding, embedding_grads, dense, intra, cross, device, timeout_s)
+
+
+def _attempt_store(topology: Topology, timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun with restarts: the launcher's store, with keys of this attempt only. torchrun
+    keeps one store for every attempt of a job, and gloo would otherwise read the addresses the
+    ranks of a dead attempt left there and fail to connect. (The count is per host: across hosts
+    a host restarted for another's failure keeps its count; see docs/checkpointing.md.) None
+    outside torchrun."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return None
+    store, _, _ = next(dist.rendezvous("env://", topology.rank, topology.world_size, timeout=timeout))
+    return dist.PrefixStore(f"recscale/attempt{attempt}", store)
 
 
 def destroy_process_groups() -> None:

@@ -8,6 +8,7 @@ found, named by file and line, and either reported or dropped, never mis-parsed.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -15,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
-from recscale.data.errors import DataFormatError
+from recscale.data.errors import DataFormatError, shown
 from recscale.data.schema import DataSchema, SparseFeature
 from recscale.data.transforms import (
     RawSparse,
@@ -82,21 +83,22 @@ def _read_text(block: Block, schema: DataSchema, typed: bool, invalid: list[int]
             quote_char=False if schema.delimiter == "\t" else '"',
             invalid_row_handler=on_invalid,
         ),
-        convert_options=pacsv.ConvertOptions(column_types=types, include_columns=used, strings_can_be_null=False),
+        # Only an empty field is missing: "nan", "NULL" or "N/A" (pyarrow's default null words) in
+        # a numeric column are bad values, as the Python readers say.
+        convert_options=pacsv.ConvertOptions(column_types=types, include_columns=used, strings_can_be_null=False,
+                                             null_values=[""]),
     )
 
 
 def _text_row_lines(data: bytes, first_line: int, invalid: list[int]) -> np.ndarray:
     """Physical line number of each parsed row: pyarrow numbers non-empty lines from 1 and
-    leaves out the ones its invalid-row handler skipped."""
+    leaves out the ones its invalid-row handler skipped. Lines are counted by \n."""
     arr = np.frombuffer(data, dtype=np.uint8)
-    nl = np.flatnonzero(arr == 10)
-    starts = np.concatenate([[0], nl + 1])
-    ends = np.concatenate([nl, [arr.size]])
-    lens = ends - starts
-    first = arr[np.minimum(starts, max(arr.size - 1, 0))] if arr.size else np.zeros(0, np.uint8)
-    empty = (lens == 0) | ((lens == 1) & (first == 13))
-    lines = np.flatnonzero(~empty)
+    breaks = np.flatnonzero((arr == 10) | (arr == 13))  # a lone \r ends a line too; \r\n leaves an empty one
+    starts = np.concatenate([[0], breaks + 1])
+    ends = np.concatenate([breaks, [arr.size]])
+    newlines_before = np.concatenate([[0], np.cumsum(arr[breaks] == 10)])
+    lines = newlines_before[ends > starts]
     if invalid:
         drop = np.asarray([i - 1 for i in invalid if i > 0], dtype=np.int64)
         lines = np.delete(lines, drop)
@@ -126,14 +128,14 @@ class _Problems:
 
 
 def _text(col: pa.Array, row: int) -> str:
-    return repr(col[row].as_py())
+    return shown(col[row].as_py())
 
 
 def _label_problem(schema: DataSchema, col: pa.Array, row: int, expected: str, is_number: bool) -> str:
     """The label error, with the fix: a header line read as data, or a rating or score that
     needs ``label_threshold`` to become a click."""
     value = col[row].as_py()
-    text = f"label {schema.label!r} must be {expected}, got {value!r}"
+    text = f"label {schema.label!r} must be {expected}, got {shown(value)}"
     if isinstance(value, str) and value.strip() == schema.label and not schema.header:
         return text + '; the file starts with a header line: set "header": true in the schema'
     if is_number:
@@ -161,22 +163,78 @@ def _columns(table: pa.Table | pa.RecordBatch, schema: DataSchema) -> dict[str, 
     return {n: col(n) for n in (schema.label, *schema.dense_names, *schema.sparse_names)}
 
 
+def _drop_non_text_lines(block: Block) -> tuple[Block, list[tuple[int, str]]]:
+    """``block`` with every line that is not UTF-8 text emptied (so line numbers stay), and
+    (line, message) for each."""
+    data = block.data
+    assert isinstance(data, bytes)
+    if data.isascii():
+        return block, []
+    try:
+        data.decode("utf-8")
+        return block, []
+    except UnicodeDecodeError:
+        pass
+    lines = data.split(b"\n")
+    dropped = []
+    for k, line in enumerate(lines):
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            at = block.first_line + k
+            dropped.append((at, f"{block.file}:{at}: the line is not UTF-8 text (byte 0x{line[e.start]:02x} at "
+                                f"character {e.start + 1}): is this a binary file?"))
+            lines[k] = b""
+    return Block(block.index, block.file, block.first_line, b"\n".join(lines), block.columns), dropped
+
+
 def clean_block(block: Block, schema: DataSchema, skip_bad_rows: bool) -> CleanBlock:
     """Parse, check and keep the good rows of ``block``; raise on the first bad one unless skipping."""
+    dropped: list[tuple[int, str]] = []
+    if isinstance(block.data, bytes):
+        block, dropped = _drop_non_text_lines(block)
+    if dropped and not skip_bad_rows:
+        # The first bad line is named: one before the first line that is not text, if any.
+        line = dropped[0][0]
+        data: bytes = block.data  # type: ignore[assignment]
+        head = data[: sum(len(x) + 1 for x in data.split(b"\n")[: line - block.first_line])]
+        _clean_block(Block(block.index, block.file, block.first_line, head, block.columns), schema, False)
+        raise DataFormatError(dropped[0][1] + SKIP_HINT)
+    clean = _clean_block(block, schema, skip_bad_rows)
+    if dropped:
+        clean.skipped += len(dropped)
+        clean.examples = sorted([m for _, m in dropped] + clean.examples, key=_line_of)[:MAX_EXAMPLES]
+    return clean
+
+
+def _line_of(example: str) -> int:
+    """The line number of a ``file:line: message`` example (for ordering)."""
+    m = re.search(r":(\d+): ", example)
+    return int(m.group(1)) if m else 0
+
+
+def _clean_block(block: Block, schema: DataSchema, skip_bad_rows: bool) -> CleanBlock:
     is_text = isinstance(block.data, bytes)
     invalid: list[int] = []
-    if is_text:
+    first_error: tuple[int, str] | None = None  # (line, message) of a row of the wrong width
+    if is_text and not block.data.replace(b"\n", b"").replace(b"\r", b""):  # type: ignore[union-attr]
+        # Only line ends (pyarrow calls that an empty file): no rows.
+        table = pa.table({n: pa.array([], pa.string()) for n in (schema.label, *schema.dense_names, *schema.sparse_names)})
+    elif is_text:
         try:
             table = _read_text(block, schema, typed=True, invalid=invalid)
         except pa.ArrowInvalid:
             invalid.clear()
-            table = _read_text(block, schema, typed=False, invalid=invalid)
-        lines = None
+            try:
+                table = _read_text(block, schema, typed=False, invalid=invalid)
+            except pa.ArrowInvalid as e:
+                raise DataFormatError(f"{block.file}:{block.first_line}: the text from this line on cannot be read as "
+                                      f"{schema.delimiter!r}-separated columns ({shown(str(e), 120)[1:-1]})") from None
         if invalid and not skip_bad_rows:
             lines = _text_row_lines(block.data, block.first_line, [])  # type: ignore[arg-type]
-            at = lines[invalid[0] - 1] if invalid[0] > 0 else block.first_line
+            at = int(lines[invalid[0] - 1]) if invalid[0] > 0 else block.first_line
             cols = len(block.columns)
-            raise DataFormatError(f"{block.file}:{at}: expected {cols} columns separated by {schema.delimiter!r}" + SKIP_HINT)
+            first_error = (at, f"{block.file}:{at}: expected {cols} columns separated by {schema.delimiter!r}")
     else:
         table = block.data
     cols = _columns(table, schema)  # type: ignore[arg-type]
@@ -211,11 +269,16 @@ def clean_block(block: Block, schema: DataSchema, skip_bad_rows: bool) -> CleanB
     skipped = int(bad.sum()) + len(invalid)
     examples: list[str] = []
     if skipped:
-        where = _locator(block, is_text, invalid)
+        where = _Locator(block, is_text, invalid)
         bad_rows = np.flatnonzero(bad)
         if not skip_bad_rows:
-            r = int(bad_rows[0])
-            raise DataFormatError(f"{where(r)}: {probs.message(r)}" + SKIP_HINT)
+            if bad_rows.size:
+                r = int(bad_rows[0])
+                line = where.line(r)
+                if first_error is None or line < first_error[0]:
+                    first_error = (line, f"{where(r)}: {probs.message(r)}")
+            assert first_error is not None
+            raise DataFormatError(first_error[1] + SKIP_HINT)
         found = [(int(r), f"{where(int(r))}: {probs.message(int(r))}") for r in bad_rows[:MAX_EXAMPLES]]
         if invalid:
             all_lines = _text_row_lines(block.data, block.first_line, [])  # type: ignore[arg-type]
@@ -239,11 +302,19 @@ def clean_block(block: Block, schema: DataSchema, skip_bad_rows: bool) -> CleanB
     return clean
 
 
-def _locator(block: Block, is_text: bool, invalid: list[int]) -> Callable[[int], str]:
-    if is_text:
-        lines = _text_row_lines(block.data, block.first_line, invalid)  # type: ignore[arg-type]
-        return lambda r: f"{block.file}:{int(lines[r])}"
-    return lambda r: f"{block.file}: row {block.first_line + r}"
+class _Locator:
+    """Where row ``r`` of a block is: ``file:line`` (text) or ``file: row N`` (Parquet)."""
+
+    def __init__(self, block: Block, is_text: bool, invalid: list[int]) -> None:
+        self.block, self.is_text = block, is_text
+        data: bytes = block.data if is_text else b""  # type: ignore[assignment]
+        self.lines = _text_row_lines(data, block.first_line, invalid) if is_text else None
+
+    def line(self, r: int) -> int:
+        return int(self.lines[r]) if self.lines is not None else self.block.first_line + r
+
+    def __call__(self, r: int) -> str:
+        return f"{self.block.file}:{self.line(r)}" if self.is_text else f"{self.block.file}: row {self.line(r)}"
 
 
 def _keep_rows(raw: RawSparse, keep: np.ndarray) -> RawSparse:

@@ -10,13 +10,16 @@ from __future__ import annotations
 import gzip
 import io
 import math
+import re
+import warnings
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from recscale.data.errors import DataFormatError
+from recscale.data.errors import DataFormatError, shown
 
 # Raw keys stay below 2^62 (an id is an int64); Criteo's 8-digit hashes are far below it.
 _RAW_KEYS = 1 << 62
@@ -54,18 +57,42 @@ class ClickData:
         )
 
 
-def _open_text(path: Path) -> io.TextIOBase:
-    if path.suffix == ".gz":
-        return gzip.open(path, "rt", newline="")  # type: ignore[return-value]
-    return open(path, newline="")
+# The field grammar ``recscale data prepare`` uses (recscale.data.transforms), so both readers
+# accept and refuse the same rows: Python's float() and int(x, 16) alone would also take
+# "1_0", "0x1f", " 1f" or non-ASCII digits.
+_WS = "[\t\n\f\r ]*"
+_NUMBER = re.compile(rf"{_WS}[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?{_WS}", re.ASCII)
+_BLANK = re.compile(_WS)
+_HEX = re.compile(r"[0-9a-fA-F]{1,16}")
+_INT = re.compile(rf"{_WS}[-+]?[0-9]+{_WS}")
 
 
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    with _open_text(path) as f:
-        for lineno, line in enumerate(f, start=1):
-            line = line.rstrip("\r\n")
-            if line:
-                yield lineno, line
+def _open_binary(path: Path) -> io.BufferedIOBase:
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")  # type: ignore[return-value]
+
+
+def _lines(path: Path, rows: _Rows) -> Iterator[tuple[int, str]]:
+    """(1-based line, text) of each non-empty line. A line that is not UTF-8 text is a bad row;
+    a truncated or damaged gzip stream is an error naming the file. A lone carriage return
+    ends a line too (as in ``prepare``'s CSV parser)."""
+    lineno = 0
+    with _open_binary(path) as f:
+        try:
+            for lineno, raw in enumerate(f, start=1):
+                for part in raw.rstrip(b"\r\n").split(b"\r"):
+                    if not part:
+                        continue
+                    try:
+                        yield lineno, part.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        rows.bad(lineno, f"the line is not UTF-8 text (byte 0x{part[e.start]:02x} at character "
+                                         f"{e.start + 1}): is this a binary file?")
+        except (EOFError, OSError, zlib.error) as e:
+            raise DataFormatError(
+                f"{path}: the gzip stream is truncated or damaged after line {lineno} ({e}); "
+                "download or compress the file again"
+            ) from None
+    rows.lines = lineno
 
 
 class _Rows:
@@ -78,6 +105,7 @@ class _Rows:
         self.labels: list[float] = []
         self.skipped = 0
         self.examples: list[str] = []
+        self.lines = 0  # lines in the file (set when it was read to its end)
 
     def bad(self, lineno: int, problem: str) -> None:
         msg = f"{self.path.name}:{lineno}: {problem}"
@@ -88,6 +116,8 @@ class _Rows:
             self.examples.append(msg)
 
     def result(self, num_dense: int, num_sparse: int) -> ClickData:
+        if not self.labels:
+            self._refuse_empty()
         return ClickData(
             dense=np.log1p(np.asarray(self.dense, dtype=np.float64).reshape(-1, num_dense)).astype(np.float32),
             sparse=np.asarray(self.sparse, dtype=np.int64).reshape(-1, num_sparse),
@@ -96,6 +126,18 @@ class _Rows:
             source=str(self.path),
             skipped_examples=self.examples,
         )
+
+
+    def _refuse_empty(self) -> None:
+        p = self.path
+        if self.skipped:
+            raise DataFormatError(
+                f"data file '{p}' has no valid rows: all {self.skipped:,} rows are bad and were skipped, "
+                f"e.g. {self.examples[0]}"
+            )
+        if self.lines == 0:
+            raise DataFormatError(f"data file '{p}' is empty; give a file with data rows")
+        raise DataFormatError(f"data file '{p}' has no data rows (only {self.lines:,} empty lines)")
 
 
 def _check_path(path: str | Path) -> Path:
@@ -129,7 +171,7 @@ def read_criteo_tsv(
     ncols = (1 if has_label else 0) + NUM_DENSE + NUM_SPARSE
     first_dense = 1 if has_label else 0
     rows = _Rows(p, skip_bad_rows)
-    for lineno, line in _lines(p):
+    for lineno, line in _lines(p, rows):
         if max_rows is not None and len(rows.labels) >= max_rows:
             break
         cols = line.split("\t")
@@ -138,24 +180,20 @@ def read_criteo_tsv(
             continue
         label = 0.0
         if has_label:
-            if cols[0] not in ("0", "1"):
-                rows.bad(lineno, f"label must be 0 or 1, got {cols[0]!r}")
+            label = float(cols[0]) if _NUMBER.fullmatch(cols[0]) else -1.0
+            if label not in (0.0, 1.0):
+                rows.bad(lineno, f"label must be 0 or 1, got {shown(cols[0])}")
                 continue
-            label = float(cols[0])
         dense = []
         problem = None
         for j in range(NUM_DENSE):
             text = cols[first_dense + j]
-            if not text:
+            if _BLANK.fullmatch(text):
                 dense.append(0.0)
                 continue
-            try:
-                v = float(text)
-            except ValueError:
-                problem = f"dense feature {DENSE_NAMES[j]} must be a number, got {text!r}"
-                break
+            v = float(text) if _NUMBER.fullmatch(text) else math.nan
             if not math.isfinite(v):
-                problem = f"dense feature {DENSE_NAMES[j]} must be finite, got {text!r}"
+                problem = f"dense feature {DENSE_NAMES[j]} must be a finite number, got {shown(text)}"
                 break
             dense.append(max(v, 0.0))
         if problem:
@@ -167,11 +205,11 @@ def read_criteo_tsv(
             if not text:
                 sparse.append(0)
                 continue
-            try:
-                h = int(text, 16)
-            except ValueError:
-                problem = f"categorical feature {SPARSE_NAMES[j]} must be a hex string, got {text!r}"
+            if not _HEX.fullmatch(text):
+                problem = (f"categorical feature {SPARSE_NAMES[j]} must be a hex value of 1 to 16 digits, "
+                           f"got {shown(text)}")
                 break
+            h = int(text, 16)
             sparse.append(1 + h % mods[j] if table_rows is None or table_rows[j] > 1 else 0)
         if problem:
             rows.bad(lineno, problem)
@@ -222,22 +260,31 @@ def read_encoded_csv(
                 source=str(p),
             )
     rows = _Rows(p, skip_bad_rows)
-    for lineno, line in _lines(p):
+    for lineno, line in _lines(p, rows):
         cols = line.split(",")
         if len(cols) != ncols:
             rows.bad(lineno, f"expected {ncols} comma-separated columns (label, 13 dense, 26 categorical), got {len(cols)}")
             continue
-        try:
-            values = [int(c) for c in cols]
-        except ValueError:
-            bad = next(c for c in cols if not _is_int(c))
-            rows.bad(lineno, f"every column must be an integer, got {bad!r}")
+        bad = next((c for c in cols if not _INT.fullmatch(c)), None)
+        if bad is not None:
+            rows.bad(lineno, f"every column must be an integer, got {shown(bad)}")
+            continue
+        values = [int(c) for c in cols]
+        huge = next((c for c, v in zip(cols, values) if not -(1 << 63) <= v < 1 << 63), None)
+        if huge is not None:
+            rows.bad(lineno, f"{shown(huge)} is outside the 64-bit integer range")
             continue
         if values[0] not in (0, 1):
             rows.bad(lineno, f"label must be 0 or 1, got {values[0]}")
             continue
         ids = values[1 + NUM_DENSE :]
-        if table_rows is not None:
+        if table_rows is None:
+            out = [(j, v) for j, v in enumerate(ids) if v < 0]
+            if out:
+                j, v = out[0]
+                rows.bad(lineno, f"categorical feature {SPARSE_NAMES[j]}: id {v} is negative (ids start at 0)")
+                continue
+        else:
             out = [(j, v) for j, v in enumerate(ids) if not 0 <= v < table_rows[j]]
             if out:
                 j, v = out[0]
@@ -253,19 +300,14 @@ def read_encoded_csv(
     return rows.result(NUM_DENSE, NUM_SPARSE)
 
 
-def _is_int(text: str) -> bool:
-    try:
-        int(text)
-        return True
-    except ValueError:
-        return False
-
-
 def _encoded_fast(p: Path, ncols: int) -> np.ndarray | None:
     """Whole-file parse with NumPy; None when any row is malformed (then the slow path names it)."""
     try:
-        arr = np.loadtxt(p, delimiter=",", dtype=np.int64, ndmin=2)
-    except ValueError:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # an empty file: the slow path says so
+            # No comment character: a line starting with '#' is a bad row, not a skipped one.
+            arr = np.loadtxt(p, delimiter=",", dtype=np.int64, ndmin=2, comments=None)
+    except (ValueError, OverflowError):
         return None
     if arr.shape[1] != ncols or arr.size == 0:
         return None

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
+from recscale import faults
 from recscale.data.batch import Batch
 from recscale.data.criteo import ClickData
 from recscale.data.synthetic import SyntheticClickData
@@ -31,6 +32,7 @@ class ClickBatches(Dataset):
         drop_last: bool = False,
         rank: int = 0,
         world_size: int = 1,
+        fault_point: bool = False,
     ) -> None:
         if batch_size <= 0:
             raise ValueError(f"batch_size must be > 0, got {batch_size}")
@@ -43,6 +45,9 @@ class ClickBatches(Dataset):
             raise ValueError(f"rank {rank} is outside a world of {world_size}")
         self.rank, self.world_size = rank, world_size
         self.epoch = 0
+        # Training batches: building one is a fault-injection point (``recscale.faults``), at the
+        # step that trains it; evaluation batches are not.
+        self.fault_point = fault_point
         self._order: np.ndarray | None = None
 
     @property
@@ -77,6 +82,8 @@ class ClickBatches(Dataset):
     def __getitem__(self, index: int) -> Batch:
         if not 0 <= index < len(self):
             raise IndexError(f"batch {index} out of range [0, {len(self)})")
+        if self.fault_point:
+            faults.point("loader", self.epoch * len(self) + index + 1, worker=get_worker_info() is not None)
         src = self.source
         if isinstance(src, SyntheticClickData) and self.shuffle:
             # Shuffle whole batches of the stream: samples are i.i.d. already.

@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import shutil
 import time
+import zlib
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from collections.abc import Callable, Iterator
@@ -34,6 +35,8 @@ from tqdm import tqdm
 
 from recscale.atomic import write_text_atomic
 from recscale.data.blocks import Block, clean_block, sparse_ids, vocab_keys
+from recscale.data.errors import DataFormatError, shown
+from recscale.data.staging import check_out, publish, staging, write_error
 from recscale.data.prepared import MANIFEST, MANIFEST_FORMAT, PreparedDataset, file_sha256
 from recscale.data.schema import DataSchema, SchemaError, criteo_schema, load_schema, override_sparse
 from recscale.data.stats import BlockStats, FeatureCounts, stats_document, write_stats
@@ -125,49 +128,84 @@ def _text_blocks(opts: PrepareOptions, advance: Callable[[int], None]) -> Iterat
     for path in opts.inputs:
         raw, stream = _open_binary(path)
         with raw:
-            line = 1
-            columns = opts.schema.columns
-            if opts.schema.header:
-                head = stream.readline().decode().rstrip("\r\n")
-                columns = tuple(head.split(opts.schema.delimiter))
-                line += 1
-                missing = [n for n in (opts.schema.label, *opts.schema.dense_names, *opts.schema.sparse_names) if n not in columns]
-                if missing:
-                    raise SchemaError(f"{path}: header has no column(s) {missing} (header: {list(columns)})")
-            if not columns:
-                raise SchemaError(f"{path}: the schema needs 'columns' (the file's column names) or header = true")
-            rest, pos = b"", raw.tell()
-            while True:
-                chunk = stream.read(opts.block_bytes)
-                advance(raw.tell() - pos)
-                pos = raw.tell()
-                if not chunk:
-                    if rest.strip():
-                        yield Block(index, path, line, rest, columns)
-                        index += 1
-                    break
-                buf = rest + chunk
-                cut = buf.rfind(b"\n")
-                if cut < 0:
-                    rest = buf
-                    continue
-                data, rest = buf[: cut + 1], buf[cut + 1 :]
-                yield Block(index, path, line, data, columns)
+            try:
+                for block in _file_blocks(opts, path, raw, stream, index, advance):
+                    index += 1
+                    yield block
+            except (EOFError, zlib.error) as e:
+                raise DataFormatError(f"{path}: the gzip stream is truncated or damaged ({e}); "
+                                      "download or compress the file again") from None
+            except OSError as e:
+                if stream is raw:
+                    raise
+                raise DataFormatError(f"{path}: the gzip stream is truncated or damaged ({e}); "
+                                      "download or compress the file again") from None
+
+
+def _file_blocks(opts: PrepareOptions, path: str, raw, stream, index: int,
+                 advance: Callable[[int], None]) -> Iterator[Block]:
+    """The blocks of one text file, numbered from ``index``."""
+    line = 1
+    columns = opts.schema.columns
+    if opts.schema.header:
+        first = stream.readline()
+        if not first:
+            return  # an empty file: no header, no rows
+        try:
+            head = first.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError:
+            raise DataFormatError(f"{path}:1: the header line is not UTF-8 text: is this a binary file?") from None
+        columns = tuple(head.split(opts.schema.delimiter))
+        line += 1
+        missing = [n for n in (opts.schema.label, *opts.schema.dense_names, *opts.schema.sparse_names) if n not in columns]
+        if missing:
+            raise SchemaError(f"{path}: header has no column(s) {shown(missing)} (header: {shown(head, 120)})")
+    if not columns:
+        raise SchemaError(f"{path}: the schema needs 'columns' (the file's column names) or header = true")
+    rest, pos = b"", raw.tell()
+    while True:
+        chunk = stream.read(opts.block_bytes)
+        advance(raw.tell() - pos)
+        pos = raw.tell()
+        if not chunk:
+            if rest.replace(b"\r", b""):  # a last line without its newline (spaces are a row too)
+                yield Block(index, path, line, rest, columns)
                 index += 1
-                line += data.count(b"\n")
+            break
+        buf = rest + chunk
+        cut = buf.rfind(b"\n")
+        if cut < 0:
+            rest = buf
+            continue
+        data, rest = buf[: cut + 1], buf[cut + 1 :]
+        yield Block(index, path, line, data, columns)
+        index += 1
+        line += data.count(b"\n")
 
 
 def _parquet_blocks(opts: PrepareOptions, advance: Callable[[int], None]) -> Iterator[Block]:
     index = 0
     rows_per_batch = max(1, opts.block_bytes // 256)
     for path in opts.inputs:
-        pf = pq.ParquetFile(path)
+        try:
+            pf = pq.ParquetFile(path)
+        except (pa.ArrowException, OSError) as e:
+            raise DataFormatError(f"{path}: not a readable Parquet file ({shown(str(e), 120)[1:-1]}); "
+                                  "give Parquet files, or --format csv / criteo-tsv for text") from None
         names = set(pf.schema_arrow.names)
         missing = [n for n in (opts.schema.label, *opts.schema.dense_names, *opts.schema.sparse_names) if n not in names]
         if missing:
             raise SchemaError(f"{path}: Parquet file has no column(s) {missing} (it has {sorted(names)})")
         size, first = os.path.getsize(path), 1
-        for batch in pf.iter_batches(batch_size=rows_per_batch):
+        batches = pf.iter_batches(batch_size=rows_per_batch)
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
+            except (pa.ArrowException, OSError) as e:  # a damaged page or a cut file
+                raise DataFormatError(f"{path}: row {first} on cannot be read ({shown(str(e), 120)[1:-1]}); "
+                                      "the Parquet file is damaged or cut") from None
             yield Block(index, path, first, batch)
             index += 1
             first += batch.num_rows
@@ -285,20 +323,6 @@ def _run(
 
 
 # ---------------------------------------------------------------------------------- driver
-def _prepare_out(out: Path, overwrite: bool) -> None:
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            what = "a prepared dataset" if (out / MANIFEST).exists() else "files"
-            raise FileExistsError(f"--out: '{out}' already holds {what}; pass --overwrite to replace it")
-        (out / MANIFEST).unlink(missing_ok=True)  # first, so a half-replaced directory is never valid
-        for p in out.iterdir():
-            if p.is_dir() and p.name == "vocab":
-                shutil.rmtree(p)
-            elif p.name.startswith(("part-", ".part-")) or p.name in (STATS,):
-                p.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-
-
 def _build_vocab(opts: PrepareOptions, out: Path) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
     feats = [s for s in opts.schema.sparse if s.transform == "vocab"]
     if not feats:
@@ -349,19 +373,9 @@ def _copy_vocab(source: PreparedDataset, out: Path) -> tuple[dict[str, np.ndarra
     return vocab, files
 
 
-def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> PrepareResult:
-    """Prepare ``opts.inputs`` into ``opts.out``; returns counts and the rate."""
-    if opts.fmt not in FORMATS:
-        raise SchemaError(f"--format: expected one of {list(FORMATS)}, got {opts.fmt!r}")
-    if opts.row_group_rows <= 0 or opts.block_bytes <= 0:
-        raise SchemaError("--row-group-rows and --block-mb must be > 0")
-    out = Path(opts.out)
-    if opts.vocab_from and Path(opts.vocab_from).resolve() == out.resolve():
-        raise SchemaError(f"--vocab-from: '{opts.vocab_from}' is the output directory; give the training data's directory")
-    source = PreparedDataset.open(opts.vocab_from) if opts.vocab_from else None
-    if source is not None:
-        opts = replace(opts, schema=reuse_encoding(opts.schema, source))
-    _prepare_out(out, opts.overwrite)
+def _prepare_into(opts: PrepareOptions, out: Path, source: PreparedDataset | None, final: Path) -> PrepareResult:
+    """Write the whole prepared directory into ``out`` (the staging folder); manifest last."""
+    opts = replace(opts, out=str(out))
     t0 = time.perf_counter()
     vocab, vocab_files = _copy_vocab(source, out) if source is not None else _build_vocab(opts, out)
     schema = opts.schema.with_table_rows({n: 2 + v.size for n, v in vocab.items()})
@@ -377,6 +391,8 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
         stats.merge(st)
         skipped += sk
         examples.extend(ex[: max(0, 5 - len(examples))])
+    if not stats.rows:
+        _refuse_no_rows(opts.inputs, skipped, examples)
     seconds = time.perf_counter() - t0
     table_rows = {s.name: s.table_rows for s in schema.sparse}
     doc = stats_document(stats, schema.dense_names, table_rows)
@@ -402,8 +418,8 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
         "vocab_from": {"path": str(source.root), "fingerprint": source.fingerprint} if source is not None else None,
     }
     write_text_atomic(out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
-    result = PrepareResult(
-        out=str(out),
+    return PrepareResult(
+        out=str(final),
         rows=stats.rows,
         skipped_rows=skipped,
         skipped_examples=examples,
@@ -413,4 +429,39 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
         table_rows=table_rows,
         oov={n: (f["oov_lookups"], f["oov_rate"]) for n, f in doc["features"].items() if f["oov_lookups"]},
     )
+
+
+def _refuse_no_rows(inputs: tuple[str, ...], skipped: int, examples: list[str]) -> None:
+    if skipped:
+        raise DataFormatError(f"--input: no valid rows: all {skipped:,} rows are bad and were skipped, "
+                              f"e.g. {examples[0]}")
+    empty = [p for p in inputs if os.path.getsize(p) == 0]
+    if len(empty) == len(inputs):
+        raise DataFormatError(f"--input: '{empty[0]}' is empty" + (" (and so are the others)" if len(empty) > 1 else "")
+                              + "; give files with data rows")
+    raise DataFormatError(f"--input: no data rows in {shown(list(inputs), 200)} (only empty lines)")
+
+
+def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> PrepareResult:
+    """Prepare ``opts.inputs`` into ``opts.out``; returns counts and the rate."""
+    if opts.fmt not in FORMATS:
+        raise SchemaError(f"--format: expected one of {list(FORMATS)}, got {opts.fmt!r}")
+    if opts.row_group_rows <= 0 or opts.block_bytes <= 0:
+        raise SchemaError("--row-group-rows and --block-mb must be > 0")
+    out = Path(opts.out)
+    if opts.vocab_from and Path(opts.vocab_from).resolve() == out.resolve():
+        raise SchemaError(f"--vocab-from: '{opts.vocab_from}' is the output directory; give the training data's directory")
+    source = PreparedDataset.open(opts.vocab_from) if opts.vocab_from else None
+    if source is not None:
+        opts = replace(opts, schema=reuse_encoding(opts.schema, source))
+    check_out(out, opts.overwrite)
+    tmp = staging(out)
+    try:
+        result = _prepare_into(opts, tmp, source, out)
+        publish(tmp, out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and (err := write_error(e, out)) is not None:
+            raise err from None
+        raise
     return result

@@ -17,6 +17,7 @@ Example (JSON)::
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -28,6 +29,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 SPARSE_KINDS = ("hex", "int", "string")
+MAX_TABLE_ROWS = 1 << 62  # ids are int64
 TRANSFORMS = ("hash", "vocab", "identity")
 
 
@@ -122,6 +124,8 @@ class DataSchema:
                 )
             if s.transform == "identity" and s.kind != "int":
                 raise SchemaError(f"{where}: transform 'identity' needs kind 'int' (ids are integers)")
+            if not 0 <= s.table_rows < MAX_TABLE_ROWS:
+                raise SchemaError(f"{where}: table_rows must be in [0, 2^62), got {_shown(s.table_rows)}")
             if s.min_count < 1:
                 raise SchemaError(f"{where}: min_count must be >= 1, got {s.min_count}")
 
@@ -137,39 +141,86 @@ def criteo_schema(table_rows: int | list[int] = 0, has_label: bool = True) -> Da
     return DataSchema(label="label", dense=dense, sparse=sparse, columns=cols, delimiter="\t", header=False)
 
 
+def _typed(value: Any, kind: str, where: str) -> Any:
+    """``value`` when it is of the schema type ``kind``, else a SchemaError naming ``where``:
+    a value of another type is refused, never converted (``"yes"`` is no boolean, ``"age"``
+    no list, ``3.7`` no row count)."""
+    ok = {
+        "str": isinstance(value, str),
+        "bool": isinstance(value, bool),
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "number": isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value),
+        "list": isinstance(value, (list, tuple)),
+        "table": isinstance(value, dict),
+    }[kind]
+    if not ok:
+        expected = {"str": "a string", "bool": "true or false", "int": "an integer", "number": "a finite number",
+                    "list": "a list", "table": "a table (an object)"}[kind]
+        raise SchemaError(f"schema field '{where}': expected {expected}, got {_shown(value)}")
+    return value
+
+
+def _cut(text: str, limit: int = 120) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else f"{text[: limit - 20]}... ({len(text):,} characters)"
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer beyond the float range
+        return False
+
+
+def _shown(value: Any) -> str:
+    r = json.dumps(value) if isinstance(value, (str, bool, int, float, type(None))) else repr(value)
+    return r if len(r) <= 40 else f"{r[:28]}...{r[-6:]} ({len(r):,} characters)"
+
+
 def _dense(item: Any, i: int) -> DenseFeature:
+    where = f"dense[{i}]"
     if isinstance(item, str):
         return DenseFeature(item)
     if not isinstance(item, dict) or "name" not in item:
-        raise SchemaError(f"schema field 'dense[{i}]': expected a column name or a table with 'name'")
+        raise SchemaError(f"schema field '{where}': expected a column name or a table with 'name', got {_shown(item)}")
     unknown = set(item) - {"name", "fill", "log"}
     if unknown:
-        raise SchemaError(f"schema field 'dense[{i}]': unknown key(s) {sorted(unknown)}; known: name, fill, log")
-    return DenseFeature(str(item["name"]), float(item.get("fill", 0.0)), bool(item.get("log", True)))
+        raise SchemaError(f"schema field '{where}': unknown key(s) {sorted(unknown)}; known: name, fill, log")
+    return DenseFeature(
+        _typed(item["name"], "str", f"{where}.name"),
+        float(_typed(item.get("fill", 0.0), "number", f"{where}.fill")),
+        _typed(item.get("log", True), "bool", f"{where}.log"),
+    )
 
 
 def _sparse(item: Any, i: int, defaults: dict[str, Any]) -> SparseFeature:
+    where = f"sparse[{i}]"
     if isinstance(item, str):
         item = {"name": item}
     if not isinstance(item, dict) or "name" not in item:
-        raise SchemaError(f"schema field 'sparse[{i}]': expected a column name or a table with 'name'")
+        raise SchemaError(f"schema field '{where}': expected a column name or a table with 'name', got {_shown(item)}")
     known = {"name", "kind", "transform", "table_rows", "min_count", "list_separator", "multi_hot"}
     unknown = set(item) - known
     if unknown:
-        raise SchemaError(f"schema field 'sparse[{i}]': unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
+        raise SchemaError(f"schema field '{where}': unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
     merged = {**defaults, **item}
-    try:
-        return SparseFeature(
-            name=str(merged["name"]),
-            kind=str(merged.get("kind", "int")),
-            transform=str(merged.get("transform", "hash")),
-            table_rows=int(merged.get("table_rows", 0)),
-            min_count=int(merged.get("min_count", 1)),
-            list_separator=merged.get("list_separator"),
-            multi_hot=bool(merged.get("multi_hot", False)),
-        )
-    except (TypeError, ValueError) as e:
-        raise SchemaError(f"schema field 'sparse[{i}]': {e}") from None
+
+    def field(key: str, kind: str, default: Any) -> Any:
+        where_key = f"{where}.{key}" if key in item else f"sparse_defaults.{key}"
+        return _typed(merged.get(key, default), kind, where_key)
+
+    sep = merged.get("list_separator")
+    if sep is not None and (not isinstance(sep, str) or not sep):
+        raise SchemaError(f"schema field '{where}.list_separator': expected a non-empty string, got {_shown(sep)}")
+    return SparseFeature(
+        name=field("name", "str", None),
+        kind=field("kind", "str", "int"),
+        transform=field("transform", "str", "hash"),
+        table_rows=field("table_rows", "int", 0),
+        min_count=field("min_count", "int", 1),
+        list_separator=sep,
+        multi_hot=field("multi_hot", "bool", False),
+    )
 
 
 def schema_from_dict(raw: dict[str, Any]) -> DataSchema:
@@ -180,16 +231,20 @@ def schema_from_dict(raw: dict[str, Any]) -> DataSchema:
         raise SchemaError(f"schema: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
     if "label" not in raw:
         raise SchemaError("schema field 'label': required (the name of the 0/1 click column)")
-    defaults = raw.get("sparse_defaults", {}) or {}
+    defaults = _typed(raw.get("sparse_defaults") or {}, "table", "sparse_defaults")
+    unknown = set(defaults) - {"kind", "transform", "table_rows", "min_count", "list_separator", "multi_hot"}
+    if unknown:
+        raise SchemaError(f"schema field 'sparse_defaults': unknown key(s) {sorted(unknown)}")
     thr = raw.get("label_threshold")
     schema = DataSchema(
-        label=str(raw["label"]),
-        dense=tuple(_dense(d, i) for i, d in enumerate(raw.get("dense", []))),
-        sparse=tuple(_sparse(s, i, defaults) for i, s in enumerate(raw.get("sparse", []))),
-        columns=tuple(str(c) for c in raw.get("columns", [])),
-        delimiter=str(raw.get("delimiter", ",")),
-        header=bool(raw.get("header", False)),
-        label_threshold=None if thr is None else float(thr),
+        label=_typed(raw["label"], "str", "label"),
+        dense=tuple(_dense(d, i) for i, d in enumerate(_typed(raw.get("dense", []), "list", "dense"))),
+        sparse=tuple(_sparse(s, i, defaults) for i, s in enumerate(_typed(raw.get("sparse", []), "list", "sparse"))),
+        columns=tuple(_typed(c, "str", f"columns[{i}]")
+                      for i, c in enumerate(_typed(raw.get("columns", []), "list", "columns"))),
+        delimiter=_typed(raw.get("delimiter", ","), "str", "delimiter"),
+        header=_typed(raw.get("header", False), "bool", "header"),
+        label_threshold=None if thr is None else float(_typed(thr, "number", "label_threshold")),
     )
     schema.validate()
     return schema
@@ -198,12 +253,17 @@ def schema_from_dict(raw: dict[str, Any]) -> DataSchema:
 def load_schema(path: str | Path) -> DataSchema:
     """Read a schema from a ``.json`` or ``.toml`` file."""
     p = Path(path)
+    if p.is_dir():
+        raise SchemaError(f"--schema: '{p}' is a directory; give a JSON or TOML schema file")
     if not p.is_file():
         raise SchemaError(f"--schema: file '{p}' does not exist")
     try:
-        raw = tomllib.loads(p.read_text()) if p.suffix == ".toml" else json.loads(p.read_text())
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
-        raise SchemaError(f"schema file '{p}' cannot be parsed: {e}") from None
+        text = p.read_bytes().decode("utf-8")
+        raw = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
+    except UnicodeDecodeError:
+        raise SchemaError(f"schema file '{p}' is not UTF-8 text; give a JSON or TOML schema file") from None
+    except (ValueError, RecursionError) as e:  # JSON and TOML decode errors are ValueErrors
+        raise SchemaError(f"schema file '{p}' cannot be parsed: {_cut(str(e))}") from None
     if not isinstance(raw, dict):
         raise SchemaError(f"schema file '{p}': expected an object at the top level")
     return schema_from_dict(raw)

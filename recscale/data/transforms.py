@@ -130,7 +130,10 @@ def parse_ints(arr: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return np.where(bad, 0, f).astype(np.int64), present & ~bad, bad
     arr = pc.fill_null(arr.cast(pa.string()), "")
     empty = np.asarray(pc.equal(pc.utf8_length(arr), 0), dtype=bool)
-    ok = np.asarray(pc.match_substring_regex(arr, _INT_RE), dtype=bool)
+    ok = np.array(pc.match_substring_regex(arr, _INT_RE), dtype=bool)
+    long = ok & (np.asarray(pc.utf8_length(pc.utf8_trim_whitespace(arr))) > 18)
+    for i in np.flatnonzero(long):  # rare: more digits than an int64 surely holds; check the range
+        ok[i] = -(1 << 63) <= int(arr[int(i)].as_py()) < 1 << 63
     bad = ~ok & ~empty
     clean = pc.if_else(pa.array(ok), pc.utf8_trim_whitespace(arr), pa.scalar("0"))
     return np.asarray(clean.cast(pa.int64()), dtype=np.int64), ok, bad

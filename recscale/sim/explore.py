@@ -24,7 +24,7 @@ from recscale.sharding.plan import ShardingPlan
 from recscale.sim import traffic
 from recscale.sim.api import NUM_DENSE, _DENSE_WIRE
 from recscale.sim.dense import DenseModel, buckets
-from recscale.sim.step import StepInputs, StepResult, _replica_pair_bytes, _volumes, simulate_step
+from recscale.sim.step import StepInputs, StepResult, _replica_pair_bytes, _volumes, gradient_links, simulate_step
 from recscale.sim.tiers import TieredCluster
 from recscale.sim.topology import ClusterTopology
 from recscale.train.config import Config
@@ -121,9 +121,9 @@ def pieces(specs: list[TableSpec], cfg: Config, topo: ClusterTopology, plan: Sha
     d = DenseModel.of(NUM_DENSE, m.bottom_mlp, m.top_mlp, len(specs), m.embedding_dim)
     c = topo.compute
     inp = StepInputs(specs, unit, plan, d, True)
-    ids_v, out_v, grad_v, hier_v = _volumes(inp, topo)
+    ids_v, out_v, grad_v, hier_v, cw_v = _volumes(inp, topo)
     out = _link_s(topo, traffic.merge(traffic.all_to_all(topo, out_v, toward_dest=False), traffic.intra_host(topo, hier_v)))
-    grad = _link_s(topo, traffic.merge(traffic.all_to_all(topo, grad_v), traffic.intra_host(topo, hier_v)))
+    grad = _link_s(topo, gradient_links(topo, grad_v, hier_v, cw_v))
     ar = sum(_link_s(topo, traffic.ring_all_reduce(topo, p)) for p in buckets(d.top_params) + buckets(d.bottom_params))
     rep = _link_s(topo, traffic.uniform(topo, _replica_pair_bytes(inp, topo)))
     lat = collective_s(hw)

@@ -18,13 +18,16 @@ def add_parser(sub) -> None:
     s.add_argument("--max-auc-loss", type=float, default=0.002,
                    help="leave out wire precisions whose measured eval AUC loss exceeds this")
     s.add_argument("--out", metavar="JSON", help="write ranked candidates and baselines")
+    s.add_argument("--plans-dir", metavar="DIR",
+                   help="write each candidate's plan JSON here; --out then gives each its train arguments and, "
+                        "where the cluster can be emulated, its `recscale cluster` command")
     s.add_argument("--report", metavar="HTML", help="write an HTML page comparing the top candidates with the baselines")
     s.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from recscale.sim.explore import explore
-    from recscale.sim.explore_report import summary, to_dict, write_html
+    from recscale.sim.explore_report import RunSpec, summary, to_dict, write_html
     from recscale.sim.report import write_json
     from recscale.sim.tiers import load_cluster
     from recscale.sim.topology import TopologyError
@@ -34,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--time-budget must be > 0 seconds, got {args.time_budget}")
     if args.top < 1:
         raise ConfigError(f"--top must be >= 1, got {args.top}")
+    if args.plans_dir and not args.out:
+        raise ConfigError("--plans-dir needs --out (the JSON that names each candidate's plan file and command)")
     cfg = load_config(args.config, args.set)
     try:
         cluster = load_cluster(args.topology)
@@ -42,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     e = explore(cfg, cluster, args.time_budget, args.top, args.max_auc_loss)
     print(summary(e))
     if args.out:
-        write_json(args.out, to_dict(e))
+        write_json(args.out, to_dict(e, RunSpec(args.config, tuple(args.set), args.plans_dir)))
         print(f"written to {args.out}")
     if args.report:
         write_html(args.report, e)

@@ -5,9 +5,35 @@ a terminal summary."""
 from __future__ import annotations
 
 import html
+from dataclasses import dataclass
+from pathlib import Path
 
 from recscale.atomic import write_text_atomic
 from recscale.sim.explore import Exploration, Scored
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """How to train a candidate: the config and ``--set`` overrides the search was given, and
+    a folder to write each candidate's plan JSON into (``sharding.plan`` of its command)."""
+
+    config: str
+    sets: tuple[str, ...] = ()
+    plans_dir: str | None = None
+
+
+def _commands(e: Exploration, s: Scored, key: str, run: RunSpec) -> dict:
+    c = s.candidate
+    sub = e.cluster.shrink(c.placement.buildings, c.placement.ranks_per_host)
+    plan_file = str(Path(run.plans_dir) / f"{key}.json")
+    Path(run.plans_dir).mkdir(parents=True, exist_ok=True)  # type: ignore[arg-type]
+    write_text_atomic(plan_file, e.plans[(c.placement, c.plan_name)].to_json())
+    train = ["train", "--config", run.config]
+    for o in (*run.sets, f"sharding.plan={plan_file}", *c.overrides()):
+        train += ["--set", o]
+    emulate = sub.cluster_args()
+    return {"plan_file": plan_file, "train_args": train,
+            "cluster_command": None if emulate is None else ["recscale", "cluster", *emulate, "--", *train]}
 
 
 def _entry(e: Exploration, s: Scored) -> dict:
@@ -50,12 +76,18 @@ def best_using_all(e: Exploration) -> Scored | None:
     return next((s for s in e.scored if (s.candidate.placement.buildings, s.candidate.placement.ranks_per_host) == full), None)
 
 
-def to_dict(e: Exploration) -> dict:
+def to_dict(e: Exploration, run: RunSpec | None = None) -> dict:
+    """The ranked result; with ``run`` (and its ``plans_dir``) each entry also names its plan
+    file and the command that trains it (``cluster_command``: on emulated hosts, where the
+    cluster can be emulated)."""
+    def more(s: Scored, key: str) -> dict:
+        return _commands(e, s, key, run) if run is not None and run.plans_dir else {}
+
     return {
         "cluster": e.cluster.to_dict(),
-        "candidates": [_entry(e, s) | {"name": _name(e, s)} for s in e.scored],
-        "baselines": {k: (_entry(e, b) | {"name": _name(e, b)} if isinstance(b, Scored) else {"unavailable": b})
-                      for k, b in e.baselines.items()},
+        "candidates": [_entry(e, s) | {"name": _name(e, s)} | more(s, f"candidate-{i + 1}") for i, s in enumerate(e.scored)],
+        "baselines": {k: (_entry(e, b) | {"name": _name(e, b)} | more(b, f"baseline-{k}") if isinstance(b, Scored)
+                          else {"unavailable": b}) for k, b in e.baselines.items()},
         "speedup_over_baselines": gains(e),
         "speedup_over_baselines_using_every_rank": gains(e, best_using_all(e)),
         "search": {"candidates_scored": e.analytic_count, "analytic_seconds": e.analytic_seconds,

@@ -50,27 +50,42 @@ class StepResult:
     busy_s: list[dict[str, float]] = field(default_factory=list)  # per rank, per category, in the window
 
 
-def _volumes(inp: StepInputs, topo: ClusterTopology) -> tuple[list[float], list[float], list[float], list[float]]:
-    """Per owner rank: bytes one source exchanges with it (ids, outputs, gradients), and the
-    hierarchical table-row-wise shards' reduce-scatter inside the host."""
+_LENGTH_BYTES = 8.0  # the input distribution sends each bag's length as int64
+
+
+def _volumes(inp: StepInputs, topo: ClusterTopology) -> tuple[list[float], ...]:
+    """Per owner rank: bytes one source exchanges with it (ids with their bags' lengths,
+    outputs, gradients), the hierarchical table-row-wise shards' reduce-scatter inside the host,
+    and what the owner of column-wise shards sends every rank in backward (each unique row's
+    squared gradient sum, fp32, for the row-wise optimizer state all column shards share)."""
     w, r, h = topo.world_size, topo.ranks_per_host, topo.hosts
     wl = inp.workload
-    ids, out, grad, hier = ([0.0] * w for _ in range(4))
+    ids, out, grad, hier, cw = ([0.0] * w for _ in range(5))
     by_name = {t.name: t for t in inp.tables}
     for tp in inp.plan.tables:
         t = by_name[tp.table]
         if tp.sharding_type == "data_parallel":
             continue
+        n_all = wl.batch_size * t.pooling
         for s in tp.shards:
-            n = wl.batch_size * t.pooling * (s.num_rows / t.rows if tp.routes_by_row else 1.0)
+            n = n_all * (s.num_rows / t.rows if tp.routes_by_row else 1.0)
             hierarchical = tp.sharding_type == "table_row_wise" and h > 1 and t.rows >= r
             cols = s.num_cols / r if hierarchical else s.num_cols
-            ids[s.rank] += n * wl.id_bytes / w
+            ids[s.rank] += (n * wl.id_bytes + wl.batch_size * _LENGTH_BYTES) / w
             out[s.rank] += wl.batch_size * cols * wl.fwd_wire_bytes / w
             grad[s.rank] += wl.batch_size * cols * wl.bwd_wire_bytes / w
             if hierarchical:
                 hier[s.rank] += wl.batch_size * s.num_cols * (wl.fwd_wire_bytes + wl.bwd_wire_bytes) * (r - 1) / r / 2
-    return ids, out, grad, hier
+            if tp.sharding_type == "column_wise":
+                cw[s.rank] += unique_rows(t.rows, t.unique_fraction, n_all, n_all) * 4.0
+    return ids, out, grad, hier, cw
+
+
+def gradient_links(topo: ClusterTopology, grad_v: list[float], hier_v: list[float], cw_v: list[float]) -> dict:
+    """The backward's exchanges: gradients to the owners, the hierarchical shards' step inside
+    the host, and the column-wise owners' row statistics to every rank."""
+    return traffic.merge(traffic.all_to_all(topo, grad_v), traffic.intra_host(topo, hier_v),
+                         traffic.all_to_all(topo, cw_v, toward_dest=False))
 
 
 def _replica_pair_bytes(inp: StepInputs, topo: ClusterTopology) -> float:
@@ -107,7 +122,7 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
     dense_dp = frozenset(t.name for t in inp.tables if kinds[t.name] == "data_parallel" and dp_reduces_dense(t, hw, wl))
     dp_groups = dp_group_flags(kinds, dims, dense_dp)
     overhead = hw.step_overhead_s + len(dp_groups) * hw.group_s
-    ids_v, out_v, grad_v, hier_v = _volumes(inp, topo)
+    ids_v, out_v, grad_v, hier_v, cw_v = _volumes(inp, topo)
     hierarchical = any(hier_v)
     column = "column_wise" in kinds.values()
     lat = collective_s(hw)
@@ -168,7 +183,7 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
                               lat, top_b, False) for p in buckets(d.top_params)]
         grad_dep = top_b
         if distributed:
-            links = traffic.merge(traffic.all_to_all(topo, grad_v), traffic.intra_host(topo, hier_v))
+            links = gradient_links(topo, grad_v, hier_v, cw_v)
             n = 1 + hierarchical + 4 * column
             grad_dep = [collective("gradient all-to-all", "gradient distribution", k, links, n * lat, top_b, cpu)]
         bottom_b = per_rank("bottom MLP backward", "MLP + interaction", k, 2 * bottom_f, lambda r: [top_b[r]])

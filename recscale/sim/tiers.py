@@ -13,13 +13,19 @@ A tiers file (JSON or TOML)::
 building's uplink carries ``bandwidth_gbit`` each way, or, given ``oversubscription`` instead,
 the sum of its hosts' links divided by it. It becomes the simulator's topology: the host link,
 and one tier of hosts per pod and per building (a tier with one group is dropped).
+
+Optional: ``shared_cores`` (every rank runs on one machine of that many cores, as emulated
+hosts do) and ``compute`` (``flops_per_s``, ``op_overhead_s``, ``value_s``,
+``load_s_per_sample``: a calibrated dense rate and loader cost in place of the base's).
+``emulated_cluster`` describes ``recscale cluster --groups 2`` this way, and ``cluster_args``
+turns a placement back into that command's arguments.
 """
 
 from __future__ import annotations
 
 import json
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from recscale.sim.topology import ClusterTopology, TopologyError, load_topology, topology_from_dict
@@ -45,6 +51,7 @@ class TieredCluster:
     buildings: int
     links: dict[str, LinkTier]
     shared_cores: int = 0  # all ranks on one machine of this many cores (emulated hosts); 0: own cores
+    compute: dict[str, float] = field(default_factory=dict)  # calibrated DenseCompute fields over the base's
 
     @property
     def hosts_per_building(self) -> int:
@@ -62,7 +69,7 @@ class TieredCluster:
         """The cluster a job placed on its first ``buildings`` buildings with ``ranks_per_host``
         ranks on each host sees."""
         return TieredCluster(self.name, self.base, ranks_per_host, self.hosts_per_pod, self.pods_per_building,
-                             buildings, self.links, self.shared_cores)
+                             buildings, self.links, self.shared_cores, self.compute)
 
     def topology(self) -> ClusterTopology:
         host = self.links["host"]
@@ -77,13 +84,43 @@ class TieredCluster:
                           "latency_ms": b.latency_ms})
         d = {"name": self.name, "base": self.base, "hosts": self.hosts, "ranks_per_host": self.ranks_per_host,
              "cross_host_mbit": host.bandwidth_gbit * 1e3, "cross_host_latency_ms": host.latency_ms, "tiers": tiers,
-             "shared_cores": self.shared_cores}
+             "shared_cores": self.shared_cores, **self.compute}
         return topology_from_dict(d, self.name)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "base": self.base, **{k: getattr(self, k) for k in _SHAPE},
                 "links": {k: {"bandwidth_gbit": v.bandwidth_gbit, "latency_ms": v.latency_ms} for k, v in self.links.items()},
-                "shared_cores": self.shared_cores}
+                "shared_cores": self.shared_cores, **({"compute": dict(self.compute)} if self.compute else {})}
+
+    def cluster_args(self) -> list[str] | None:
+        """``recscale cluster`` arguments that emulate this cluster on one machine (hosts over
+        shaped links, two buildings as two groups), or None where it cannot be emulated: more
+        than two buildings, pods inside a building, or added latency (netem)."""
+        if self.buildings > 2 or self.pods_per_building > 1:
+            return None
+        if any(self.links[k].latency_ms for k in ("host", "building")):
+            return None
+        args = ["--hosts", str(self.hosts), "--ranks-per-host", str(self.ranks_per_host),
+                "--bandwidth-mbit", f"{self.links['host'].bandwidth_gbit * 1e3:g}"]
+        if self.buildings == 2:
+            args += ["--groups", "2", "--cross-bandwidth-mbit", f"{self.links['building'].bandwidth_gbit * 1e3:g}"]
+        return args
+
+
+COMPUTE_KEYS = ("flops_per_s", "op_overhead_s", "value_s", "load_s_per_sample")
+
+
+def emulated_cluster(hosts_per_group: int, ranks_per_host: int, intra_mbit: float, cross_mbit: float,
+                     shared_cores: int, base: str = "local-cpu", compute: dict[str, float] | None = None,
+                     name: str = "emulated-two-groups") -> TieredCluster:
+    """``recscale cluster --groups 2`` on this machine as tiers: each group a building of
+    ``hosts_per_group`` hosts (links at ``intra_mbit``), the groups joined by one link of
+    ``cross_mbit``; every rank shares this machine's ``shared_cores``."""
+    return cluster_from_dict({"name": name, "base": base, "ranks_per_host": ranks_per_host,
+                              "hosts_per_pod": hosts_per_group, "pods_per_building": 1, "buildings": 2,
+                              "links": {"host": {"bandwidth_gbit": intra_mbit / 1e3},
+                                        "building": {"bandwidth_gbit": cross_mbit / 1e3}},
+                              "shared_cores": shared_cores, **({"compute": compute} if compute else {})}, name)
 
 
 def _host_gbit(base: str) -> float:
@@ -110,9 +147,10 @@ def _pos(d: dict, key: str, where: str, default: float | None, zero_ok: bool = F
 def cluster_from_dict(d: dict, source: str = "tiers") -> TieredCluster:
     if not isinstance(d, dict):
         raise TopologyError(f"tiers file '{source}': expected an object with keys {sorted({'name', 'base', 'links', *_SHAPE})}")
-    unknown = sorted(set(d) - {"name", "base", "links", "shared_cores", *_SHAPE})
+    known = {"name", "base", "links", "shared_cores", "compute", *_SHAPE}
+    unknown = sorted(set(d) - known)
     if unknown:
-        raise TopologyError(f"tiers file '{source}': unknown key(s) {unknown}; known: {sorted({'name', 'base', 'links', *_SHAPE})}")
+        raise TopologyError(f"tiers file '{source}': unknown key(s) {unknown}; known: {sorted(known)}")
     base = d.get("base", "zionex")
     if not isinstance(base, str):
         raise TopologyError(f"tiers file '{source}': key 'base' must be a preset name (zionex, local-cpu, ...)")
@@ -147,7 +185,12 @@ def cluster_from_dict(d: dict, source: str = "tiers") -> TieredCluster:
     cores = d.get("shared_cores", 0)
     if not isinstance(cores, int) or isinstance(cores, bool) or cores < 0:
         raise TopologyError(f"tiers file '{source}': key 'shared_cores' must be an integer >= 0, got {cores!r}")
-    return TieredCluster(str(d.get("name", Path(source).stem)), base, **shape, links=links, shared_cores=cores)
+    compute = d.get("compute", {})
+    if not isinstance(compute, dict) or set(compute) - set(COMPUTE_KEYS):
+        raise TopologyError(f"tiers file '{source}': key 'compute' must be an object of {list(COMPUTE_KEYS)}")
+    comp = {k: _pos(compute, k, f"{source}' compute", None, zero_ok=k != "flops_per_s") for k in compute}
+    return TieredCluster(str(d.get("name", Path(source).stem)), base, **shape, links=links, shared_cores=cores,
+                         compute=comp)  # type: ignore[arg-type]
 
 
 PRESETS: dict[str, dict] = {

@@ -10,7 +10,9 @@ optimizer state (identical on every rank). The data settings that decide the sam
 are fingerprinted, and a resume with different ones is refused.
 
 Every run writes into a run folder of its own under ``checkpoint.dir``
-(``recscale.checkpoint.lineage``), with a record of the checkpoint it resumed from.
+(``recscale.checkpoint.lineage``), with a record of the checkpoint it resumed from. With
+``checkpoint.auto_resume`` a job restarted by torchrun finds its checkpoint by itself
+(``recscale.train.elastic``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from recscale import faults
 from recscale.checkpoint.lineage import (
     RunContext,
     RunInfo,
@@ -48,6 +51,7 @@ from recscale.model import DLRM
 from recscale.sharding.collection import ShardedEmbeddingCollection
 from recscale.train.config import Config
 from recscale.train.datasets import DataSplits
+from recscale.train.elastic import auto_resume_target
 
 
 @dataclass
@@ -74,6 +78,8 @@ def data_fingerprint(cfg: Config, data: DataSplits) -> dict[str, Any]:
     }
     if d.source == "synthetic":
         fp.update(pooling_factors=list(d.pooling_factors), zipf_alpha=d.zipf_alpha, table_rows=list(cfg.model.table_rows))
+        if d.seed >= 0:  # recorded only when set, so checkpoints written before the key existed still resume
+            fp["data_seed"] = d.seed
     reader_fp = getattr(data.train, "fingerprint", None)
     if callable(reader_fp):  # the prepared-data reader: its plan also depends on the world size
         fp["reader"] = json.loads(json.dumps({k: v for k, v in reader_fp().items() if k != "rank"}, default=str))
@@ -129,14 +135,15 @@ class TrainCheckpointing:
 
     # ------------------------------------------------------------------ restore
     def restore(self) -> Progress:
-        """Load the checkpoint named by ``checkpoint.resume`` (or start fresh)."""
-        spec = self.settings.resume
-        if not spec:
+        """Load the checkpoint named by ``checkpoint.resume``, or with ``checkpoint.auto_resume``
+        the one ``recscale.train.elastic`` picks (or start fresh)."""
+        t0 = time.perf_counter()
+        target = self._resolve() if self.settings.resume or self.settings.auto_resume else None
+        if target is None:
             if self.manager is not None:
                 self.manager.start_run(None)
             return Progress()
-        t0 = time.perf_counter()
-        storage, name = self._resolve(spec)
+        storage, name = target
         manifest = load_manifest(storage, name)
         check_compatible(manifest, self.shards, self.shards[0].module.optimizer.name if self.shards else "")
         saved_fp = manifest.training.get("data", {})
@@ -197,19 +204,23 @@ class TrainCheckpointing:
             self.restore_info["run"] = self.manager.run.info.run
         return Progress(**own["progress"])
 
-    def _resolve(self, spec: str) -> tuple[LocalStorage, str]:
-        """Rank 0 finds the checkpoint; every rank restores that one (or fails with its error)."""
+    def _resolve(self) -> tuple[LocalStorage, str] | None:
+        """Rank 0 finds the checkpoint (None: start fresh); every rank restores that one (or fails
+        with its error)."""
         box: list[Any] = [None]
         if self.rank == 0:
             try:
-                storage, name = resolve(spec, self.settings.dir)
-                box[0] = str(storage.root / name)
+                found = (auto_resume_target(self.settings, self.log) if self.settings.auto_resume
+                         else resolve(self.settings.resume, self.settings.dir))
+                box[0] = str(found[0].root / found[1]) if found is not None else None
             except CheckpointError as e:
                 box[0] = e
         if self.world > 1:
             torch.distributed.broadcast_object_list(box, src=0, group=self.groups.dense)
         if isinstance(box[0], CheckpointError):
             raise box[0]
+        if box[0] is None:
+            return None
         path = Path(box[0])
         return LocalStorage(path.parent), path.name
 
@@ -238,6 +249,7 @@ class TrainCheckpointing:
         """Checkpoint when the interval says so; call after every step. ``progress`` gives the
         loop's position and is only called when a checkpoint is taken (it syncs with the device);
         ``before_save`` runs first (the divergence guard: no checkpoint of a diverged state)."""
+        faults.point("step", step)
         m = self.manager
         if m is None:
             return

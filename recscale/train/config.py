@@ -56,6 +56,9 @@ class DataConfig:
     eval_samples: int = 20_000
     pooling_factors: list[int] = field(default_factory=list)
     zipf_alpha: float = 1.05
+    # Seed of the samples and of the planted model that labels them (-1: train.seed). Fixed while
+    # train.seed varies, runs differ only in initialisation and sample order.
+    seed: int = -1
     # Prepared directories only (`recscale data prepare`): samples shuffled together within a
     # window (0: only the row-group order is shuffled), chunks each loader worker decodes
     # ahead, and whether shard checksums are verified when the data is opened.
@@ -301,7 +304,8 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     except tomllib.TOMLDecodeError:
         value = text  # a bare word is a string: --set data.source=synthetic
     except ValueError as e:  # e.g. an integer of more digits than Python converts
-        raise ConfigError(f"--set '{cut(item, 60)}': {cut(str(e))}") from None
+        why = "the number has too many digits" if "digits" in str(e) else cut(str(e))
+        raise ConfigError(f"--set '{cut(item, 60)}': {why}; give a value in the key's range") from None
     section = raw.setdefault(parts[0], {})
     if not isinstance(section, dict):
         raise ConfigError(f"--set '{item}': '{parts[0]}' is not a section")
@@ -453,6 +457,8 @@ def validate(cfg: Config) -> None:
     if d.source == "synthetic":
         _positive("data.num_samples", d.num_samples)
         _positive("data.eval_samples", d.eval_samples)  # evaluation needs at least one sample
+        if d.seed < -1:
+            raise ConfigError(f"config key 'data.seed': expected a seed >= 0, or -1 to use train.seed, got {d.seed}")
         if any(f < 1 for f in d.pooling_factors):
             raise ConfigError(
                 f"config key 'data.pooling_factors': every mean pooling factor must be >= 1, got {short(d.pooling_factors)}"

@@ -96,7 +96,7 @@ MEANINGS: dict[str, str] = {
     "train.batch_size": "samples per step: the global batch, each rank takes its share",
     "train.epochs": "passes over the training data",
     "train.eval_batch_size": "samples per evaluation batch",
-    "train.seed": "seeds weights, shuffling and synthetic data; equal seeds give bitwise-equal runs",
+    "train.seed": "seeds weights, shuffling and synthetic data (unless data.seed is set); equal seeds give bitwise-equal runs",
     "train.device": "`auto`: CUDA when present",
     "train.progress": "show the progress bar",
     "sharding.default": "`auto`: the cost-model planner chooses type and ranks per table (tables "

@@ -92,7 +92,7 @@ def build_data(cfg: Config, rank: int = 0, world_size: int = 1, num_workers: int
             table_rows=tuple(rows),
             pooling_factors=tuple(pf),
             zipf_alpha=d.zipf_alpha,
-            seed=t.seed,
+            seed=t.seed if d.seed < 0 else d.seed,
         )
         train_src = SyntheticClickData(SyntheticConfig(num_samples=d.num_samples, **base))
         # Evaluation samples come from a disjoint part of the same stream.
@@ -131,7 +131,8 @@ def build_data(cfg: Config, rank: int = 0, world_size: int = 1, num_workers: int
         )
         names = tuple(train_src.sparse_names)
         num_dense = train_src.dense.shape[1]
-    train = ClickBatches(train_src, t.batch_size, d.shuffle, t.seed, drop_last=False, rank=rank, world_size=world_size)
+    train = ClickBatches(train_src, t.batch_size, d.shuffle, t.seed, drop_last=False, rank=rank, world_size=world_size,
+                         fault_point=True)
     evaluation = ClickBatches(eval_src, t.eval_batch_size, False, t.seed, drop_last=False, rank=rank, world_size=world_size)
     ids = None if d.source == "synthetic" else train_src.sparse
     return DataSplits(train, evaluation, num_workers, tuple(names), num_dense, desc, tuple(rows), train_ids=ids)

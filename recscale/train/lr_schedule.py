@@ -98,3 +98,23 @@ def set_learning_rates(
     for group in dense_opt.param_groups:
         group["lr"] = dense_lr
     embeddings.set_learning_rate(embedding_lr)
+
+
+class LearningRates:
+    """Applies the schedule before each step: sets both optimizers' rates when the factor changes."""
+
+    def __init__(self, schedule: LRScheduleConfig, total_steps: int, dense_opt: torch.optim.Optimizer,
+                 embeddings: torch.nn.Module, dense_lr: float, embedding_lr: float) -> None:
+        self.schedule, self.total_steps = schedule, total_steps
+        self.dense_opt, self.embeddings = dense_opt, embeddings
+        self.dense_lr, self.embedding_lr = dense_lr, embedding_lr
+        self.factor: float | None = None  # the factor in force (None: no schedule)
+
+    def before_step(self, step: int) -> None:
+        """``step``: finished steps so far."""
+        if not self.schedule.enabled:
+            return
+        f = self.schedule.factor(step, self.total_steps)
+        if f != self.factor:
+            self.factor = f
+            set_learning_rates(self.dense_opt, self.embeddings, self.dense_lr * f, self.embedding_lr * f)

@@ -1,4 +1,5 @@
-"""The run's summary: what kernel ran, the plain-text lines rank 0 prints, and the JSON file."""
+"""The run's summary: what kernel ran, what reruns the run, the per-step communication, the
+plain-text lines rank 0 prints, and the JSON file."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ from typing import Any
 import torch
 
 from recscale.atomic import write_text_atomic
+from recscale.comm.collectives import CommStats
 from recscale.comm.process_group import ProcessGroups
 from recscale.embedding import TableBatchedEmbeddingBags
 from recscale.model import DLRM
+from recscale.train.config import Config
+from recscale.train.model_factory import PlanChoice
+from recscale.train.replay import versions
 
 
 def runs_native_kernels(model: DLRM, groups: ProcessGroups) -> bool:
@@ -44,3 +49,25 @@ def format_summary(summary: dict[str, Any]) -> str:
 def write_json_atomic(path: str | Path, obj: Any) -> None:
     """The summary as JSON, never half-written."""
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def comm_per_step(stats: CommStats, steps: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Bytes and seconds of each collective per step this process trained (a resumed run's
+    counters start at the resume, so they are divided by its own steps)."""
+    n = max(steps, 1)
+    return {k: v / n for k, v in stats.snapshot().items()}, {k: v / n for k, v in stats.seconds.items()}
+
+
+def run_info(cfg: Config, choice: PlanChoice | None, reproducible: bool, kernel_native: bool) -> dict[str, Any]:
+    """What reruns this run (``recscale train --replay``: see ``recscale/train/replay.py``)."""
+    return {
+        "config": cfg.to_dict(),
+        "plan": choice.plan.to_dict() if choice else None,
+        "plan_digest": choice.plan.digest() if choice else None,
+        "hardware": choice.hardware if choice else None,
+        "plan_search": choice.search if choice else None,
+        "reproducible": reproducible,
+        "embedding_kernel": "native" if kernel_native else "torch",
+        "embedding_kernel_native": kernel_native,
+        "versions": versions(),
+    }

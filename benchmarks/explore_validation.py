@@ -1,0 +1,175 @@
+"""Benchmark: does the explorer's choice hold for real? On two groups of emulated hosts joined by
+one slower shaped link (``recscale cluster --groups 2``), ``recscale explore`` scores candidates
+for a small synthetic DLRM; its top choice, the production-like default and the best other
+baseline are then trained on that emulated cluster, interleaved, and their measured samples/s
+set against the predicted ones: the measured order against the predicted order, the measured
+gain over the default against the predicted gain.
+
+The explorer sees the emulated cluster as tiers: each group a "building" of hosts on
+``--intra-mbit`` links, the groups joined by ``--cross-mbit``, every rank sharing this machine's
+cores, the loader's cost per sample measured here. The command each candidate is trained with
+is the one the explorer wrote (``--out``'s ``cluster_command``, its plan file from
+``--plans-dir``), with only the step count and the summary file added.
+
+Links are slow enough that the shaped links, not the machine's shared CPU, bound the step
+(the table prints the share of the cross link's capacity each run used).
+
+    python benchmarks/explore_validation.py --quick --json out/explore-validation.json
+    python benchmarks/explore_validation.py --turns 3 --json out/explore-validation.json
+
+Needs root (network namespaces); run it alone on the machine: it times things.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
+from _common import environment, format_table, write_json  # noqa: E402
+
+from recscale.planner.hardware import cached_calibration  # noqa: E402
+from recscale.sim.calibrate import measure_loader  # noqa: E402
+from recscale.sim.tiers import emulated_cluster  # noqa: E402
+from recscale.train.config import load_config  # noqa: E402
+
+CONFIG = ROOT / "configs" / "synthetic.toml"
+# 26 tables of 64-wide rows: the pooled embeddings (6.5 KB a sample in fp32) are what crosses links
+MODEL = ("model.embedding_dim=64", "model.bottom_mlp=[64, 64]", "train.threads=1", "data.num_workers=0",
+         "train.progress=false", "data.eval_samples=1024")
+
+
+def explore(args: argparse.Namespace, tmp: Path, sets: list[str]) -> tuple[dict, dict]:
+    cfg = load_config(CONFIG, sets)
+    cal = cached_calibration(2)
+    cluster = emulated_cluster(args.hosts_per_group, args.ranks_per_host, args.intra_mbit, args.cross_mbit,
+                               os.cpu_count() or 1, str(cal) if cal.is_file() else "local-cpu",
+                               {"load_s_per_sample": measure_loader(cfg)})
+    topo = tmp / "emulated.json"
+    topo.write_text(json.dumps(cluster.to_dict()))
+    out = tmp / "explore.json"
+    cmd = [sys.executable, "-m", "recscale", "explore", "--config", str(CONFIG), "--topology", str(topo),
+           "--time-budget", "60", "--max-auc-loss", str(args.max_auc_loss), "--out", str(out),
+           "--plans-dir", str(tmp / "plans")] + [a for s in sets for a in ("--set", s)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise SystemExit(f"recscale explore failed:\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
+    print(proc.stdout)
+    return json.loads(out.read_text()), cluster.to_dict()
+
+
+def choose(d: dict) -> dict[str, dict]:
+    """The explorer's top choice, the production-like default, and the best other baseline."""
+    chosen = {"explorer top": d["candidates"][0], "production-default": d["baselines"]["production-default"]}
+    others = [(k, v) for k, v in d["baselines"].items() if k != "production-default" and "unavailable" not in v]
+    if others:
+        k, v = max(others, key=lambda kv: kv[1]["predicted_samples_per_s"])
+        if v["plan_file"] != chosen["explorer top"]["plan_file"]:
+            chosen[f"best baseline ({k})"] = v
+    return chosen
+
+
+def run_once(entry: dict, batch: int, seconds: float, quick: bool) -> dict:
+    """Train ``entry`` with the explorer's command for about ``seconds`` of predicted time."""
+    steps = max(6 if quick else 8, min(400, round(entry["predicted_samples_per_s"] * seconds / batch)))
+    cmd = list(entry["cluster_command"])
+    assert cmd[:2] == ["recscale", "cluster"] and "train" in cmd, cmd
+    with tempfile.TemporaryDirectory() as tmp:
+        summary = Path(tmp) / "summary.json"
+        at = cmd.index("train") + 1
+        cmd[at:at] = ["--summary-json", str(summary)]
+        cmd += ["--set", f"train.max_steps={steps}", "--set", f"data.num_samples={batch * (steps + 2)}"]
+        proc = subprocess.run([sys.executable, "-m", *cmd], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                              capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0 or not summary.is_file():
+            raise SystemExit(f"run failed ({entry['name']}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+        s = json.loads(summary.read_text())
+    m = re.search(r"between the groups carried ([\d,.]+) MB from group 0 and ([\d,.]+) MB", proc.stdout)
+    cross_mb = max(float(m.group(1).replace(",", "")), float(m.group(2).replace(",", ""))) if m else 0.0
+    # the busiest host link, either way (setup and evaluation included: an upper bound on training's share)
+    host_mb = max((float(x.replace(",", "")) for x in re.findall(r"(?:sent|received) ([\d,.]+) MB", proc.stdout)),
+                  default=0.0)
+    return {"samples_per_s": float(s["train_samples_per_sec"]), "steps": steps, "train_seconds": s["train_seconds"],
+            "cross_mb_busiest_way": cross_mb, "host_mb_busiest": host_mb}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one turn of short runs (a smoke run)")
+    ap.add_argument("--turns", type=int, default=None, help="interleaved turns (default 3; quick 1)")
+    ap.add_argument("--hosts-per-group", type=int, default=2)
+    ap.add_argument("--ranks-per-host", type=int, default=1)
+    ap.add_argument("--intra-mbit", type=float, default=100.0, help="each host's link inside its group")
+    ap.add_argument("--cross-mbit", type=float, default=50.0,
+                    help="the one link between the two groups (default: 1:4 oversubscribed, as two-buildings)")
+    ap.add_argument("--batch-size", type=int, default=2048, help="the global batch the explorer keeps fixed")
+    ap.add_argument("--max-auc-loss", type=float, default=0.002, help="passed to recscale explore")
+    ap.add_argument("--seconds", type=float, default=None, help="predicted training seconds per run (default 15; quick 5)")
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args(argv)
+    if os.geteuid() != 0:
+        raise SystemExit("emulated hosts (recscale cluster) need root")
+    turns = args.turns or (1 if args.quick else 3)
+    seconds = args.seconds or (5.0 if args.quick else 15.0)
+    sets = [*MODEL, f"train.batch_size={args.batch_size}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        d, cluster = explore(args, Path(tmp), sets)
+        chosen = choose(d)
+        measured: dict[str, list[dict]] = {k: [] for k in chosen}
+        names = list(chosen)
+        for turn in range(turns):
+            for k in names[turn % len(names):] + names[: turn % len(names)]:
+                r = run_once(chosen[k], args.batch_size, seconds, args.quick)
+                measured[k].append(r)
+                print(f"turn {turn + 1}/{turns}  {k:32s} {r['samples_per_s']:10,.0f} samples/s  "
+                      f"({r['steps']} steps, cross link {r['cross_mb_busiest_way']:,.1f} MB)", flush=True)
+    rows, out = [], {}
+    cross_bytes_s, host_bytes_s = args.cross_mbit * 1e6 / 8, args.intra_mbit * 1e6 / 8
+    for k, e in chosen.items():
+        sps = [r["samples_per_s"] for r in measured[k]]
+        med = statistics.median(sps)
+        busy = statistics.median(r["cross_mb_busiest_way"] * 1e6 / cross_bytes_s / r["train_seconds"] for r in measured[k])
+        host_busy = statistics.median(r["host_mb_busiest"] * 1e6 / host_bytes_s / r["train_seconds"] for r in measured[k])
+        out[k] = {"name": e["name"], "launch": e["launch"], "command": e["cluster_command"],
+                  "predicted_samples_per_s": e["predicted_samples_per_s"], "measured": measured[k],
+                  "measured_median": med, "spread": (max(sps) - min(sps)) / med, "cross_link_busy": busy,
+                  "host_link_busy": host_busy}
+        rows.append([k, e["name"][:70], f"{med:,.0f}", f"±{100 * out[k]['spread']:.0f}%",
+                     f"{e['predicted_samples_per_s']:,.0f}", f"{100 * (e['predicted_samples_per_s'] - med) / med:+.1f}%",
+                     f"{100 * busy:.0f}%", f"{100 * host_busy:.0f}%"])
+    print(format_table(["run", "configuration", "measured samples/s", "spread", "predicted", "pred. error",
+                        "cross link busy", "busiest host link"], rows, 2))
+    top, base = out["explorer top"], out["production-default"]
+    per_turn = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(top["measured"], base["measured"])]
+    gain_m = statistics.median(per_turn) - 1
+    gain_p = top["predicted_samples_per_s"] / base["predicted_samples_per_s"] - 1
+    pred_order = sorted(out, key=lambda k: -out[k]["predicted_samples_per_s"])
+    meas_order = sorted(out, key=lambda k: -out[k]["measured_median"])
+    verdict = {"measured_gain": gain_m, "measured_gain_per_turn": [g - 1 for g in per_turn], "predicted_gain": gain_p,
+               "gain_points_apart": 100 * (gain_m - gain_p), "predicted_order": pred_order, "measured_order": meas_order,
+               "order_agrees": pred_order == meas_order,
+               "within_10_points": abs(gain_m - gain_p) <= 0.10}
+    print(f"\nexplorer top vs production-default: measured gain {100 * gain_m:+.1f}% (per turn "
+          f"{', '.join(f'{100 * (g - 1):+.0f}%' for g in per_turn)}), predicted {100 * gain_p:+.1f}%; "
+          f"{verdict['gain_points_apart']:+.1f} points apart (acceptance: within 10)")
+    print(f"order predicted {pred_order}; measured {meas_order}: {'agrees' if verdict['order_agrees'] else 'DISAGREES'}")
+    if args.json:
+        write_json(args.json, {"environment": environment(), "quick": args.quick, "turns": turns, "cluster": cluster,
+                               "intra_mbit": args.intra_mbit, "cross_mbit": args.cross_mbit, "batch_size": args.batch_size,
+                               "config": str(CONFIG.relative_to(ROOT)), "sets": sets, "runs": out, **verdict,
+                               "search": d["search"]})
+        print(f"written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
