@@ -411,14 +411,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         ConfigError, DataFormatError, SparseInputError, PlanError, FileNotFoundError, SchemaError, ReaderStateError,
         FileExistsError, CheckpointError, OutputPathError, TierError, FaultSpecError,
     ) as e:
-        print(f"recscale: error: {e}", file=sys.stderr)
+        error_line(f"recscale: error: {e}")
         return 2
     except (DistributedError, NonFiniteError) as e:
-        print(f"recscale: error: {e}", file=sys.stderr)
+        error_line(f"recscale: error: {e}")
         return 1
     except KeyboardInterrupt:
         print("recscale: interrupted", file=sys.stderr)
         return 130
+
+
+def error_line(text: str) -> None:
+    """One line on stderr in one write: the ranks of a job share the stream, and a line written
+    in two pieces (text, then newline) can interleave with another rank's."""
+    sys.stderr.write(text.replace("\n", " ") + "\n")
+    sys.stderr.flush()
 
 
 if __name__ == "__main__":
