@@ -59,16 +59,23 @@ def number(text: str) -> float | None:
     return v if math.isfinite(v) else None
 
 
+def split_lines(raw: bytes, sep: str, width: int):
+    """(line number, its fields) per line; fields None where the line is not UTF-8 or has another
+    number of fields than ``width`` (a bad row in every format)."""
+    for k, part in text_lines(raw):
+        try:
+            cols = part.decode("utf-8").split(sep)
+        except UnicodeDecodeError:
+            yield k, None
+            continue
+        yield k, (cols if len(cols) == width else None)
+
+
 def reference_tsv(raw: bytes):
     """(first bad line or None, bad count, good rows as (label, 13 dense, 26 ids))."""
     bad, good = [], []
-    for k, part in text_lines(raw):
-        try:
-            cols = part.decode("utf-8").split("\t")
-        except UnicodeDecodeError:
-            bad.append(k)
-            continue
-        if len(cols) != 40:
+    for k, cols in split_lines(raw, "\t", 40):
+        if cols is None:
             bad.append(k)
             continue
         label = number(cols[0])
@@ -84,13 +91,8 @@ def reference_tsv(raw: bytes):
 
 def reference_encoded(raw: bytes, table_rows: int | None):
     bad, good = [], []
-    for k, part in text_lines(raw):
-        try:
-            cols = part.decode("utf-8").split(",")
-        except UnicodeDecodeError:
-            bad.append(k)
-            continue
-        if len(cols) != 40 or not all(INTEGER.fullmatch(c) for c in cols):
+    for k, cols in split_lines(raw, ",", 40):
+        if cols is None or not all(INTEGER.fullmatch(c) for c in cols):
             bad.append(k)
             continue
         v = [int(c) for c in cols]
@@ -296,13 +298,8 @@ def csv_row(draw) -> bytes:
 def reference_csv(raw: bytes):
     """As ``reference_tsv`` for SCHEMA (rows with a quote character are left to the CSV parser)."""
     bad, good = [], []
-    for k, part in text_lines(raw):
-        try:
-            cols = part.decode("utf-8").split(",")
-        except UnicodeDecodeError:
-            bad.append(k)
-            continue
-        if len(cols) != 5:
+    for k, cols in split_lines(raw, ",", 5):
+        if cols is None:
             bad.append(k)
             continue
         y, age, user, city, items = cols
