@@ -126,6 +126,16 @@ def even_split(total: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
+def row_shards(table: TableConfig, ranks: list[int], loads: list[float]) -> tuple[Shard, ...]:
+    """Full-width shards of even row ranges, one per rank of ``ranks`` in order (``loads``:
+    elements per rank so far, updated in place)."""
+    shards = []
+    for rank, (row, rows) in zip(ranks, even_split(table.num_rows, len(ranks))):
+        loads[rank] += rows * table.dim
+        shards.append(Shard(rank, row, rows, 0, table.dim))
+    return tuple(shards)
+
+
 def least_loaded(loads: list[float], among: list[int] | None = None) -> int:
     ranks = among if among is not None else list(range(len(loads)))
     return min(ranks, key=lambda r: (loads[r], r))

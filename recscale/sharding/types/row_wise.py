@@ -11,7 +11,7 @@ import torch
 from recscale.comm.process_group import Topology
 from recscale.embedding import TableConfig, native
 from recscale.sharding.plan import Shard, ShardingPlan, TablePlan
-from recscale.sharding.types.base import FeatureIds, Rect, ShardingType, even_split, require_full_width
+from recscale.sharding.types.base import FeatureIds, Rect, ShardingType, even_split, require_full_width, row_shards
 
 
 class RowWise(ShardingType):
@@ -25,11 +25,7 @@ class RowWise(ShardingType):
         return [[(row, rows, 0, dim) for row, rows in even_split(num_rows, world)]]
 
     def make_shards(self, table: TableConfig, topology: Topology, loads: list[float], num_shards: int) -> tuple[Shard, ...]:
-        shards = []
-        for rank, (row, rows) in enumerate(even_split(table.num_rows, topology.world_size)):
-            loads[rank] += rows * table.dim
-            shards.append(Shard(rank, row, rows, 0, table.dim))
-        return tuple(shards)
+        return row_shards(table, list(range(topology.world_size)), loads)
 
     def check(self, table_plan: TablePlan, table: TableConfig, plan: ShardingPlan) -> None:
         super().check(table_plan, table, plan)

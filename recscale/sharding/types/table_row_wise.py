@@ -35,7 +35,7 @@ from recscale.comm.collectives import CommStats, all_to_all_async
 from recscale.comm.process_group import Topology
 from recscale.embedding import TableConfig
 from recscale.sharding.plan import PlanError, Shard, ShardingPlan, TablePlan
-from recscale.sharding.types.base import Rect, TypeRuntime, even_split, require_full_width
+from recscale.sharding.types.base import Rect, TypeRuntime, even_split, require_full_width, row_shards
 from recscale.sharding.types.row_wise import RowWise
 
 if TYPE_CHECKING:
@@ -55,12 +55,7 @@ class TableRowWise(RowWise):
 
     def make_shards(self, table: TableConfig, topology: Topology, loads: list[float], num_shards: int) -> tuple[Shard, ...]:
         host = min(range(topology.num_hosts), key=lambda h: (sum(loads[r] for r in topology.ranks_of_host(h)), h))
-        ranks = topology.ranks_of_host(host)
-        shards = []
-        for rank, (row, rows) in zip(ranks, even_split(table.num_rows, len(ranks))):
-            loads[rank] += rows * table.dim
-            shards.append(Shard(rank, row, rows, 0, table.dim))
-        return tuple(shards)
+        return row_shards(table, list(topology.ranks_of_host(host)), loads)
 
     def check(self, table_plan: TablePlan, table: TableConfig, plan: ShardingPlan) -> None:
         super().check(table_plan, table, plan)
