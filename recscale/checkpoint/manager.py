@@ -26,6 +26,7 @@ from recscale.checkpoint.quantize import Codec, make_codec, state_codec
 from recscale.checkpoint.restore import load_manifest
 from recscale.checkpoint.settings import CheckpointSettings
 from recscale.checkpoint.shards import LocalShard, row_state_names
+from recscale.checkpoint.snapshot import SnapshotBuffers
 from recscale.checkpoint.storage import Storage
 from recscale.checkpoint.tracker import RowTracker
 from recscale.checkpoint.writer import CheckpointWriter, ShardSnapshot, WriteJob, WriteReport, write_failure
@@ -82,6 +83,7 @@ class CheckpointManager:
             storage, rank, world_size, settings.async_write, settings.max_in_flight,
             settings.commit_timeout_s, self._retain if rank == 0 else None,
         )
+        self.snapshots = SnapshotBuffers()
         self.last_step = -1
         self.last_time = time.monotonic()
 
@@ -113,7 +115,8 @@ class CheckpointManager:
         chain = [name] if kind == "full" else (
             self.chain + [name] if kind == "incremental" else [self.chain[0], name]
         )
-        snaps = [self._snapshot(s, kind) for s in self.shards if s.writer]
+        held: list[torch.Tensor] = []  # snapshot buffers, reused once this checkpoint is written
+        snaps = [self._snapshot(s, kind, held) for s in self.shards if s.writer]
         if self.tracker is not None:
             self.tracker.advance(kind)
         self.policy.record(kind, fraction)
@@ -132,24 +135,25 @@ class CheckpointManager:
         job = WriteJob(
             manifest, self.rank, self.world_size, snaps, rank_state, self.weight_codec, self.state_codec,
             self.settings.chunk_rows, stall, self._full_fp32_bytes(), self.init_seed if skip else None,
+            on_done=lambda: self.snapshots.release(held),
         )
         self.writer.submit(job)
         self.last_step, self.last_time = step, time.monotonic()
         return stall
 
-    def _snapshot(self, s: LocalShard, kind: str) -> ShardSnapshot:
+    def _snapshot(self, s: LocalShard, kind: str, held: list[torch.Tensor]) -> ShardSnapshot:
         mask = None if self.tracker is None else self.tracker.shard_mask(s, kind)
         w = s.module.table_weight(s.local_name)
         states = s.module.table_state(s.local_name)
         keep_state = set(states) - (row_state_names(s.module, s.table.dim) if s.col_offset > 0 else set())
         if mask is None:
             rows = None
-            weight = w.detach().to("cpu", copy=True)
-            state = {k: v.to("cpu", copy=True) for k, v in states.items() if k in keep_state}
+            weight = self.snapshots.copy(w, held)
+            state = {k: self.snapshots.copy(v, held) for k, v in states.items() if k in keep_state}
         else:
             rows = torch.nonzero(mask).view(-1)
-            weight = w.index_select(0, rows).cpu()
-            state = {k: v.index_select(0, rows).cpu() for k, v in states.items() if k in keep_state}
+            weight = self.snapshots.gather(w, rows, held)
+            state = {k: self.snapshots.gather(v, rows, held) for k, v in states.items() if k in keep_state}
             rows = rows.cpu()
         return ShardSnapshot(s.table.name, s.row_offset, s.num_rows, s.col_offset, s.num_cols, rows, weight, state, s.table)
 
@@ -219,6 +223,7 @@ class CheckpointManager:
     def finish(self) -> list[WriteReport]:
         """Wait for every checkpoint in flight; the reports of every checkpoint this rank wrote."""
         self.writer.close()
+        self.snapshots.close()
         if self.tracker is not None:
             self.tracker.detach()
         return self.writer.reports

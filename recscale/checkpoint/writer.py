@@ -61,6 +61,8 @@ class WriteJob:
     full_fp32_bytes: int  # what an unquantized full checkpoint of this rank's shards would take
     # Full checkpoints: leave out rows still at their initial values for this seed (None: keep all).
     init_seed: int | None = None
+    # Called once the job no longer needs its snapshot (written or failed): buffers go back.
+    on_done: Callable[[], None] | None = None
 
 
 @dataclass
@@ -323,6 +325,9 @@ class CheckpointWriter:
             if self.rank == 0:
                 self.storage.delete_dir(tmp_name(name))
             raise CheckpointError(write_failure(f"checkpoint {name}", self.storage.describe(), e)) from None
+        finally:
+            if job.on_done is not None:
+                job.on_done()
 
     def _write(self, job: WriteJob) -> WriteReport:
         report = write_rank(self.storage, job)
