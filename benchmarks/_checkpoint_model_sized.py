@@ -7,7 +7,7 @@ rows: full baselines and differentials), and as long again without checkpoints, 
 spans so that both see the same machine. It reports:
 
 - this disk's sequential write rate (a file of ``--disk-probe-gb`` written and fsynced);
-- each checkpoint's kind, bytes, stall (the in-memory snapshot) and write rate (bytes / seconds
+- each checkpoint's kind, bytes (every row of a full checkpoint unless ``--skip-initial-rows``), stall (the in-memory snapshot) and write rate (bytes / seconds
   its background write took), against the disk's rate;
 - the training slowdown: the time the spans with checkpoints took beyond what their steps take
   at the rate without checkpoints, per checkpoint, as a share of the checkpoint interval (what
@@ -103,7 +103,8 @@ def run(args) -> dict:
             _step(model, opt, b)
         settings = CheckpointSettings(dir=str(root / "ckpt"), policy="intermittent", quantization="none",
                                       keep_last=1, async_write=True, max_in_flight=1, at_end=False)
-        manager = CheckpointManager(settings, LocalStorage(root / "ckpt"), local_shards(model.embeddings), init_seed=0)
+        manager = CheckpointManager(settings, LocalStorage(root / "ckpt"), local_shards(model.embeddings),
+                                    init_seed=0 if args.skip_initial_rows else None)
         interval, span = 60.0 * args.interval_min, 60.0 * args.interval_min / 2
         step, stalls, spans = 0, [], {"with": [0.0, 0], "without": [0.0, 0]}
         deadline = time.monotonic() + 60.0 * args.duration_min

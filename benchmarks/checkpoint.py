@@ -263,6 +263,9 @@ def main() -> int:
     ap.add_argument("--duration-min", type=float, default=20.0)
     ap.add_argument("--disk-probe-gb", type=float, default=2.0)
     ap.add_argument("--dir", help="criteo-dlrm: where to write (default a temporary folder)")
+    ap.add_argument("--skip-initial-rows", action="store_true",
+                    help="criteo-dlrm: full checkpoints leave out rows still at their initial values (the "
+                         "training default); without it every row is written, the heaviest case for the disk")
     args = ap.parse_args()
     if args.model == "criteo-dlrm":
         return _model_sized(args)
