@@ -48,9 +48,10 @@ sys.path.insert(0, str(ROOT))
 from _common import environment, format_table, write_json  # noqa: E402
 
 from recscale.planner.hardware import cached_calibration  # noqa: E402
+from recscale.sharding.plan import ShardingPlan  # noqa: E402
 from recscale.sim.api import simulate  # noqa: E402
 from recscale.sim.calibrate import measure_loader  # noqa: E402
-from recscale.sim.topology import topology_from_dict  # noqa: E402
+from recscale.sim.topology import ClusterTopology, topology_from_dict  # noqa: E402
 from recscale.train.config import load_config  # noqa: E402
 
 CONFIG = ROOT / "configs" / "synthetic.toml"
@@ -74,6 +75,7 @@ class Case:
     plan: str
     measured: list[float] = field(default_factory=list)  # samples/s per turn
     predicted: float = 0.0
+    run_plan: dict | None = None  # the plan training ran (the planner's, for "auto"), as its summary has it
 
 
 def groups(quick: bool) -> list[Group]:
@@ -108,7 +110,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(g: Group, plan: str, steps: int, batch: int) -> float:
+def measure(g: Group, plan: str, steps: int, batch: int) -> tuple[float, dict | None]:
     with tempfile.TemporaryDirectory() as tmp:
         summary = Path(tmp) / "summary.json"
         train = ["train", "--config", str(CONFIG), "--summary-json", str(summary)]
@@ -127,24 +129,36 @@ def measure(g: Group, plan: str, steps: int, batch: int) -> float:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0 or not summary.is_file():
             raise SystemExit(f"run failed ({g.name}, {plan}):\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
-        return float(json.loads(summary.read_text())["train_samples_per_sec"])
+        out = json.loads(summary.read_text())
+        return float(out["train_samples_per_sec"]), out.get("plan")
 
 
 _LOADER: dict[tuple[str, ...], float] = {}
 _COMPUTE: dict[str, float] = {}  # this machine's dense rate, when measured (--measure-compute)
 
 
-def predict(g: Group, plan: str, steps: int, batch: int) -> float:
-    cfg = load_config(CONFIG, overrides(g, plan, steps, batch))
-    if g.sets not in _LOADER:  # the loader's cost per sample, measured for this data (seconds)
-        _LOADER[g.sets] = measure_loader(cfg)
-    cal = cached_calibration(2)
-    topo = topology_from_dict({
-        "base": str(cal) if cal.is_file() else "local-cpu", "hosts": g.hosts, "ranks_per_host": g.ranks_per_host,
+def topology(g: Group, cfg) -> ClusterTopology:
+    """The group's cluster as the simulator sees it: this machine's calibration (else
+    ``local-cpu``), the shaped link, the machine's shared cores, the loader's measured cost."""
+    key = (*g.sets, str(g.hosts * g.ranks_per_host))
+    if key not in _LOADER:  # the loader's cost per sample of a rank's share, for this data (seconds)
+        _LOADER[key] = measure_loader(cfg, world_size=g.hosts * g.ranks_per_host)
+    # this machine's calibration as training finds it: the full one, else the quick one
+    cal = next((c for c in (cached_calibration(2), cached_calibration(2, quick=True)) if c.is_file()), None)
+    return topology_from_dict({
+        "base": str(cal) if cal else "local-cpu", "hosts": g.hosts, "ranks_per_host": g.ranks_per_host,
         **({"cross_host_mbit": g.mbit} if g.mbit else {}), "shared_cores": os.cpu_count() or 1,
-        "load_s_per_sample": _LOADER[g.sets], **_COMPUTE,
+        "load_s_per_sample": _LOADER[key], **_COMPUTE,
     }, "validation")
-    return simulate(cfg, topo).samples_per_s
+
+
+def predict(g: Group, plan: str, steps: int, batch: int, run_plan: dict | None = None) -> float:
+    """Samples/s the simulator predicts; ``run_plan``: the plan training ran. The trainer's
+    planner costs its plan on this machine's calibration, which knows nothing of the shaped
+    link, so "auto" is predicted for the plan it chose, not the one the simulator's own
+    topology would lead the planner to."""
+    cfg = load_config(CONFIG, overrides(g, plan, steps, batch))
+    return simulate(cfg, topology(g, cfg), ShardingPlan.from_dict(run_plan) if run_plan else None).samples_per_s
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
@@ -217,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="write every measurement and prediction")
     ap.add_argument("--measure-compute", action="store_true",
                     help="measure this machine's dense compute rate first (else the local-cpu figures)")
+    ap.add_argument("--only", nargs="+", metavar="TEXT", help="only the groups whose name contains one of these")
     ap.add_argument("--refit", metavar="JSON", help="predict again for the measurements of an earlier --json")
     args = ap.parse_args(argv)
     if args.refit:
@@ -224,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         args.quick, args.steps, args.batch_size = old["quick"], old["steps"], old["batch_size"]
     steps = args.steps or (20 if args.quick else 60)
     turns = args.turns or (1 if args.quick else 3)
-    gs = groups(args.quick)
+    gs = [g for g in groups(args.quick) if not args.only or any(o in g.name for o in args.only)]
     if os.geteuid() != 0 and not args.refit:
         print("not root: emulated hosts (recscale cluster) need it; those groups are skipped")
         gs = [g for g in gs if g.mbit is None]
@@ -233,13 +248,16 @@ def main(argv: list[str] | None = None) -> int:
         for c in old["cases"]:
             if (c["group"], c["plan"]) in cases:
                 cases[(c["group"], c["plan"])].measured = c["measured"]
+                cases[(c["group"], c["plan"])].run_plan = c.get("run_plan")
     else:
         order = list(cases)
         for turn in range(turns):
             rot = order[turn % len(order):] + order[: turn % len(order)]
             for key in rot:
                 g = next(g for g in gs if g.name == key[0])
-                cases[key].measured.append(measure(g, key[1], steps, args.batch_size))
+                samples, run_plan = measure(g, key[1], steps, args.batch_size)
+                cases[key].measured.append(samples)
+                cases[key].run_plan = run_plan
                 print(f"turn {turn + 1}/{turns}  {key[0]:36s} {key[1]:15s} {cases[key].measured[-1]:10,.0f} samples/s", flush=True)
     if args.measure_compute:
         from recscale.sim.calibrate import measure_compute
@@ -250,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{m.op_overhead_s * 1e6:.1f} us per operator")
     for key, c in cases.items():
         g = next(g for g in gs if g.name == key[0])
-        c.predicted = predict(g, key[1], steps, args.batch_size)
+        c.predicted = predict(g, key[1], steps, args.batch_size, c.run_plan)
     result = score(gs, cases)
     report(result)
     if args.json:

@@ -35,6 +35,9 @@ class StepInputs:
     pipeline: bool
     dense_wire_bytes: float = 4.0
     checkpoint_every: int = 0  # steps between checkpoints (0: none)
+    # The trainer loads batches in its own thread (no loader worker process): the load is on
+    # every rank's compute stream, not beside it.
+    load_in_process: bool = False
 
 
 @dataclass
@@ -103,6 +106,16 @@ def _replica_pair_bytes(inp: StepInputs, topo: ClusterTopology) -> float:
     return total
 
 
+def contention_factor(topo: ClusterTopology) -> float:
+    """How much slower a rank computes beside the other ranks of its machine (shared memory
+    bandwidth and caches): 1 + the calibration's ``contention``, measured with every rank of
+    a host busy, where several ranks share a host or emulated hosts share one machine's cores.
+    The planner charges it to the embeddings; it holds for all of a step's compute (MLPs, the
+    loader, packing, the optimizer) alike."""
+    together = topo.ranks_per_host > 1 or (topo.shared_cores > 0 and topo.world_size > 1)
+    return 1.0 + topo.hardware.contention if together else 1.0
+
+
 def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
     hw, wl, w = topo.hardware, inp.workload, topo.world_size
     if inp.plan.world_size != w:
@@ -113,8 +126,12 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
     local = wl.batch_size / w
     c = topo.compute
     bf = hw.backward_factor
-    stretch = topo.compute_stretch
-    emb = [(rl.compute_s + rl.contention_s) * stretch for rl in result.ranks]
+    share = contention_factor(topo)
+    stretch = topo.compute_stretch * share
+    if hw.ranks_per_host > 1:  # the planner prices the embeddings' contention itself
+        emb = [(rl.compute_s + rl.contention_s) * topo.compute_stretch for rl in result.ranks]
+    else:
+        emb = [rl.compute_s * stretch for rl in result.ranks]
     pack = stretch * (local * sum(t.pooling * hw.dist_id_s for t in sharded) + len(inp.tables) * hw.feature_s
             + sum(routing_s(kinds[t.name], hw) for t in inp.tables))
     unpack = stretch * local * sum(t.dim * hw.dist_value_s for t in sharded)
@@ -140,10 +157,10 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
     if inp.checkpoint_every > 0:
         state = max(rl.memory_bytes for rl in result.ranks) + params * 8
         ckpt = state / topo.checkpoint_bw / inp.checkpoint_every
-    # The loader is a process of its own: on spare cores it runs beside its rank; where the
-    # ranks already take every core it takes its time from them.
-    crowded = bool(topo.shared_cores) and w >= topo.shared_cores
-    load_stream, load_s = ("compute", stretch * local * c.load_s_per_sample) if crowded else ("load", local * c.load_s_per_sample)
+    # A loader worker is a process of its own: on spare cores it runs beside its rank; where
+    # the ranks already take every core, or the rank loads in its own thread, it takes their time.
+    crowded = inp.load_in_process or (bool(topo.shared_cores) and w >= topo.shared_cores)
+    load_stream, load_s = ("compute", stretch * local * c.load_s_per_sample) if crowded else ("load", share * local * c.load_s_per_sample)
     sim = Simulation(traffic.bandwidths(topo))
     all_ranks = tuple(range(w))
     loads: dict[int, list[int]] = {}
