@@ -72,3 +72,25 @@ def test_contention_slows_every_compute_of_ranks_sharing_a_machine(tmp_path):
         assert b.step_time_s >= a.step_time_s * (1 - 1e-9)
         if slowed:
             assert b.step_time_s > a.step_time_s
+
+
+def test_cpu_ranks_pay_each_collective_in_their_own_thread(tmp_path):
+    slow = tmp_path / "slow.json"
+    replace(LOCAL_CPU, latency_s=400e-6).save(slow)
+    cfg = small()
+    base = simulate(cfg, topo(1, 2, str(slow)))
+    calls = [op for op in base.ops if op.name.endswith(" call") and op.step == 2]
+    # every collective that does not already hold the thread (output all-to-all, dense
+    # all-reduce buckets, the pipelined ids) costs each rank its latency on the compute stream
+    assert {op.name for op in calls} >= {"output all-to-all call", "dense all-reduce call", "ids all-to-all call"}
+    assert all(op.stream == "compute" and len(op.ranks) == 1 for op in calls)
+    out = next(op for op in calls if op.name == "output all-to-all call")
+    assert out.duration_s == pytest.approx(400e-6)  # log2(2 ranks) = 1 round
+    ids = next(op for op in calls if op.name == "ids all-to-all call")
+    assert ids.duration_s == pytest.approx(3 * 400e-6)  # batch sizes, lengths, ids
+    # a GPU's collectives run on their own streams: nothing on the compute stream
+    gpu = simulate(cfg, topo(1, 2, str(slow), flops_per_s=1e14))
+    assert not [op for op in gpu.ops if op.name.endswith(" call")]
+    fast = tmp_path / "fast.json"
+    replace(LOCAL_CPU, latency_s=10e-6).save(fast)
+    assert simulate(cfg, topo(1, 2, str(fast))).step_time_s < base.step_time_s

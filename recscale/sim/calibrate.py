@@ -101,10 +101,11 @@ def _nonnegative_fit(a: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def measure_loader(cfg, batches: int = 20, world_size: int = 1) -> float:
-    """Seconds of CPU one sample of a rank's share of ``cfg``'s training batches costs its
-    loader (building the batch: ids, offsets, dense features, labels), at one thread, as rank 0
-    of ``world_size`` builds it: a batch has a fixed cost per feature besides its per-sample
-    one, so a rank's half of a batch costs more than half of the whole."""
+    """Seconds of CPU one sample of a rank's share of ``cfg``'s training batches costs the
+    training thread where it loads them itself: the loader's fetch and collate (ids, offsets,
+    dense features, labels) and the trainer's check of the ids against the tables, at one
+    thread, as rank 0 of ``world_size`` builds them. A batch has a fixed cost per feature
+    besides its per-sample one, so a rank's half of a batch costs more than half of the whole."""
     import torch
 
     from recscale.train.datasets import build_data
@@ -112,15 +113,18 @@ def measure_loader(cfg, batches: int = 20, world_size: int = 1) -> float:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        data = build_data(cfg, 0, world_size).train
-        n = min(batches, len(data))
+        data = build_data(cfg, 0, world_size, num_workers=0)
+        rows = dict(zip(data.sparse_names, data.table_rows))
+        n = min(batches, len(data.train))
         if n < 2:
             raise ValueError("measure_loader needs at least 2 batches of training data")
-        data[0]  # warm: first-touch allocations
+        it = iter(data.train_loader())
+        next(it)  # warm: first-touch allocations
         times = []
-        for i in range(1, n):
+        for _ in range(1, n):
             t = time.thread_time()
-            b = data[i]
+            b = next(it)
+            b.sparse.validate(rows)
             times.append((time.thread_time() - t) / max(b.batch_size, 1))
         # the lower half's mean: a batch another job's burst slowed does not count
         times.sort()

@@ -7,7 +7,12 @@ during batch i), embedding lookups (the planner's per-rank compute, forward shar
 all-to-all (asynchronous: the bottom MLP runs meanwhile), unpacking, interaction and top MLP,
 their backward, bucketed dense all-reduces as each MLP's backward ends, the gradient all-to-all,
 the embeddings' backward and fused update (the rest of the per-rank compute), the replicas'
-gradient exchange for data-parallel tables, the dense optimizer and checkpoint stalls."""
+gradient exchange for data-parallel tables, the dense optimizer and checkpoint stalls.
+
+On CPU ranks three costs of a real step come on top, each priced from the calibration: a rank
+without a loader worker builds its batches in its training thread; ranks that share a
+machine slow each other's compute (``contention``); and each collective costs the thread that
+calls it its latency, also when its bytes travel in the background."""
 
 from __future__ import annotations
 
@@ -171,7 +176,12 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
                            deps=deps(r))) for r in all_ranks]
 
     def collective(name: str, cat: str, k: int, links, latency: float, deps: list[int], blocking: bool) -> int:
-        return sim.add(Op(name, cat, k, all_ranks, "comm", latency if w > 1 else 0.0, links, deps, blocking))
+        op = sim.add(Op(name, cat, k, all_ranks, "comm", latency if w > 1 else 0.0, links, deps, blocking))
+        if cpu and not blocking and w > 1 and latency > 0:
+            # A CPU rank's own thread issues the collective and moves its part (packing, the
+            # shared-memory copies, the synchronisation), while its bytes travel on their own.
+            per_rank(f"{name} call", cat, k, latency, lambda r: [])
+        return op
 
     def prepare(k: int) -> None:
         loads[k] = [sim.add(Op("load batch", "data loading", k, (r,), load_stream, load_s)) for r in all_ranks]
