@@ -10,7 +10,8 @@ link rate and the machine's shared cores); prints measured and predicted samples
 configuration and reports:
 
 - the geometric mean of |predicted - measured| / measured over all configurations;
-- Kendall's tau between predicted and measured order of the plans within each group;
+- Kendall's tau between predicted and measured order of the plans within each group (not for
+  one rank, which shards nothing: its plans are one program, predicted alike);
 - per group, whether the simulator's best plan is within 5% of the best measured;
 - the pipeline's measured and predicted speed-up on 2 emulated hosts at 200 Mbit/s.
 
@@ -183,7 +184,8 @@ def score(gs: list[Group], cases: dict[tuple[str, str], Case]) -> dict:
             errors.append(err)
             spread = (max(c.measured) - min(c.measured)) / m if len(c.measured) > 1 else 0.0
             rows.append([g.name, c.plan, f"{m:,.0f}", f"±{100 * spread:.0f}%", f"{p:,.0f}", f"{100 * (p - m) / m:+.1f}%"])
-        tau = kendall_tau(meas, pred) if len(members) > 1 else None
+        # one rank shards nothing: its plans are one program, and their measured order is noise
+        tau = kendall_tau(meas, pred) if len(members) > 1 and g.hosts * g.ranks_per_host > 1 else None
         pick = max(range(len(members)), key=lambda i: pred[i])
         best_ok = meas[pick] >= 0.95 * max(meas)
         per_group.append({"group": g.name, "tau": tau, "best_within_5pct": best_ok, "sim_best": members[pick].plan,

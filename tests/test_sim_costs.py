@@ -94,3 +94,12 @@ def test_cpu_ranks_pay_each_collective_in_their_own_thread(tmp_path):
     fast = tmp_path / "fast.json"
     replace(LOCAL_CPU, latency_s=10e-6).save(fast)
     assert simulate(cfg, topo(1, 2, str(fast))).step_time_s < base.step_time_s
+
+
+def test_one_rank_runs_one_program_whatever_the_plan():
+    # the trainer shards nothing on one rank: no plan distributes anything there
+    t = topo(load_s_per_sample=1e-6)
+    steps = {p: simulate(small(f"sharding.default={p}"), t).step_time_s for p in ("table_wise", "row_wise", "data_parallel")}
+    assert len(set(steps.values())) == 1, steps
+    res = simulate(small("sharding.default=row_wise"), t)
+    assert not [op for op in res.ops if op.name in ("output all-to-all", "unpack outputs")]

@@ -53,7 +53,12 @@ def simulate(cfg: Config, topo: ClusterTopology, plan: ShardingPlan | None = Non
     if plan.world_size != topo.world_size:
         raise ConfigError(f"--plan is for {plan.world_size} ranks, the topology '{topo.name}' has {topo.world_size} "
                           f"({topo.hosts} hosts x {topo.ranks_per_host}); pass --hosts/--ranks-per-host to match")
-    plan.validate([TableConfig(t.name, t.rows, t.dim, (t.name[2:],)) for t in specs])
+    tables = [TableConfig(t.name, t.rows, t.dim, (t.name[2:],)) for t in specs]
+    plan.validate(tables)
+    if topo.world_size == 1:
+        # one process shards nothing, whatever the plan: every table is local and nothing is
+        # distributed, which the cost model prices as a lone replica of each table
+        plan = default_plan(tables, Topology(1, 0, 1), "data_parallel")
     m = cfg.model
     dense = DenseModel.of(NUM_DENSE, m.bottom_mlp, m.top_mlp, len(specs), m.embedding_dim)
     inputs = StepInputs(specs, workload(cfg), plan, dense, cfg.train.pipeline, _DENSE_WIRE[cfg.comm.dense],
