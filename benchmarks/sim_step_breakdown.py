@@ -5,7 +5,7 @@ batch 1024, the loader in the training process) for a few steps, timing each pha
 step in the main thread's CPU time (robust when other jobs share the cores): loader fetch and
 collate, batch preparation and input distribution, embedding forward (lookup and output
 distribution), bottom MLP, interaction and top MLP forward, the backward pass (autograd; the
-embeddings' backward and fused update timed by hooks on their pooled outputs), the dense
+embeddings' backward and fused update apart with ``--split-backward``), the dense
 all-reduce's wait, the dense optimizer step and the trainer's bookkeeping. The best of the
 steps per phase is kept (shared machine). Beside it: the simulator's busy time per category
 of rank 0 for the same config and topology.
@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from simulator_validation import _COMPUTE as COMPUTE  # noqa: E402
 from simulator_validation import CONFIG, Group, overrides, topology  # noqa: E402
 
 from recscale.comm.collectives import CommStats  # noqa: E402
@@ -69,7 +70,7 @@ def _time_nodes(root, now: dict[str, float], clock) -> None:
         stack.extend(nxt for nxt, _ in node.next_functions)
 
 
-def measure(cfg, steps: int, warmup: int) -> dict[str, float]:
+def measure(cfg, steps: int, warmup: int, split_backward: bool = False) -> dict[str, float]:
     topo = env_topology(cfg.dist.ranks_per_host)
     tuning = _tune(cfg, topo.ranks_per_host)
     groups = init_process_groups(topo, cfg.dist.timeout_s, device=torch.device("cpu"))
@@ -114,7 +115,8 @@ def measure(cfg, steps: int, warmup: int) -> dict[str, float]:
             loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
             t = clock()
             opt.zero_grad(set_to_none=True)
-            _time_nodes(loss.grad_fn, now, clock)
+            if split_backward:  # hooks on every node: their own cost inflates the backward
+                _time_nodes(loss.grad_fn, now, clock)
             (loss / sparse.global_batch_size).backward()
             now["backward (MLPs + embeddings + fused update)"] = clock() - t
             t = clock()
@@ -152,15 +154,21 @@ def main() -> int:
     ap.add_argument("--plan", default="table_wise")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--split-backward", action="store_true",
+                    help="time the backward's nodes by kind (MLPs, embeddings, gradient exchange; adds overhead)")
     args = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     g = Group(f"{world} ranks", 1, world, None, (args.plan,))
     sets = overrides(g, args.plan, args.steps + args.warmup, 1024)
     torch.set_num_threads(1)
     cfg = load_config(CONFIG, sets)
-    real = measure(cfg, args.steps, args.warmup)
+    real = measure(cfg, args.steps, args.warmup, args.split_backward)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
+    from recscale.sim.calibrate import cached_compute, measure_compute
+
+    dense = cached_compute() or measure_compute()  # the simulator's calibration, as the validation takes it
+    COMPUTE.update(flops_per_s=dense.flops_per_s, value_s=dense.value_s, op_overhead_s=dense.op_overhead_s)
     res = simulate(cfg, topology(g, cfg))
     print(f"{world} rank(s), {args.plan}: measured (thread CPU, best of {args.steps} per phase), ms per step")
     for k, v in real.items():
@@ -168,6 +176,9 @@ def main() -> int:
     print(f"simulated: step {1e3 * res.step_time_s:.2f} ms, {res.samples_per_s:,.0f} samples/s; rank 0 busy, ms:")
     for k, v in sorted(res.busy_s[0].items(), key=lambda kv: -kv[1]):
         print(f"  {k:48s} {1e3 * v:8.2f}")
+    cpu = real["process CPU per step (every thread)"]
+    print(f"step: measured {1e3 * cpu:.2f} ms of this rank's CPU, predicted {1e3 * res.step_time_s:.2f} ms "
+          f"({100 * (cpu / res.step_time_s - 1):+.1f}% as samples/s)")
     return 0
 
 
