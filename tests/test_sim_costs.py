@@ -103,3 +103,21 @@ def test_one_rank_runs_one_program_whatever_the_plan():
     assert len(set(steps.values())) == 1, steps
     res = simulate(small("sharding.default=row_wise"), t)
     assert not [op for op in res.ops if op.name in ("output all-to-all", "unpack outputs")]
+
+
+def test_loader_is_measured_for_a_ranks_share_in_the_training_thread(monkeypatch):
+    import recscale.train.datasets as datasets
+    from recscale.sim.calibrate import measure_loader
+
+    seen = []
+    build = datasets.build_data
+
+    def spy(cfg, rank=0, world_size=1, num_workers=None):
+        seen.append((rank, world_size, num_workers))
+        return build(cfg, rank, world_size, num_workers)
+
+    monkeypatch.setattr(datasets, "build_data", spy)
+    cfg = small("data.num_samples=4096", "data.eval_samples=512")
+    assert measure_loader(cfg, batches=4, world_size=2) > 0
+    # rank 0's share of a 2-rank job, loaded without a worker process (as the trainer does here)
+    assert seen == [(0, 2, 0)]
