@@ -28,7 +28,8 @@ Every prediction is priced from this machine's calibrations, never from these me
 use; else the ``local-cpu`` preset), the simulator's dense compute (``recscale.sim.calibrate``,
 cached; ``--measure-compute`` measures it again) and the loader's cost for each data set and
 world size (measured here, a second each). The full run (43 configurations, ``--turns 5``,
-60 steps) takes about 100 minutes on 2 cores; ``--quick`` (9, one turn, 20 steps) about 4.
+60 steps: 215 runs of 15-30 s) takes about 1-1.5 hours on 2 cores; ``--quick`` (9, one turn,
+20 steps) about 4.5 minutes.
 
 Run it alone on the machine: it times things.
 """
