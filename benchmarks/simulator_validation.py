@@ -10,7 +10,8 @@ link rate and the machine's shared cores); prints measured and predicted samples
 configuration and reports:
 
 - the geometric mean of |predicted - measured| / measured over all configurations;
-- Kendall's tau between predicted and measured order of the plans within each group;
+- Kendall's tau between predicted and measured order of the plans within each group (not for
+  one rank, which shards nothing: its plans are one program, predicted alike);
 - per group, whether the simulator's best plan is within 5% of the best measured;
 - the pipeline's measured and predicted speed-up on 2 emulated hosts at 200 Mbit/s.
 
@@ -22,8 +23,13 @@ all configurations alike. Emulated hosts need root; without it those groups are 
     python benchmarks/simulator_validation.py --turns 5 --json out/simval.json     # the full set
     python benchmarks/simulator_validation.py --refit out/simval.json               # re-predict only
 
-For the most faithful predictions on another machine, run ``recscale calibrate --ranks 2``
-first (its cached constants are used when present) and pass ``--measure-compute``.
+Every prediction is priced from this machine's calibrations, never from these measurements:
+``recscale calibrate --ranks 2`` (the full one, else the quick one training makes on first
+use; else the ``local-cpu`` preset), the simulator's dense compute (``recscale.sim.calibrate``,
+cached; ``--measure-compute`` measures it again) and the loader's cost for each data set and
+world size (measured here, a second each). The full run (43 configurations, ``--turns 5``,
+60 steps: 215 runs of 15-30 s) takes about 1-1.5 hours on 2 cores; ``--quick`` (9, one turn,
+20 steps) about 4.5 minutes.
 
 Run it alone on the machine: it times things.
 """
@@ -48,9 +54,10 @@ sys.path.insert(0, str(ROOT))
 from _common import environment, format_table, write_json  # noqa: E402
 
 from recscale.planner.hardware import cached_calibration  # noqa: E402
+from recscale.sharding.plan import ShardingPlan  # noqa: E402
 from recscale.sim.api import simulate  # noqa: E402
 from recscale.sim.calibrate import measure_loader  # noqa: E402
-from recscale.sim.topology import topology_from_dict  # noqa: E402
+from recscale.sim.topology import ClusterTopology, topology_from_dict  # noqa: E402
 from recscale.train.config import load_config  # noqa: E402
 
 CONFIG = ROOT / "configs" / "synthetic.toml"
@@ -74,6 +81,7 @@ class Case:
     plan: str
     measured: list[float] = field(default_factory=list)  # samples/s per turn
     predicted: float = 0.0
+    run_plan: dict | None = None  # the plan training ran (the planner's, for "auto"), as its summary has it
 
 
 def groups(quick: bool) -> list[Group]:
@@ -108,7 +116,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(g: Group, plan: str, steps: int, batch: int) -> float:
+def measure(g: Group, plan: str, steps: int, batch: int) -> tuple[float, dict | None]:
     with tempfile.TemporaryDirectory() as tmp:
         summary = Path(tmp) / "summary.json"
         train = ["train", "--config", str(CONFIG), "--summary-json", str(summary)]
@@ -127,24 +135,36 @@ def measure(g: Group, plan: str, steps: int, batch: int) -> float:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0 or not summary.is_file():
             raise SystemExit(f"run failed ({g.name}, {plan}):\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
-        return float(json.loads(summary.read_text())["train_samples_per_sec"])
+        out = json.loads(summary.read_text())
+        return float(out["train_samples_per_sec"]), out.get("plan")
 
 
 _LOADER: dict[tuple[str, ...], float] = {}
-_COMPUTE: dict[str, float] = {}  # this machine's dense rate, when measured (--measure-compute)
+_COMPUTE: dict[str, float] = {}  # this machine's dense rate (the simulator's calibration)
 
 
-def predict(g: Group, plan: str, steps: int, batch: int) -> float:
-    cfg = load_config(CONFIG, overrides(g, plan, steps, batch))
-    if g.sets not in _LOADER:  # the loader's cost per sample, measured for this data (seconds)
-        _LOADER[g.sets] = measure_loader(cfg)
-    cal = cached_calibration(2)
-    topo = topology_from_dict({
-        "base": str(cal) if cal.is_file() else "local-cpu", "hosts": g.hosts, "ranks_per_host": g.ranks_per_host,
+def topology(g: Group, cfg) -> ClusterTopology:
+    """The group's cluster as the simulator sees it: this machine's calibration (else
+    ``local-cpu``), the shaped link, the machine's shared cores, the loader's measured cost."""
+    key = (*g.sets, str(g.hosts * g.ranks_per_host))
+    if key not in _LOADER:  # the loader's cost per sample of a rank's share, for this data (seconds)
+        _LOADER[key] = measure_loader(cfg, world_size=g.hosts * g.ranks_per_host)
+    # this machine's calibration as training finds it: the full one, else the quick one
+    cal = next((c for c in (cached_calibration(2), cached_calibration(2, quick=True)) if c.is_file()), None)
+    return topology_from_dict({
+        "base": str(cal) if cal else "local-cpu", "hosts": g.hosts, "ranks_per_host": g.ranks_per_host,
         **({"cross_host_mbit": g.mbit} if g.mbit else {}), "shared_cores": os.cpu_count() or 1,
-        "load_s_per_sample": _LOADER[g.sets], **_COMPUTE,
+        "load_s_per_sample": _LOADER[key], **_COMPUTE,
     }, "validation")
-    return simulate(cfg, topo).samples_per_s
+
+
+def predict(g: Group, plan: str, steps: int, batch: int, run_plan: dict | None = None) -> float:
+    """Samples/s the simulator predicts; ``run_plan``: the plan training ran. The trainer's
+    planner costs its plan on this machine's calibration, which knows nothing of the shaped
+    link, so "auto" is predicted for the plan it chose, not the one the simulator's own
+    topology would lead the planner to."""
+    cfg = load_config(CONFIG, overrides(g, plan, steps, batch))
+    return simulate(cfg, topology(g, cfg), ShardingPlan.from_dict(run_plan) if run_plan else None).samples_per_s
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
@@ -169,7 +189,8 @@ def score(gs: list[Group], cases: dict[tuple[str, str], Case]) -> dict:
             errors.append(err)
             spread = (max(c.measured) - min(c.measured)) / m if len(c.measured) > 1 else 0.0
             rows.append([g.name, c.plan, f"{m:,.0f}", f"±{100 * spread:.0f}%", f"{p:,.0f}", f"{100 * (p - m) / m:+.1f}%"])
-        tau = kendall_tau(meas, pred) if len(members) > 1 else None
+        # one rank shards nothing: its plans are one program, and their measured order is noise
+        tau = kendall_tau(meas, pred) if len(members) > 1 and g.hosts * g.ranks_per_host > 1 else None
         pick = max(range(len(members)), key=lambda i: pred[i])
         best_ok = meas[pick] >= 0.95 * max(meas)
         per_group.append({"group": g.name, "tau": tau, "best_within_5pct": best_ok, "sim_best": members[pick].plan,
@@ -216,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=1024)
     ap.add_argument("--json", metavar="PATH", help="write every measurement and prediction")
     ap.add_argument("--measure-compute", action="store_true",
-                    help="measure this machine's dense compute rate first (else the local-cpu figures)")
+                    help="measure this machine's dense compute rate again (else its cached calibration, "
+                         "measured and cached on first use)")
+    ap.add_argument("--only", nargs="+", metavar="TEXT", help="only the groups whose name contains one of these")
     ap.add_argument("--refit", metavar="JSON", help="predict again for the measurements of an earlier --json")
     args = ap.parse_args(argv)
     if args.refit:
@@ -224,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         args.quick, args.steps, args.batch_size = old["quick"], old["steps"], old["batch_size"]
     steps = args.steps or (20 if args.quick else 60)
     turns = args.turns or (1 if args.quick else 3)
-    gs = groups(args.quick)
+    gs = [g for g in groups(args.quick) if not args.only or any(o in g.name for o in args.only)]
     if os.geteuid() != 0 and not args.refit:
         print("not root: emulated hosts (recscale cluster) need it; those groups are skipped")
         gs = [g for g in gs if g.mbit is None]
@@ -233,24 +256,30 @@ def main(argv: list[str] | None = None) -> int:
         for c in old["cases"]:
             if (c["group"], c["plan"]) in cases:
                 cases[(c["group"], c["plan"])].measured = c["measured"]
+                cases[(c["group"], c["plan"])].run_plan = c.get("run_plan")
     else:
         order = list(cases)
         for turn in range(turns):
             rot = order[turn % len(order):] + order[: turn % len(order)]
             for key in rot:
                 g = next(g for g in gs if g.name == key[0])
-                cases[key].measured.append(measure(g, key[1], steps, args.batch_size))
+                samples, run_plan = measure(g, key[1], steps, args.batch_size)
+                cases[key].measured.append(samples)
+                cases[key].run_plan = run_plan
                 print(f"turn {turn + 1}/{turns}  {key[0]:36s} {key[1]:15s} {cases[key].measured[-1]:10,.0f} samples/s", flush=True)
-    if args.measure_compute:
-        from recscale.sim.calibrate import measure_compute
+    from recscale.sim.calibrate import cached_compute, measure_compute, save_compute
 
-        m = measure_compute()
-        _COMPUTE.update(flops_per_s=m.flops_per_s, value_s=m.value_s, op_overhead_s=m.op_overhead_s)
-        print(f"dense compute: {m.flops_per_s / 1e9:.0f} GFLOP/s, {m.value_s * 1e9:.2f} ns per value, "
-              f"{m.op_overhead_s * 1e6:.1f} us per operator")
+    m = None if args.measure_compute else cached_compute()
+    source = "cached"
+    if m is None:  # the simulator's calibration of this machine's dense compute, kept for next time
+        m, source = measure_compute(), "measured"
+        save_compute(m)
+    _COMPUTE.update(flops_per_s=m.flops_per_s, value_s=m.value_s, op_overhead_s=m.op_overhead_s)
+    print(f"dense compute ({source}): {m.flops_per_s / 1e9:.0f} GFLOP/s, {m.value_s * 1e9:.2f} ns per value, "
+          f"{m.op_overhead_s * 1e6:.1f} us per operator")
     for key, c in cases.items():
         g = next(g for g in gs if g.name == key[0])
-        c.predicted = predict(g, key[1], steps, args.batch_size)
+        c.predicted = predict(g, key[1], steps, args.batch_size, c.run_plan)
     result = score(gs, cases)
     report(result)
     if args.json:

@@ -13,6 +13,7 @@ from recscale.sim.dense import DenseModel
 from recscale.sim.step import StepInputs, StepResult, simulate_step
 from recscale.sim.topology import ClusterTopology
 from recscale.train.config import Config, ConfigError
+from recscale.train.process_tuning import size_threads
 from recscale.train.planning import table_specs, workload
 
 _DENSE_WIRE = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0}
@@ -32,6 +33,19 @@ def training_plan(cfg: Config, topo: ClusterTopology, specs: list[TableSpec] | N
     return default_plan(tables, Topology(topo.world_size, 0, topo.ranks_per_host), kind, overrides)
 
 
+def loads_in_process(cfg: Config, topo: ClusterTopology) -> bool:
+    """Whether each rank builds its batches in its training thread (no loader worker), as the
+    trainer sizes it: ``data.num_workers`` as set, or "auto" on a machine whose cores all ranks
+    share (``shared_cores``) as ``process_tuning.size_threads`` decides for a host's ranks;
+    dedicated hosts (``shared_cores`` 0) are taken to have a core to spare for a worker."""
+    workers = cfg.data.num_workers
+    if workers == "auto":
+        if not topo.shared_cores:
+            return False
+        workers = size_threads(topo.shared_cores, topo.ranks_per_host, cfg.train.threads, "auto").workers
+    return int(workers) == 0
+
+
 def simulate(cfg: Config, topo: ClusterTopology, plan: ShardingPlan | None = None) -> StepResult:
     specs = table_specs(cfg)
     if plan is None:
@@ -39,9 +53,14 @@ def simulate(cfg: Config, topo: ClusterTopology, plan: ShardingPlan | None = Non
     if plan.world_size != topo.world_size:
         raise ConfigError(f"--plan is for {plan.world_size} ranks, the topology '{topo.name}' has {topo.world_size} "
                           f"({topo.hosts} hosts x {topo.ranks_per_host}); pass --hosts/--ranks-per-host to match")
-    plan.validate([TableConfig(t.name, t.rows, t.dim, (t.name[2:],)) for t in specs])
+    tables = [TableConfig(t.name, t.rows, t.dim, (t.name[2:],)) for t in specs]
+    plan.validate(tables)
+    if topo.world_size == 1:
+        # one process shards nothing, whatever the plan: every table is local and nothing is
+        # distributed, which the cost model prices as a lone replica of each table
+        plan = default_plan(tables, Topology(1, 0, 1), "data_parallel")
     m = cfg.model
     dense = DenseModel.of(NUM_DENSE, m.bottom_mlp, m.top_mlp, len(specs), m.embedding_dim)
     inputs = StepInputs(specs, workload(cfg), plan, dense, cfg.train.pipeline, _DENSE_WIRE[cfg.comm.dense],
-                        cfg.checkpoint.interval_steps)
+                        cfg.checkpoint.interval_steps, loads_in_process(cfg, topo))
     return simulate_step(inputs, topo)

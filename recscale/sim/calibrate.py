@@ -100,9 +100,12 @@ def _nonnegative_fit(a: np.ndarray, y: np.ndarray) -> np.ndarray:
         keep.pop(int(np.argmin(sol)))
 
 
-def measure_loader(cfg, batches: int = 20) -> float:
-    """Seconds of CPU one sample of ``cfg``'s training data costs its loader (building the
-    batch: ids, offsets, dense features, labels), at one thread."""
+def measure_loader(cfg, batches: int = 20, world_size: int = 1) -> float:
+    """Seconds of CPU one sample of a rank's share of ``cfg``'s training batches costs the
+    training thread where it loads them itself: the loader's fetch and collate (ids, offsets,
+    dense features, labels) and the trainer's check of the ids against the tables, at one
+    thread, as rank 0 of ``world_size`` builds them. A batch has a fixed cost per feature
+    besides its per-sample one, so a rank's half of a batch costs more than half of the whole."""
     import torch
 
     from recscale.train.datasets import build_data
@@ -110,15 +113,23 @@ def measure_loader(cfg, batches: int = 20) -> float:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        data = build_data(cfg, 0, 1).train
-        n = min(batches, len(data))
+        data = build_data(cfg, 0, world_size, num_workers=0)
+        rows = dict(zip(data.sparse_names, data.table_rows))
+        n = min(batches, len(data.train))
         if n < 2:
             raise ValueError("measure_loader needs at least 2 batches of training data")
-        data[0]  # warm: first-touch allocations
-        t = time.process_time()
-        for i in range(1, n):
-            data[i]
-        return (time.process_time() - t) / ((n - 1) * cfg.train.batch_size)
+        it = iter(data.train_loader())
+        next(it)  # warm: first-touch allocations
+        times = []
+        for _ in range(1, n):
+            t = time.thread_time()
+            b = next(it)
+            b.sparse.validate(rows)
+            times.append((time.thread_time() - t) / max(b.batch_size, 1))
+        # the lower half's mean: a batch another job's burst slowed does not count
+        times.sort()
+        low = times[: max(1, len(times) // 2)]
+        return sum(low) / len(low)
     finally:
         torch.set_num_threads(threads)
 

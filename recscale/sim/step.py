@@ -7,7 +7,12 @@ during batch i), embedding lookups (the planner's per-rank compute, forward shar
 all-to-all (asynchronous: the bottom MLP runs meanwhile), unpacking, interaction and top MLP,
 their backward, bucketed dense all-reduces as each MLP's backward ends, the gradient all-to-all,
 the embeddings' backward and fused update (the rest of the per-rank compute), the replicas'
-gradient exchange for data-parallel tables, the dense optimizer and checkpoint stalls."""
+gradient exchange for data-parallel tables, the dense optimizer and checkpoint stalls.
+
+On CPU ranks three costs of a real step come on top, each priced from the calibration: a rank
+without a loader worker builds its batches in its training thread; ranks that share a
+machine slow each other's compute (``contention``); and each collective costs the thread that
+calls it its latency, also when its bytes travel in the background."""
 
 from __future__ import annotations
 
@@ -35,6 +40,9 @@ class StepInputs:
     pipeline: bool
     dense_wire_bytes: float = 4.0
     checkpoint_every: int = 0  # steps between checkpoints (0: none)
+    # The trainer loads batches in its own thread (no loader worker process): the load is on
+    # every rank's compute stream, not beside it.
+    load_in_process: bool = False
 
 
 @dataclass
@@ -103,6 +111,16 @@ def _replica_pair_bytes(inp: StepInputs, topo: ClusterTopology) -> float:
     return total
 
 
+def contention_factor(topo: ClusterTopology) -> float:
+    """How much slower a rank computes beside the other ranks of its machine (shared memory
+    bandwidth and caches): 1 + the calibration's ``contention``, measured with every rank of
+    a host busy, where several ranks share a host or emulated hosts share one machine's cores.
+    The planner charges it to the embeddings; it holds for all of a step's compute (MLPs, the
+    loader, packing, the optimizer) alike."""
+    together = topo.ranks_per_host > 1 or (topo.shared_cores > 0 and topo.world_size > 1)
+    return 1.0 + topo.hardware.contention if together else 1.0
+
+
 def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
     hw, wl, w = topo.hardware, inp.workload, topo.world_size
     if inp.plan.world_size != w:
@@ -113,8 +131,12 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
     local = wl.batch_size / w
     c = topo.compute
     bf = hw.backward_factor
-    stretch = topo.compute_stretch
-    emb = [(rl.compute_s + rl.contention_s) * stretch for rl in result.ranks]
+    share = contention_factor(topo)
+    stretch = topo.compute_stretch * share
+    if hw.ranks_per_host > 1:  # the planner prices the embeddings' contention itself
+        emb = [(rl.compute_s + rl.contention_s) * topo.compute_stretch for rl in result.ranks]
+    else:
+        emb = [rl.compute_s * stretch for rl in result.ranks]
     pack = stretch * (local * sum(t.pooling * hw.dist_id_s for t in sharded) + len(inp.tables) * hw.feature_s
             + sum(routing_s(kinds[t.name], hw) for t in inp.tables))
     unpack = stretch * local * sum(t.dim * hw.dist_value_s for t in sharded)
@@ -140,10 +162,10 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
     if inp.checkpoint_every > 0:
         state = max(rl.memory_bytes for rl in result.ranks) + params * 8
         ckpt = state / topo.checkpoint_bw / inp.checkpoint_every
-    # The loader is a process of its own: on spare cores it runs beside its rank; where the
-    # ranks already take every core it takes its time from them.
-    crowded = bool(topo.shared_cores) and w >= topo.shared_cores
-    load_stream, load_s = ("compute", stretch * local * c.load_s_per_sample) if crowded else ("load", local * c.load_s_per_sample)
+    # A loader worker is a process of its own: on spare cores it runs beside its rank; where
+    # the ranks already take every core, or the rank loads in its own thread, it takes their time.
+    crowded = inp.load_in_process or (bool(topo.shared_cores) and w >= topo.shared_cores)
+    load_stream, load_s = ("compute", stretch * local * c.load_s_per_sample) if crowded else ("load", share * local * c.load_s_per_sample)
     sim = Simulation(traffic.bandwidths(topo))
     all_ranks = tuple(range(w))
     loads: dict[int, list[int]] = {}
@@ -154,7 +176,12 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
                            deps=deps(r))) for r in all_ranks]
 
     def collective(name: str, cat: str, k: int, links, latency: float, deps: list[int], blocking: bool) -> int:
-        return sim.add(Op(name, cat, k, all_ranks, "comm", latency if w > 1 else 0.0, links, deps, blocking))
+        op = sim.add(Op(name, cat, k, all_ranks, "comm", latency if w > 1 else 0.0, links, deps, blocking))
+        if cpu and not blocking and w > 1 and latency > 0:
+            # A CPU rank's own thread issues the collective and moves its part (packing, the
+            # shared-memory copies, the synchronisation), while its bytes travel on their own.
+            per_rank(f"{name} call", cat, k, latency, lambda r: [])
+        return op
 
     def prepare(k: int) -> None:
         loads[k] = [sim.add(Op("load batch", "data loading", k, (r,), load_stream, load_s)) for r in all_ranks]
