@@ -60,6 +60,7 @@ class _CrossLayers(torch.autograd.Function):
         xs, hs, ts, vs, ws = (saved[i * n:(i + 1) * n] for i in range(5))
         x0 = xs[0]
         g = grad.to(x0.dtype).contiguous()
+        low_precision = x0.dtype in (torch.bfloat16, torch.float16)
         gx0: torch.Tensor | None = None
         gvs: list[torch.Tensor] = [x0] * n
         gws: list[torch.Tensor] = [x0] * n
@@ -69,15 +70,22 @@ class _CrossLayers(torch.autograd.Function):
             gt = g * x0
             # d/dx_0 of x_0 * t: summed over the layers in one buffer, in place.
             gx0 = g * t if gx0 is None else gx0.addcmul_(g, t)
-            gws[layer] = torch.mm(gt.t(), h)  # [F*dim, rank]: W's own layout
             gbs[layer] = gt.sum(0)
             gh = torch.mm(gt, w)
-            gvs[layer] = torch.mm(gh.t(), x)  # [rank, F*dim]: V's own layout
+            if low_precision:
+                # oneDNN's bf16 GEMM runs at about half speed with its first operand transposed
+                # (the batch as the contracted dimension); a copy of the small [B, rank] operand
+                # in transposed layout lets both weight gradients run untransposed.
+                gws[layer] = torch.mm(h.t().contiguous(), gt).t()  # W^T's gradient, transposed back
+                gvs[layer] = torch.mm(gh.t().contiguous(), x)
+            else:
+                gws[layer] = torch.mm(gt.t(), h)  # [F*dim, rank]: W's own layout
+                gvs[layer] = torch.mm(gh.t(), x)  # [rank, F*dim]: V's own layout
             g = torch.addmm(g, gh, v)  # d/dx_l: the identity path plus (V^T W^T g'), one pass
         assert gx0 is not None
         gx0.add_(g)  # layer 0's x_l is x_0 itself
         dts = ctx.param_dtypes
-        grads = [gr.to(d) for gr, d in zip([*gvs, *gws, *gbs], dts)]
+        grads = [gr.to(d, memory_format=torch.contiguous_format) for gr, d in zip([*gvs, *gws, *gbs], dts)]
         return (gx0, *grads)
 
 
