@@ -39,3 +39,11 @@ def test_linear_with_bias_equals_addmm() -> None:
     torch.testing.assert_close(linear_with_bias(x, w, b), torch.addmm(b, x, w.t()), atol=1e-2, rtol=1e-2)
     xf, wf, bf = x.float(), w.float(), b.float()
     torch.testing.assert_close(linear_with_bias(xf, wf, bf), torch.addmm(bf, xf, wf.t()))
+
+
+def test_mlp_takes_batched_3d_input_under_bf16_autocast() -> None:
+    mlp = MLP(6, [4, 2])
+    x = torch.randn(3, 5, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mlp(x)
+    assert out.shape == (3, 5, 2) and out.dtype == torch.bfloat16

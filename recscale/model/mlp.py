@@ -31,7 +31,7 @@ class MLP(nn.Sequential):
         self.out_features = prev
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if bf16_autocast_on(x):  # bf16 MLPs: autocast's math, faster bias and weight-gradient GEMMs
+        if x.dim() == 2 and bf16_autocast_on(x):  # bf16 MLPs: autocast's math, faster GEMMs
             for layer in self:
                 x = bf16_linear(x, layer.weight, layer.bias) if isinstance(layer, nn.Linear) else layer(x)
             return x
