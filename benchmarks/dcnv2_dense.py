@@ -170,7 +170,8 @@ def whole_step(system_name: str, spec: ModelSpec, bf16: bool, num_batches: int) 
     return step
 
 
-def measure(steps: dict[str, Callable[[], None]], repeats: int, per_round: int, warmup: int) -> dict[str, tuple[float, float]]:
+def measure(steps: dict[str, Callable[[], None]], repeats: int, per_round: int,
+            warmup: int) -> dict[str, tuple[float, float]]:
     """Best (wall, CPU) seconds per step of each system over ``repeats`` alternating rounds."""
     for fn in steps.values():
         for _ in range(warmup):

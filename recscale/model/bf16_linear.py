@@ -39,7 +39,9 @@ def linear_with_bias(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch
 
 class _Bf16Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+    ) -> torch.Tensor:
         xb, wb = x.to(torch.bfloat16), weight.to(torch.bfloat16)
         ctx.dtypes = (x.dtype, weight.dtype, bias.dtype)
         ctx.save_for_backward(xb, wb)
