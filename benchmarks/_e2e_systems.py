@@ -208,8 +208,11 @@ class _PlainDLRM(nn.Module):
             self.register_buffer("lj", lj, persistent=False)
 
     def forward(self, dense: torch.Tensor, ids: list[torch.Tensor], offsets: list[torch.Tensor]) -> torch.Tensor:
+        return self.dense_forward(dense, [e(i, o) for e, i, o in zip(self.embs, ids, offsets)])
+
+    def dense_forward(self, dense: torch.Tensor, ly: list[torch.Tensor]) -> torch.Tensor:
+        """Everything after the lookups: bottom MLP, interaction, top MLP (on pooled ``ly``)."""
         x = self.bottom(dense)
-        ly = [e(i, o) for e, i, o in zip(self.embs, ids, offsets)]
         if self.dcn:  # x_{l+1} = x_0 * (W (V x_l) + b) + x_l
             x0 = torch.cat([x] + ly, dim=1)
             xl = x0

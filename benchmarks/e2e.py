@@ -13,6 +13,8 @@ this machine (measured here: memory bandwidth and matmul FLOP/s).
 
     python benchmarks/e2e.py                               # every config, 1 process and 2 ranks
     python benchmarks/e2e.py --configs dcnv2 --setups 1proc --rounds 3
+    python benchmarks/e2e.py --configs dcnv2 --systems recscale,torchrec,plain --rounds 2 --steps 10 \
+        --warmup 2 --num-batches 32 --profile-steps 1   # dcnv2, 1 process and 2 ranks, ~7 min (estimated)
     python benchmarks/e2e.py --quick --json out/e2e.json   # tiny sizes, a few minutes
 """
 

@@ -91,6 +91,35 @@ def test_dense_adagrad_settings_reach_the_optimizer(tmp_path):
     assert opt.state[w]["sum"][0].item() == pytest.approx(0.1 + 1e-8)
 
 
+@pytest.mark.parametrize("name", ["adagrad", "adam"])
+def test_dense_optimizer_is_fused_on_cpu_and_matches_torch_unfused(tmp_path, name):
+    import torch
+
+    from recscale.train.model_factory import build_dense_optimizer
+
+    cfg = load_config(None, [f"dense_optimizer.name={name}", "dense_optimizer.lr=0.05"])
+    gen = torch.Generator().manual_seed(3)
+    init = [torch.randn(7, 5, generator=gen), torch.randn(5, generator=gen)]
+    ours = [torch.nn.Parameter(t.clone()) for t in init]
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    opt = build_dense_optimizer(cfg, ours)
+    assert opt.defaults["fused"] is True
+    d = cfg.dense_optimizer
+    if name == "adagrad":
+        ref_opt = torch.optim.Adagrad(ref, lr=d.lr, initial_accumulator_value=d.initial_accumulator_value, eps=d.eps)
+    else:
+        ref_opt = torch.optim.Adam(ref, lr=d.lr)
+    for _ in range(4):
+        for a, b in zip(ours, ref):
+            a.grad = torch.randn(a.shape, generator=gen)
+            b.grad = a.grad.clone()
+        opt.step()
+        ref_opt.step()
+    for a, b, start in zip(ours, ref, init):
+        torch.testing.assert_close(a, b)
+        assert not torch.equal(a, start)
+
+
 def test_set_with_bad_syntax():
     with pytest.raises(ConfigError, match="expected section.key=value"):
         load_config(None, ["batch_size=3"])

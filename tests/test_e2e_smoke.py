@@ -72,3 +72,19 @@ def test_systems_that_do_not_fit_together_race_in_groups_that_do() -> None:
     assert e2e.memory_groups(spec, systems[:3], 1, 64, 1.5 * one) == [[s] for s in systems[:3]]
     # Plain PyTorch replicates its tables on every rank; the sharded systems do not.
     assert e2e.memory_estimate(spec, "plain", 2, 64) - e2e.memory_estimate(spec, "recscale", 2, 64) > spec.table_bytes()
+
+
+def test_dcnv2_dense_quick_times_every_dense_part_and_prints_the_bound() -> None:
+    proc = proc_utils.run([sys.executable, "benchmarks/dcnv2_dense.py", "--quick", "--batch-size", "64"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:] + proc.stdout[-3000:]
+    names = {f"{s} {part}" for s in ("recscale", "plain", "torchrec") for part in ("dense", "step")}
+    rows = {line[:16].strip(): line[16:].split() for line in proc.stdout.splitlines() if line[:16].strip() in names}
+    has_torchrec = all(importlib.util.find_spec(m) is not None for m in ("torchrec", "fbgemm_gpu"))
+    want = {"recscale dense", "plain dense", "recscale step", "plain step"}
+    want |= {"torchrec dense", "torchrec step"} if has_torchrec else set()
+    assert set(rows) == want
+    for name, cols in rows.items():
+        wall_ms, samples, cpu_ms = float(cols[0]), float(cols[1].replace(",", "")), float(cols[2])
+        assert wall_ms > 0 and cpu_ms > 0 and abs(samples - 64 / (wall_ms / 1e3)) <= 0.01 * samples + 1, name
+    assert ("Amdahl bound vs torchrec" in proc.stdout) == has_torchrec

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from recscale.model.bf16_linear import bf16_autocast_on, bf16_linear
+
 
 class MLP(nn.Sequential):
     """Linear + ReLU layers; the last layer has no activation when ``final_activation`` is False."""
@@ -29,4 +31,8 @@ class MLP(nn.Sequential):
         self.out_features = prev
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if x.dim() == 2 and bf16_autocast_on(x):  # bf16 MLPs: autocast's math, faster GEMMs
+            for layer in self:
+                x = bf16_linear(x, layer.weight, layer.bias) if isinstance(layer, nn.Linear) else layer(x)
+            return x
         return super().forward(x)

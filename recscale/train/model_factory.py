@@ -164,9 +164,12 @@ def build_dense_optimizer(cfg: Config, params: list[torch.nn.Parameter]) -> torc
     d = cfg.dense_optimizer
     if d.name == "sgd":
         return torch.optim.SGD(params, lr=d.lr, weight_decay=d.weight_decay)
+    # On CPU torch's fused Adagrad and Adam update each parameter in one pass instead of four
+    # (a 16M-parameter DCNv2 dense part: 13 against 34-42 ms a step on one core); same formula.
+    fused = bool(params) and all(p.device.type == "cpu" and p.dtype.is_floating_point for p in params) or None
     if d.name == "adagrad":
         return torch.optim.Adagrad(
             params, lr=d.lr, weight_decay=d.weight_decay,
-            initial_accumulator_value=d.initial_accumulator_value, eps=d.eps,
+            initial_accumulator_value=d.initial_accumulator_value, eps=d.eps, fused=fused,
         )
-    return torch.optim.Adam(params, lr=d.lr, weight_decay=d.weight_decay)
+    return torch.optim.Adam(params, lr=d.lr, weight_decay=d.weight_decay, fused=fused)
