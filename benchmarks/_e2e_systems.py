@@ -9,11 +9,13 @@ updates and communicates differs:
   pipelined ``train_step``; its in-process tuning (``train.tune_process``, ``retain_host_memory``)
   off, so it runs in the harness's environment like everyone else (the huge-page advice on its
   tables is part of the embedding module and stays; the harness's ``glibc.malloc.hugetlb``
-  gives every system's large allocations huge pages). ``recscale-tuned``: that tuning on top. ``recscale-sharded``: one process through the sharded path (a one-rank process
-  group, ``recscale.sharding.shard``, the dense all-reduce). ``recscale-bf16``:
+  gives every system's large allocations huge pages). ``recscale-tuned``: that tuning on top.
+  ``recscale-sharded``: one process through the sharded path (a one-rank process group,
+  ``recscale.sharding.shard``, the dense all-reduce). ``recscale-bf16``:
   ``model.mlp_precision = "bf16"``.
 * ``plain``: one ``nn.EmbeddingBag(sparse=True)`` per table, row-wise Adagrad written out on the
-  sparse gradients (torch has no row-wise Adagrad), ``torch.optim.Adagrad`` for the MLPs; with
+  sparse gradients (torch has no row-wise Adagrad), ``torch.optim.Adagrad`` for the MLPs (fused, as in
+  every system: its best CPU form); with
   several ranks the whole model is wrapped in ``DistributedDataParallel`` (tables replicated,
   sparse gradients all-reduced). ``plain-bf16``: its forward under ``torch.autocast(bfloat16)``.
 * TorchRec's systems live in ``_e2e_torchrec``.
@@ -249,7 +251,7 @@ class PlainSystem(System):
         if self.world > 1:
             self.model = nn.parallel.DistributedDataParallel(self.net)
         dense = [p for n, p in self.net.named_parameters() if not n.startswith("embs.")]
-        self.dense_opt = torch.optim.Adagrad(dense, lr=DENSE_LR, eps=EPS)
+        self.dense_opt = torch.optim.Adagrad(dense, lr=DENSE_LR, eps=EPS, fused=True)
         self.state = [torch.zeros(e.num_embeddings) for e in self.net.embs]  # one Adagrad sum per row
 
     def prepare(self, batch: Batch) -> tuple:

@@ -104,7 +104,7 @@ class TorchRecSystem(_TorchRecBase):
         self.model = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan)
         dense_opt = KeyedOptimizerWrapper(
             dict(in_backward_optimizer_filter(self.model.named_parameters())),
-            lambda params: torch.optim.Adagrad(params, lr=DENSE_LR, eps=EPS),
+            lambda params: torch.optim.Adagrad(params, lr=DENSE_LR, eps=EPS, fused=True),
         )
         self.opt = CombinedOptimizer([self.model.fused_optimizer, dense_opt])
 
@@ -126,6 +126,6 @@ class TorchRecEBCSystem(_TorchRecBase):
                                           optimizer_kwargs={"lr": EMB_LR, "eps": EPS}, device=torch.device("cpu"))
         self.model = _dlrm(spec, ebc)
         dense = [p for n, p in self.model.named_parameters() if not n.startswith("sparse_arch.")]
-        self.dense_opt = torch.optim.Adagrad(dense, lr=DENSE_LR, eps=EPS)
+        self.dense_opt = torch.optim.Adagrad(dense, lr=DENSE_LR, eps=EPS, fused=True)
         self.opt = self.dense_opt  # the rows are updated inside backward by FBGEMM
         self.plan_summary = None  # nothing is sharded

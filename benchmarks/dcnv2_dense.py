@@ -110,7 +110,8 @@ def plain_dense(spec: ModelSpec, bf16: bool) -> Callable[[], None]:
     net = _PlainDLRM(dataclasses.replace(spec, table_rows=(1,) * spec.num_features))
     dense, pooled, labels = _inputs(spec)
     ly = list(pooled.split(spec.dim, dim=1))
-    opt = torch.optim.Adagrad([p for n, p in net.named_parameters() if not n.startswith("embs.")], lr=DENSE_LR, eps=EPS)
+    params = [p for n, p in net.named_parameters() if not n.startswith("embs.")]
+    opt = torch.optim.Adagrad(params, lr=DENSE_LR, eps=EPS, fused=True)
 
     def step() -> None:
         with maybe_bf16(bf16):
@@ -136,7 +137,7 @@ def torchrec_dense(spec: ModelSpec, bf16: bool) -> Callable[[], None]:
     dense, pooled, labels = _inputs(spec)
     sparse = pooled.view(spec.batch_size, spec.num_features, spec.dim)
     arches = [model.dense_arch, model.inter_arch, model.over_arch]
-    opt = torch.optim.Adagrad([p for m in arches for p in m.parameters()], lr=DENSE_LR, eps=EPS)
+    opt = torch.optim.Adagrad([p for m in arches for p in m.parameters()], lr=DENSE_LR, eps=EPS, fused=True)
 
     def step() -> None:
         with maybe_bf16(bf16):
