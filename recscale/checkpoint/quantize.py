@@ -6,6 +6,10 @@ per row an fp16 scale and offset plus ``bits``-bit codes packed densely (3 bits:
 bytes). ``adaptive`` first narrows each row's [min, max] by a greedy search that moves one end
 in steps of ``range / bins`` toward the other, whichever lowers the L2 error more, for at most
 ``ratio x bins`` steps, and keeps the best range seen (FBGEMM's ``param_search_greedy``).
+``mixed`` spends the same ``bits`` per value on average over a block, but per row: each row gets
+2, 3, 4 or 8 bits on its [min, max], the rows that matter most the most bits (see
+``allocate_widths``), with a 2-bit width tag per row; the block's size depends on ``n`` and ``d``
+only, so restores check it as for every other codec.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ _FP16_MAX = 65504.0
 
 @dataclass(frozen=True)
 class Codec:
-    """How a block of rows is stored. ``method``: none (``dtype`` raw), fp16, bf16, uniform, adaptive."""
+    """How a block of rows is stored. ``method``: none (``dtype`` raw), fp16, bf16, uniform, adaptive, mixed."""
 
     method: str
     dtype: str = "fp32"  # none: the storage dtype written as is
@@ -56,15 +60,20 @@ class Codec:
             return n * d * torch.finfo(_FLOATS[self.dtype]).bits // 8
         if self.method in ("fp16", "bf16"):
             return n * d * 2
+        if self.method == "mixed":
+            return _mixed_nbytes(n, d, self.bits)
         return n * 4 + _packed_bytes(n * d, self.bits)
 
-    def encode(self, x: torch.Tensor) -> bytes:
-        """``x``: ``[n, d]`` rows (any float dtype, CPU)."""
+    def encode(self, x: torch.Tensor, importance: torch.Tensor | None = None) -> bytes:
+        """``x``: ``[n, d]`` rows (any float dtype, CPU). ``importance`` (``mixed`` only): one
+        non-negative weight per row, e.g. its Adagrad sum of squared gradients; None: all equal."""
         if self.method == "none":
             return tensor_bytes(x.to(_FLOATS[self.dtype]))
         if self.method in ("fp16", "bf16"):
             return tensor_bytes(x.to(_FLOATS[self.method]))
         x = x.float()
+        if self.method == "mixed":
+            return _encode_mixed(x, importance, self.bits)
         if self.method == "adaptive":
             lo, hi = greedy_range(x, self.bits, self.bins, self.ratio)
         else:
@@ -78,6 +87,8 @@ class Codec:
             return bytes_tensor(buf, _FLOATS[self.dtype], (n, d))
         if self.method in ("fp16", "bf16"):
             return bytes_tensor(buf, _FLOATS[self.method], (n, d)).float()
+        if self.method == "mixed":
+            return _decode_mixed(buf, n, d, self.bits)
         scale = bytes_tensor(buf[: 2 * n], torch.float16, (n, 1)).float()
         bias = bytes_tensor(buf[2 * n : 4 * n], torch.float16, (n, 1)).float()
         q = unpack_bits(buf[4 * n :], self.bits, n * d).reshape(n, d)
@@ -154,6 +165,82 @@ def _greedy_block(x: torch.Tensor, levels: int, bins: int, steps: int) -> tuple[
     return best_lo, best_hi
 
 
+# ---------------------------------------------------------------------- mixed widths
+WIDTHS = (2, 3, 4, 8)  # a row's 2-bit tag t means WIDTHS[t] bits per value
+IMPORTANCE_STATES = ("sum_sq", "exp_avg_sq")  # optimizer state read as a row's weight, first found
+
+
+def row_importance(state: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """Per row, the mean of its accumulated squared gradients (Adagrad's ``sum_sq``, Adam's
+    ``exp_avg_sq``): the diagonal of the empirical Fisher, so the loss a row's error costs grows
+    with it. None when the optimizer keeps no such state."""
+    for name in IMPORTANCE_STATES:
+        if name in state:
+            return state[name].float().mean(1)
+    return None
+
+
+def allocate_widths(x: torch.Tensor, importance: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """Per row a tag into ``WIDTHS``, spending at most ``bits`` per value over the block.
+
+    A row's expected loss from rounding is about importance x (range / levels)^2 / 12 per value.
+    Every row starts at 2 bits; each upgrade (2 to 3, 3 to 4, 4 to 8 bits) lowers that by a known
+    amount for a known number of bits, less per bit at each later upgrade of the same row, so
+    taking upgrades in order of gain per bit until the budget is spent is the greedy optimum and
+    each row's taken upgrades are its first ones. Ties keep row order (a stable sort)."""
+    n, d = x.shape
+    if n == 0:
+        return torch.zeros(0, dtype=torch.uint8)
+    r = (x.amax(1) - x.amin(1)).double()
+    w = r * r if importance is None else importance.double().clamp(min=0).reshape(-1) * r * r
+    levels = [float((1 << b) - 1) for b in WIDTHS]
+    costs = [d * (WIDTHS[k + 1] - WIDTHS[k]) for k in range(len(WIDTHS) - 1)]
+    gains = torch.cat([w * ((1 / levels[k] ** 2 - 1 / levels[k + 1] ** 2) / costs[k]) for k in range(len(costs))])
+    cost = torch.tensor(costs, dtype=torch.int64).repeat_interleave(n)
+    order = torch.sort(gains, descending=True, stable=True).indices
+    spent = torch.cumsum(cost[order], 0)
+    take = int(torch.searchsorted(spent, torch.tensor([n * d * (bits - WIDTHS[0])]), right=True))
+    return torch.bincount(order[:take] % n, minlength=n).to(torch.uint8)
+
+
+def _mixed_nbytes(n: int, d: int, bits: int) -> int:
+    # scale + offset, tags, the code budget, and up to one byte of padding per width group but the last
+    return 4 * n + _packed_bytes(n, 2) + _packed_bytes(n * d, bits) + len(WIDTHS) - 1
+
+
+def _encode_mixed(x: torch.Tensor, importance: torch.Tensor | None, bits: int) -> bytes:
+    """Scales, offsets, tags, then each width's rows (in row order) packed together, widest first."""
+    n, d = x.shape
+    tags = allocate_widths(x, importance, bits)
+    scale, bias = torch.zeros(n, dtype=torch.float16), torch.zeros(n, dtype=torch.float16)
+    groups = []
+    for t in reversed(range(len(WIDTHS))):
+        rows = torch.nonzero(tags == t).reshape(-1)
+        if rows.numel():
+            xs = x.index_select(0, rows)
+            s, b, q = _quantize(xs, xs.amin(1), xs.amax(1), WIDTHS[t])
+            scale[rows], bias[rows] = s, b
+            groups.append(pack_bits(q.numpy(), WIDTHS[t]))
+    out = tensor_bytes(scale) + tensor_bytes(bias) + pack_bits(tags.numpy(), 2) + b"".join(groups)
+    return out + bytes(_mixed_nbytes(n, d, bits) - len(out))
+
+
+def _decode_mixed(buf: bytes | memoryview, n: int, d: int, bits: int) -> torch.Tensor:
+    scale = bytes_tensor(buf[: 2 * n], torch.float16, (n, 1)).float()
+    bias = bytes_tensor(buf[2 * n : 4 * n], torch.float16, (n, 1)).float()
+    pos = 4 * n + _packed_bytes(n, 2)
+    tags = torch.from_numpy(unpack_bits(buf[4 * n : pos], 2, n).astype(np.int64))
+    q = torch.zeros(n, d)
+    for t in reversed(range(len(WIDTHS))):
+        rows = torch.nonzero(tags == t).reshape(-1)
+        if rows.numel():
+            size = _packed_bytes(rows.numel() * d, WIDTHS[t])
+            codes = unpack_bits(buf[pos : pos + size], WIDTHS[t], rows.numel() * d)
+            q[rows] = torch.from_numpy(codes.astype(np.float32)).reshape(-1, d)
+            pos += size
+    return q * scale + bias
+
+
 # ---------------------------------------------------------------------- bytes
 def tensor_bytes(t: torch.Tensor) -> bytes:
     t = t.detach().contiguous().cpu()
@@ -204,8 +291,8 @@ def unpack_bits(buf: bytes | memoryview, bits: int, count: int) -> np.ndarray:
 
 
 def make_codec(method: str, storage_dtype: str, bits: int = 8, bins: int = 25, ratio: float = 0.6) -> Codec:
-    if method not in ("none", "fp16", "bf16", "uniform", "adaptive"):
-        raise ValueError(f"quantization '{method}' is unknown; choose none, fp16, bf16, uniform or adaptive")
+    if method not in ("none", "fp16", "bf16", "uniform", "adaptive", "mixed"):
+        raise ValueError(f"quantization '{method}' is unknown; choose none, fp16, bf16, uniform, adaptive or mixed")
     return Codec(method, storage_dtype, bits, bins, ratio)
 
 

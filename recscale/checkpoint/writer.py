@@ -26,7 +26,7 @@ import torch
 
 from recscale import faults
 from recscale.checkpoint.manifest import MANIFEST, Chunk, CheckpointError, FileEntry, Manifest, tmp_name
-from recscale.checkpoint.quantize import Codec
+from recscale.checkpoint.quantize import Codec, row_importance
 from recscale.checkpoint.storage import Storage
 from recscale.embedding import TableConfig
 from recscale.embedding.table_batched import init_rows
@@ -126,7 +126,7 @@ def encode_chunks(job: WriteJob, file: str) -> Iterator[tuple[Chunk, bytes]]:
                 weight, state = sh.weight.index_select(0, pick), {k: t.index_select(0, pick) for k, t in sh.state.items()}
             else:
                 weight, state = sh.weight[lo:hi], {k: t[lo:hi] for k, t in sh.state.items()}
-            w = job.weight_codec.encode(weight)
+            w = job.weight_codec.encode(weight, row_importance(state))
             parts, state_meta = [ids, w], []
             for name, t in state.items():
                 sb = job.state_codec.encode(t)
