@@ -26,10 +26,12 @@ def rows(n: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_each_row_decodes_as_the_uniform_codec_at_its_width(n, d, bits, seed):
     x, imp = rows(n, d, seed)
     codec = Codec("mixed", bits=bits)
-    buf = codec.encode(x, imp)
-    assert len(buf) == codec.nbytes(n, d)
+    tags = allocate_widths(x.amax(1) - x.amin(1), imp, d, bits) if n else torch.zeros(0, dtype=torch.uint8)
+    buf = codec.encode(x, tags)
+    assert len(buf) == codec.nbytes_of(buf, n, d) <= 4 * n + (n + 3) // 4 + (n * d * bits + 7) // 8 + 3
     got = codec.decode(buf, n, d)
-    tags = allocate_widths(x, imp, bits)
+    with pytest.raises(ValueError, match="sizes"):
+        codec.decode(buf + b"\0", n, d)
     assert int(sum(WIDTHS[t] for t in tags.tolist())) * d <= n * d * bits  # within the budget
     for t, width in enumerate(WIDTHS):
         pick = torch.nonzero(tags == t).reshape(-1)
@@ -42,19 +44,23 @@ def test_each_row_decodes_as_the_uniform_codec_at_its_width(n, d, bits, seed):
 def test_important_rows_get_more_bits_and_the_weighted_error_falls():
     x, imp = rows(2000, 32, 7)
     x = torch.randn(2000, 32, generator=torch.Generator().manual_seed(8))  # equal spread: importance decides
-    tags = allocate_widths(x, imp, 3).long()
+    span = x.amax(1) - x.amin(1)
+    tags = allocate_widths(span, imp, 32, 3).long()
     order = torch.argsort(imp, descending=True)
     assert tags[order[:50]].min() >= 2 and tags[order[-500:]].max() == 0  # 4 or 8 bits; 2 bits
     assert torch.bincount(tags, minlength=4).tolist() != [0, 2000, 0, 0]
 
     def weighted(codec: Codec) -> float:
-        y = codec.decode(codec.encode(x, imp) if codec.method == "mixed" else codec.encode(x), 2000, 32)
+        y = codec.decode(codec.encode(x, tags) if codec.method == "mixed" else codec.encode(x), 2000, 32)
         return float(((y - x) ** 2).sum(1).mul(imp).sum())
 
     assert weighted(Codec("mixed", bits=3)) < 0.5 * weighted(Codec("uniform", bits=3))
     # with no importance every row is alike, and the widths follow the row ranges only
-    same = allocate_widths(x, None, 3)
-    assert torch.equal(same, allocate_widths(x, torch.ones(2000), 3))
+    assert torch.equal(allocate_widths(span, None, 32, 3), allocate_widths(span, torch.ones(2000), 32, 3))
+    # rows of a narrower table cost fewer bits: the budget counts every row's own columns
+    cols = torch.tensor([32] * 1000 + [8] * 1000)
+    mixed = allocate_widths(span, imp, cols, 3)
+    assert int((torch.tensor(WIDTHS)[mixed.long()] * cols).sum()) <= int(cols.sum()) * 3
 
 
 def test_importance_comes_from_accumulated_squared_gradients():

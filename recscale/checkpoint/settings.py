@@ -42,8 +42,8 @@ class CheckpointSettings:
     # one_shot / incremental / intermittent: also a new baseline after this many non-full ones (0: never).
     full_every: int = 0
     # Embedding rows on write: none (exact, storage dtype) | fp16 | bf16 | uniform | adaptive
-    # | mixed (bits per value on average; per row 2, 3, 4 or 8, most to the rows with the largest
-    # optimizer state, which carry the most of the loss).
+    # | mixed (bits per value on average over the rows a checkpoint writes; per row 2, 3, 4 or 8,
+    # the most to the rows of largest optimizer state x range^2, which carry the most loss).
     quantization: QuantMethod = "none"
     # uniform / adaptive / mixed: 8, 4, 3 or 2 bits per value; 0 = chosen from expected_restores.
     bits: int = 0
