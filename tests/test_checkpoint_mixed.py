@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ckpt_utils import ckpt_dir, run_training
-from recscale.checkpoint.quantize import WIDTHS, Codec, allocate_widths, make_codec, row_importance
+from recscale.checkpoint.quantize import WIDTHS, Codec, allocate_widths, make_codec, mixed_tags, row_importance
 from recscale.cli import main
 from recscale.train.config import ConfigError, load_config
 
@@ -84,6 +84,17 @@ def test_training_restores_mixed_checkpoints_and_verify_reads_them(tmp_path, cap
     _, state, _ = run_training(common + ["train.max_steps=8", "checkpoint.interval_steps=4"])
     manifest = json.loads((ckpt_dir(root, 8) / "manifest.json").read_text())
     assert manifest["weight_codec"]["method"] == "mixed" and manifest["weight_codec"]["bits"] == 3
+    # the widths are allocated over the whole checkpoint: 3 bits on average over every table's
+    # rows, more to some tables than to others
+    data = (ckpt_dir(root, 8) / "rank00000.bin").read_bytes()
+    spent = budget = 0
+    means = []
+    for c in manifest["chunks"]:
+        widths = torch.tensor(WIDTHS)[mixed_tags(data[c["offset"] + c["id_bytes"] :], c["num_rows"]).long()]
+        spent += int(widths.sum()) * c["num_cols"]
+        budget += 3 * c["num_rows"] * c["num_cols"]
+        means.append(float(widths.float().mean()))
+    assert 0.98 * budget <= spent <= budget and max(means) > 3.2 and min(means) < 2.9
     assert main(["ckpt", "verify", str(root)]) == 0
     assert "intact" in capsys.readouterr().out
     out = tmp_path / "model.pt"
