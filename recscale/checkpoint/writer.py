@@ -155,7 +155,7 @@ def width_tags(job: WriteJob, blocks: list[_Block]) -> list[torch.Tensor]:
     ranges, weights, cols = [], [], []
     for blk in blocks:
         w, state = blk.rows()
-        ranges.append((w.amax(1) - w.amin(1)).float())
+        ranges.append(w.amax(1).float() - w.amin(1).float())
         imp = row_importance(state)
         weights.append(torch.ones(blk.n) if imp is None else imp)
         cols.append(torch.full((blk.n,), blk.sh.num_cols, dtype=torch.int64))
