@@ -64,9 +64,9 @@ def test_important_rows_get_more_bits_and_the_weighted_error_falls():
 
 
 def test_importance_comes_from_accumulated_squared_gradients():
-    assert torch.equal(row_importance({"sum_sq": torch.tensor([[1.0], [4.0]])}), torch.tensor([1.0, 4.0]))
-    v = torch.tensor([[1.0, 3.0], [0.0, 2.0]])
-    assert torch.equal(row_importance({"exp_avg": -v, "exp_avg_sq": v}), torch.tensor([2.0, 1.0]))
+    assert torch.equal(row_importance({"sum_sq": torch.tensor([[1.0], [4.0]])}), torch.tensor([1.0, 2.0]))
+    v = torch.tensor([[7.0, 9.0], [0.0, 2.0]])
+    assert torch.equal(row_importance({"exp_avg": -v, "exp_avg_sq": v}), torch.tensor([8.0, 1.0]).sqrt())
     assert row_importance({}) is None
 
 

@@ -176,12 +176,14 @@ IMPORTANCE_STATES = ("sum_sq", "exp_avg_sq")  # optimizer state read as a row's 
 
 
 def row_importance(state: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    """Per row, the mean of its accumulated squared gradients (Adagrad's ``sum_sq``, Adam's
-    ``exp_avg_sq``): the diagonal of the empirical Fisher, so the loss a row's error costs grows
-    with it. None when the optimizer keeps no such state."""
+    """Per row, the square root of the mean of its accumulated squared gradients (Adagrad's
+    ``sum_sq``, Adam's ``exp_avg_sq``): how much loss an error in the row costs. A row's step
+    gradient sums its samples in the batch, so the accumulated square grows with the square of
+    how often the row is used; the root grows with it, as the row's share of the loss does (it
+    measured better than the plain sum). None when the optimizer keeps no such state."""
     for name in IMPORTANCE_STATES:
         if name in state:
-            return state[name].float().mean(1)
+            return state[name].float().mean(1).sqrt()
     return None
 
 
