@@ -43,7 +43,7 @@ class CheckpointSettings:
     full_every: int = 0
     # Embedding rows on write: none (exact, storage dtype) | fp16 | bf16 | uniform | adaptive
     # | mixed (bits per value on average over the rows a checkpoint writes; per row 2, 3, 4 or 8,
-    # the most to the rows of largest optimizer state x range^2, which carry the most loss).
+    # the most to the rows of largest range^2 x root of the optimizer state: the most loss).
     quantization: QuantMethod = "none"
     # uniform / adaptive / mixed: 8, 4, 3 or 2 bits per value; 0 = chosen from expected_restores.
     bits: int = 0

@@ -124,7 +124,8 @@ MEANINGS: dict[str, str] = {
                                "`adaptive` (uniform on a range found by a greedy search that "
                                "shrinks [min, max]), `mixed` (uniform with 2, 3, 4 or 8 bits per "
                                "row, `bits` on average over a checkpoint's rows; the most to rows "
-                               "of largest Adagrad state x range^2, which cost the most loss)",
+                               "of largest range^2 x root of the Adagrad state, which cost the "
+                               "most loss)",
     "checkpoint.interval_steps": "checkpoint every this many steps (0: off)",
     "checkpoint.interval_minutes": "checkpoint every this many minutes; rank 0's clock decides for "
                                    "all ranks (0: off)",
