@@ -59,7 +59,7 @@ from recscale.sparse import JaggedBatch  # noqa: E402
 @dataclass(frozen=True)
 class Setting:
     policy: str
-    quantization: str  # none, fp16, bf16, uniformN, adaptiveN
+    quantization: str  # none, fp16, bf16, uniformN, adaptiveN, mixedN
     state: str = "fp32"
 
     @property
@@ -68,7 +68,7 @@ class Setting:
 
     def settings(self, root: str, chunk_rows: int) -> CheckpointSettings:
         method, bits = self.quantization, ""
-        for prefix in ("uniform", "adaptive"):
+        for prefix in ("uniform", "adaptive", "mixed"):
             if self.quantization.startswith(prefix):
                 method, bits = prefix, self.quantization[len(prefix):]
         return CheckpointSettings(
@@ -92,6 +92,8 @@ SETTINGS = [  # uniform and adaptive of the same bit width write the same bytes;
     # bf16 keeps row-wise Adagrad's small accumulators, which fp16 flushes toward its subnormals
     Setting("intermittent", "adaptive3", "bf16"),
     Setting("intermittent", "adaptive3", "fp32"),
+    # 3 bits per value on average, per row 2 to 8 by the row's Adagrad state
+    Setting("intermittent", "mixed3", "bf16"),
     Setting("one_shot", "uniform2", "fp16"),
     Setting("incremental", "uniform2", "fp16"),
 ]

@@ -39,7 +39,7 @@ SYNTHETIC_CODECS = ["none", "fp16", "uniform4", "adaptive4", "uniform3", "adapti
 
 
 def codec_sets(codec: str) -> list[str]:
-    for prefix in ("adaptive", "uniform"):
+    for prefix in ("adaptive", "uniform", "mixed"):
         if codec.startswith(prefix):
             return [f"checkpoint.quantization={prefix}", f"checkpoint.bits={codec[len(prefix):]}"]
     return [f"checkpoint.quantization={codec}"]

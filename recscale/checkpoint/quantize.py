@@ -6,6 +6,9 @@ per row an fp16 scale and offset plus ``bits``-bit codes packed densely (3 bits:
 bytes). ``adaptive`` first narrows each row's [min, max] by a greedy search that moves one end
 in steps of ``range / bins`` toward the other, whichever lowers the L2 error more, for at most
 ``ratio x bins`` steps, and keeps the best range seen (FBGEMM's ``param_search_greedy``).
+``mixed`` spends ``bits`` per value on average over all the rows a checkpoint writes, but per
+row: each row gets 2, 3, 4 or 8 bits on its [min, max], the rows that matter most the most bits
+(``allocate_widths``), with a 2-bit width tag per row from which a block's size follows.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ _FP16_MAX = 65504.0
 
 @dataclass(frozen=True)
 class Codec:
-    """How a block of rows is stored. ``method``: none (``dtype`` raw), fp16, bf16, uniform, adaptive."""
+    """How a block of rows is stored. ``method``: none (``dtype`` raw), fp16, bf16, uniform, adaptive, mixed."""
 
     method: str
     dtype: str = "fp32"  # none: the storage dtype written as is
@@ -56,15 +59,26 @@ class Codec:
             return n * d * torch.finfo(_FLOATS[self.dtype]).bits // 8
         if self.method in ("fp16", "bf16"):
             return n * d * 2
+        if self.method == "mixed":
+            raise ValueError("a mixed block's size depends on its width tags; use mixed_tags and nbytes_of")
         return n * 4 + _packed_bytes(n * d, self.bits)
 
-    def encode(self, x: torch.Tensor) -> bytes:
-        """``x``: ``[n, d]`` rows (any float dtype, CPU)."""
+    def nbytes_of(self, buf: bytes | memoryview, n: int, d: int) -> int:
+        """Bytes the block of ``n`` rows of ``d`` values starting ``buf`` takes (``mixed``: read
+        from its tags; ValueError when ``buf`` cannot hold them)."""
+        return _mixed_nbytes(mixed_tags(buf, n), d) if self.method == "mixed" else self.nbytes(n, d)
+
+    def encode(self, x: torch.Tensor, tags: torch.Tensor | None = None) -> bytes:
+        """``x``: ``[n, d]`` rows (any float dtype, CPU). ``tags`` (``mixed`` only): each row's
+        width from ``allocate_widths`` over every row a checkpoint writes; None: allocated within
+        this block by row range alone, at 3 bits on average."""
         if self.method == "none":
             return tensor_bytes(x.to(_FLOATS[self.dtype]))
         if self.method in ("fp16", "bf16"):
             return tensor_bytes(x.to(_FLOATS[self.method]))
         x = x.float()
+        if self.method == "mixed":
+            return _encode_mixed(x, tags)
         if self.method == "adaptive":
             lo, hi = greedy_range(x, self.bits, self.bins, self.ratio)
         else:
@@ -78,6 +92,8 @@ class Codec:
             return bytes_tensor(buf, _FLOATS[self.dtype], (n, d))
         if self.method in ("fp16", "bf16"):
             return bytes_tensor(buf, _FLOATS[self.method], (n, d)).float()
+        if self.method == "mixed":
+            return _decode_mixed(buf, n, d)
         scale = bytes_tensor(buf[: 2 * n], torch.float16, (n, 1)).float()
         bias = bytes_tensor(buf[2 * n : 4 * n], torch.float16, (n, 1)).float()
         q = unpack_bits(buf[4 * n :], self.bits, n * d).reshape(n, d)
@@ -154,6 +170,100 @@ def _greedy_block(x: torch.Tensor, levels: int, bins: int, steps: int) -> tuple[
     return best_lo, best_hi
 
 
+# ---------------------------------------------------------------------- mixed widths
+WIDTHS = (2, 3, 4, 8)  # a row's 2-bit tag t means WIDTHS[t] bits per value
+IMPORTANCE_STATES = ("sum_sq", "exp_avg_sq")  # optimizer state read as a row's weight, first found
+
+
+def row_importance(state: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """Per row, the square root of the mean of its accumulated squared gradients (Adagrad's
+    ``sum_sq``, Adam's ``exp_avg_sq``): how much loss an error in the row costs. A row's step
+    gradient sums its samples in the batch, so the accumulated square grows with the square of
+    how often the row is used; the root grows with it, as the row's share of the loss does (it
+    measured better than the plain sum). None when the optimizer keeps no such state."""
+    for name in IMPORTANCE_STATES:
+        if name in state:
+            return state[name].float().mean(1).sqrt()
+    return None
+
+
+def allocate_widths(ranges: torch.Tensor, importance: torch.Tensor | None, cols: torch.Tensor | int,
+                    bits: int) -> torch.Tensor:
+    """Per row a tag into ``WIDTHS``, spending at most ``bits`` per value over all the rows given
+    (rows of any tables: ``cols`` per row, and ``ranges``, each row's max - min).
+
+    A row's expected loss from rounding is about importance x cols x (range / levels)^2 / 12.
+    Every row starts at 2 bits; each upgrade (2 to 3, 3 to 4, 4 to 8 bits) lowers that by a known
+    amount for a known number of bits, less per bit at each later upgrade of the same row, so
+    taking upgrades in order of gain per bit until the budget is spent is the greedy optimum and
+    each row's taken upgrades are its first ones. Ties keep row order (a stable sort)."""
+    n = ranges.numel()
+    if n == 0:
+        return torch.zeros(0, dtype=torch.uint8)
+    r = ranges.double().reshape(-1)
+    w = r * r if importance is None else importance.double().clamp(min=0).reshape(-1) * r * r
+    c = torch.as_tensor(cols, dtype=torch.int64).expand(n)
+    levels = [float((1 << b) - 1) for b in WIDTHS]
+    # the cols of a row's loss and of its cost cancel in the gain per bit
+    gains = torch.cat([w * ((1 / levels[k] ** 2 - 1 / levels[k + 1] ** 2) / (WIDTHS[k + 1] - WIDTHS[k]))
+                       for k in range(len(WIDTHS) - 1)])
+    cost = torch.cat([c * (WIDTHS[k + 1] - WIDTHS[k]) for k in range(len(WIDTHS) - 1)])
+    order = torch.sort(gains, descending=True, stable=True).indices
+    spent = torch.cumsum(cost[order], 0)
+    budget = int(c.sum()) * (bits - WIDTHS[0])
+    take = int(torch.searchsorted(spent, torch.tensor([budget]), right=True))
+    return torch.bincount(order[:take] % n, minlength=n).to(torch.uint8)
+
+
+def _mixed_nbytes(tags: torch.Tensor, d: int) -> int:
+    """Scales and offsets, tags, then each width's codes (each group padded to a byte)."""
+    counts = torch.bincount(tags.long(), minlength=len(WIDTHS)).tolist()
+    return 4 * tags.numel() + _packed_bytes(tags.numel(), 2) + sum(
+        _packed_bytes(k * d, w) for k, w in zip(counts, WIDTHS))
+
+
+def mixed_tags(buf: bytes | memoryview, n: int) -> torch.Tensor:
+    """The width tags of a ``mixed`` block of ``n`` rows (ValueError if ``buf`` is too short)."""
+    if len(buf) < 4 * n + _packed_bytes(n, 2):
+        raise ValueError("sizes")
+    return torch.from_numpy(unpack_bits(buf[4 * n : 4 * n + _packed_bytes(n, 2)], 2, n))
+
+
+def _encode_mixed(x: torch.Tensor, tags: torch.Tensor | None) -> bytes:
+    """Scales, offsets, tags, then each width's rows (in row order) packed together, widest first."""
+    n = x.shape[0]
+    if tags is None:
+        tags = allocate_widths(x.amax(1) - x.amin(1), None, x.shape[1], 3) if n else torch.zeros(0, dtype=torch.uint8)
+    scale, bias = torch.zeros(n, dtype=torch.float16), torch.zeros(n, dtype=torch.float16)
+    groups = []
+    for t in reversed(range(len(WIDTHS))):
+        rows = torch.nonzero(tags == t).reshape(-1)
+        if rows.numel():
+            xs = x.index_select(0, rows)
+            s, b, q = _quantize(xs, xs.amin(1), xs.amax(1), WIDTHS[t])
+            scale[rows], bias[rows] = s, b
+            groups.append(pack_bits(q.numpy(), WIDTHS[t]))
+    return tensor_bytes(scale) + tensor_bytes(bias) + pack_bits(tags.numpy(), 2) + b"".join(groups)
+
+
+def _decode_mixed(buf: bytes | memoryview, n: int, d: int) -> torch.Tensor:
+    tags = mixed_tags(buf, n)
+    if len(buf) != _mixed_nbytes(tags, d):
+        raise ValueError("sizes")
+    scale = bytes_tensor(buf[: 2 * n], torch.float16, (n, 1)).float()
+    bias = bytes_tensor(buf[2 * n : 4 * n], torch.float16, (n, 1)).float()
+    pos = 4 * n + _packed_bytes(n, 2)
+    q = torch.zeros(n, d)
+    for t in reversed(range(len(WIDTHS))):
+        rows = torch.nonzero(tags == t).reshape(-1)
+        if rows.numel():
+            size = _packed_bytes(rows.numel() * d, WIDTHS[t])
+            codes = unpack_bits(buf[pos : pos + size], WIDTHS[t], rows.numel() * d)
+            q[rows] = torch.from_numpy(codes.astype(np.float32)).reshape(-1, d)
+            pos += size
+    return q * scale + bias
+
+
 # ---------------------------------------------------------------------- bytes
 def tensor_bytes(t: torch.Tensor) -> bytes:
     t = t.detach().contiguous().cpu()
@@ -204,8 +314,8 @@ def unpack_bits(buf: bytes | memoryview, bits: int, count: int) -> np.ndarray:
 
 
 def make_codec(method: str, storage_dtype: str, bits: int = 8, bins: int = 25, ratio: float = 0.6) -> Codec:
-    if method not in ("none", "fp16", "bf16", "uniform", "adaptive"):
-        raise ValueError(f"quantization '{method}' is unknown; choose none, fp16, bf16, uniform or adaptive")
+    if method not in ("none", "fp16", "bf16", "uniform", "adaptive", "mixed"):
+        raise ValueError(f"quantization '{method}' is unknown; choose none, fp16, bf16, uniform, adaptive or mixed")
     return Codec(method, storage_dtype, bits, bins, ratio)
 
 

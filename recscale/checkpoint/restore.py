@@ -139,7 +139,7 @@ def _decode(m: Manifest, c: Chunk, buf: bytes) -> DecodedChunk:
     n, span = c.num_rows, c.row_stop - c.row_start
     want_ids = {"range": 0, "bitmap": (span + 7) // 8, "ids": 4 * n}[c.selector]
     if (c.selector == "range" and n != span) or c.id_bytes != want_ids or n > span \
-            or c.weight_bytes != wcodec.nbytes(n, c.num_cols) \
+            or c.weight_bytes != wcodec.nbytes_of(memoryview(buf)[c.id_bytes :], n, c.num_cols) \
             or any(b != scodec.nbytes(n, cols) for _, cols, b in c.state) \
             or c.id_bytes + c.weight_bytes + sum(b for _, _, b in c.state) != c.length:
         raise ValueError("sizes")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 PolicyName = Literal["full", "one_shot", "incremental", "intermittent"]
-QuantMethod = Literal["none", "fp16", "bf16", "uniform", "adaptive"]
+QuantMethod = Literal["none", "fp16", "bf16", "uniform", "adaptive", "mixed"]
 StatePrecision = Literal["fp32", "fp16", "bf16"]
 RebaselineRule = Literal["cumulative", "fraction"]
 
@@ -41,9 +41,11 @@ class CheckpointSettings:
     rebaseline_fraction: float = 0.5
     # one_shot / incremental / intermittent: also a new baseline after this many non-full ones (0: never).
     full_every: int = 0
-    # Embedding rows on write: none (exact, storage dtype) | fp16 | bf16 | uniform | adaptive.
+    # Embedding rows on write: none (exact, storage dtype) | fp16 | bf16 | uniform | adaptive
+    # | mixed (bits per value on average over the rows a checkpoint writes; per row 2, 3, 4 or 8,
+    # the most to the rows of largest range^2 x root of the optimizer state: the most loss).
     quantization: QuantMethod = "none"
-    # uniform / adaptive: 8, 4, 3 or 2 bits per value; 0 = chosen from expected_restores.
+    # uniform / adaptive / mixed: 8, 4, 3 or 2 bits per value; 0 = chosen from expected_restores.
     bits: int = 0
     expected_restores: int = 21
     # adaptive: greedy range search in steps of (max - min) / bins, shrinking at most ratio of the range.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import itertools
 import json
 import os
 import queue
@@ -26,7 +27,7 @@ import torch
 
 from recscale import faults
 from recscale.checkpoint.manifest import MANIFEST, Chunk, CheckpointError, FileEntry, Manifest, tmp_name
-from recscale.checkpoint.quantize import Codec
+from recscale.checkpoint.quantize import Codec, allocate_widths, row_importance
 from recscale.checkpoint.storage import Storage
 from recscale.embedding import TableConfig
 from recscale.embedding.table_batched import init_rows
@@ -96,8 +97,29 @@ def initial_row_mask(sh: ShardSnapshot, seed: int, a: int, b: int) -> np.ndarray
     return np.flatnonzero(keep.numpy())
 
 
-def encode_chunks(job: WriteJob, file: str) -> Iterator[tuple[Chunk, bytes]]:
-    """Each shard cut into blocks of ``chunk_rows`` local rows, encoded (offsets filled later)."""
+@dataclass
+class _Block:
+    """One chunk to write: a shard's local rows ``a..b``, those of them it holds, how it names them."""
+
+    sh: ShardSnapshot
+    a: int
+    b: int
+    pick: torch.Tensor | None  # rows of sh.weight to take (None: the slice lo..hi)
+    lo: int
+    hi: int
+    n: int
+    selector: str
+    ids: bytes
+
+    def rows(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        sh = self.sh
+        if self.pick is not None:
+            return sh.weight.index_select(0, self.pick), {k: t.index_select(0, self.pick) for k, t in sh.state.items()}
+        return sh.weight[self.lo : self.hi], {k: t[self.lo : self.hi] for k, t in sh.state.items()}
+
+
+def plan_blocks(job: WriteJob) -> Iterator[_Block]:
+    """Each shard cut into blocks of ``chunk_rows`` local rows, with the rows each one holds."""
     for sh in job.shards:
         if sh.rows is not None and sh.rows.numel() == 0:
             continue
@@ -123,27 +145,53 @@ def encode_chunks(job: WriteJob, file: str) -> Iterator[tuple[Chunk, bytes]]:
                 selector, ids = "bitmap", np.packbits(mask, bitorder="little").tobytes()
             else:
                 selector, ids = "ids", local.astype(np.int32).tobytes()
-            if positions is None and local is not None and n < b - a:
-                pick = torch.from_numpy(local + a)
-                weight, state = sh.weight.index_select(0, pick), {k: t.index_select(0, pick) for k, t in sh.state.items()}
-            else:
-                weight, state = sh.weight[lo:hi], {k: t[lo:hi] for k, t in sh.state.items()}
-            w = job.weight_codec.encode(weight)
-            parts, state_meta = [ids, w], []
-            for name, t in state.items():
-                sb = job.state_codec.encode(t)
-                parts.append(sb)
-                state_meta.append((name, t.shape[1], len(sb)))
-            payload = b"".join(parts)
-            yield (
-                Chunk(
-                    table=sh.table, file=file, offset=0, length=len(payload), crc32=zlib.crc32(payload),
-                    row_start=sh.row_offset + a, row_stop=sh.row_offset + b, selector=selector,
-                    num_rows=int(n), col_offset=sh.col_offset, num_cols=sh.num_cols,
-                    id_bytes=len(ids), weight_bytes=len(w), state=tuple(state_meta),
-                ),
-                payload,
-            )
+            pick = torch.from_numpy(local + a) if positions is None and local is not None and n < b - a else None
+            yield _Block(sh, a, b, pick, int(lo), int(hi), int(n), selector, ids)
+
+
+def width_tags(job: WriteJob, blocks: list[_Block]) -> list[torch.Tensor]:
+    """``mixed``: every block's row widths, allocated over all the rows this rank writes at once,
+    so the bits go to the rows that matter most whichever table holds them."""
+    if not blocks:
+        return []
+    ranges, weights, cols = [], [], []
+    for blk in blocks:
+        w, state = blk.rows()
+        ranges.append(w.amax(1).float() - w.amin(1).float())
+        imp = row_importance(state)
+        weights.append(torch.ones(blk.n) if imp is None else imp)
+        cols.append(torch.full((blk.n,), blk.sh.num_cols, dtype=torch.int64))
+    tags = allocate_widths(torch.cat(ranges), torch.cat(weights), torch.cat(cols), job.weight_codec.bits)
+    return list(torch.split(tags, [blk.n for blk in blocks]))
+
+
+def encode_chunks(job: WriteJob, file: str) -> Iterator[tuple[Chunk, bytes]]:
+    """Each block encoded (offsets filled later). ``mixed`` plans every block first: its widths
+    are allocated over all of them; other codecs encode each block as it is planned."""
+    blocks: Iterator[_Block] | list[_Block] = plan_blocks(job)
+    tags: Iterator[torch.Tensor | None] = itertools.repeat(None)
+    if job.weight_codec.method == "mixed":
+        blocks = list(blocks)
+        tags = iter(width_tags(job, blocks))
+    for blk, t in zip(blocks, tags):
+        sh, ids = blk.sh, blk.ids
+        weight, state = blk.rows()
+        w = job.weight_codec.encode(weight, t)
+        parts, state_meta = [ids, w], []
+        for name, st in state.items():
+            sb = job.state_codec.encode(st)
+            parts.append(sb)
+            state_meta.append((name, st.shape[1], len(sb)))
+        payload = b"".join(parts)
+        yield (
+            Chunk(
+                table=sh.table, file=file, offset=0, length=len(payload), crc32=zlib.crc32(payload),
+                row_start=sh.row_offset + blk.a, row_stop=sh.row_offset + blk.b, selector=blk.selector,
+                num_rows=blk.n, col_offset=sh.col_offset, num_cols=sh.num_cols,
+                id_bytes=len(ids), weight_bytes=len(w), state=tuple(state_meta),
+            ),
+            payload,
+        )
 
 
 def lower_thread_priority() -> None:

@@ -122,12 +122,15 @@ MEANINGS: dict[str, str] = {
     "checkpoint.quantization": "embedding rows on write: `none` (exact, storage dtype), `fp16`, "
                                "`bf16`, `uniform` (asymmetric per row, fp16 scale and offset), "
                                "`adaptive` (uniform on a range found by a greedy search that "
-                               "shrinks [min, max])",
+                               "shrinks [min, max]), `mixed` (uniform with 2, 3, 4 or 8 bits per "
+                               "row, `bits` on average over a checkpoint's rows; the most to rows "
+                               "of largest range^2 x root of the Adagrad state, which cost the "
+                               "most loss)",
     "checkpoint.interval_steps": "checkpoint every this many steps (0: off)",
     "checkpoint.interval_minutes": "checkpoint every this many minutes; rank 0's clock decides for "
                                    "all ranks (0: off)",
     "checkpoint.rebaseline_fraction": "threshold of the `fraction` rule",
-    "checkpoint.bits": "`uniform`/`adaptive`: 8, 4, 3 or 2 bits per value; 0: from "
+    "checkpoint.bits": "`uniform`/`adaptive`/`mixed`: 8, 4, 3 or 2 bits per value; 0: from "
                        "`expected_restores` (<= 1: 2, <= 3: 3, <= 20: 4, else 8)",
     "checkpoint.expected_restores": "how many times the job expects to restore (quantization "
                                     "error accumulates per restore)",
