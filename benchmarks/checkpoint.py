@@ -66,14 +66,14 @@ class Setting:
     def label(self) -> str:
         return f"{self.policy}/{self.quantization}/state-{self.state}"
 
-    def settings(self, root: str, chunk_rows: int) -> CheckpointSettings:
+    def settings(self, root: str, chunk_rows: int, max_in_flight: int = 1) -> CheckpointSettings:
         method, bits = self.quantization, ""
         for prefix in ("uniform", "adaptive"):
             if self.quantization.startswith(prefix):
                 method, bits = prefix, self.quantization[len(prefix):]
         return CheckpointSettings(
             dir=root, policy=self.policy, quantization=method, bits=int(bits) if bits else 0,  # type: ignore[arg-type]
-            optimizer_state=self.state, keep_last=1, async_write=True, max_in_flight=1,  # type: ignore[arg-type]
+            optimizer_state=self.state, keep_last=1, async_write=True, max_in_flight=max_in_flight,  # type: ignore[arg-type]
             chunk_rows=chunk_rows, at_end=False,
         )
 
@@ -160,7 +160,7 @@ def run_setting(args, s: Setting, batches, steps_per_interval: int, root: Path) 
     shards = local_shards(model.embeddings)
     storage = LocalStorage(root)
     # seed 0: what build() initialises the tables with, so baselines leave out rows never updated
-    manager = CheckpointManager(s.settings(str(root), args.chunk_rows), storage, shards, init_seed=0)
+    manager = CheckpointManager(s.settings(str(root), args.chunk_rows, args.max_in_flight), storage, shards, init_seed=0)
     stalls, changed = [], []
     state_bytes = 0
     t0 = time.perf_counter()
@@ -202,32 +202,36 @@ def run_setting(args, s: Setting, batches, steps_per_interval: int, root: Path) 
     }
 
 
-def quantizer_throughput(dim: int, rows: int = 32768) -> list[dict]:
+def quantizer_throughput(dim: int, rows: int = 32768, repeats: int = 3) -> list[dict]:
     """Each row codec's encode rate on one thread (MB of fp32 rows per second per core): the
     writer quantizes on one background thread. Adaptive is timed with its native range search
-    and with the PyTorch definition (same codes). Per second of the thread's CPU time (steady on
-    a shared machine) and of wall time."""
+    and with the PyTorch definition (same codes; on an eighth of the rows, it is slow). Per
+    second of the thread's CPU time (steady on a shared machine) and of wall time, best of
+    ``repeats``."""
     x = torch.randn(rows, dim) * torch.rand(rows, 1) * 0.05
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     out = []
     try:
-        for method, bits, native in [("uniform", 8, True), ("uniform", 4, True), ("uniform", 2, True),
-                                     ("adaptive", 8, True), ("adaptive", 4, True), ("adaptive", 2, True),
-                                     ("adaptive", 4, False)]:
+        cases = [("uniform", b, True) for b in (2, 3, 4, 8)] + [("adaptive", b, True) for b in (2, 3, 4, 8)]
+        for method, bits, native in cases + [("adaptive", b, False) for b in (2, 3, 4)]:
             codec = Codec(method, bits=bits)
-            if method == "adaptive" and not native:
+            block = x if native else x[: max(rows // 8, 1)]
+            if not native:
                 os.environ["RECSCALE_NATIVE_QUANTIZE"] = "0"  # read on every call: the PyTorch search
             try:
                 codec.encode(x[:256])  # untimed: a first use builds the native kernel
-                t0, c0 = time.perf_counter(), time.thread_time()
-                codec.encode(x)
-                seconds, cpu = time.perf_counter() - t0, time.thread_time() - c0
+                seconds = cpu = float("inf")
+                for _ in range(repeats):
+                    t0, c0 = time.perf_counter(), time.thread_time()
+                    codec.encode(block)
+                    seconds, cpu = min(seconds, time.perf_counter() - t0), min(cpu, time.thread_time() - c0)
             finally:
-                if method == "adaptive" and not native:
+                if not native:
                     os.environ.pop("RECSCALE_NATIVE_QUANTIZE", None)
-            out.append({"codec": codec.name + ("" if native or method != "adaptive" else " (PyTorch)"),
-                        "mb_per_s_per_core": x.numel() * 4 / cpu / 1e6, "mb_per_wall_s": x.numel() * 4 / seconds / 1e6})
+            out.append({"codec": codec.name + ("" if native else " (PyTorch)"),
+                        "mb_per_s_per_core": block.numel() * 4 / cpu / 1e6,
+                        "mb_per_wall_s": block.numel() * 4 / seconds / 1e6})
     finally:
         torch.set_num_threads(saved)
     return out
@@ -255,6 +259,9 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the chosen settings this many times in turn (interleaved: load shared with other "
                          "processes falls on every setting alike); the mean slowdown per setting is printed")
+    ap.add_argument("--max-in-flight", type=int, default=1,
+                    help="checkpoints being written at once; the next snapshot waits for a slot (checkpoint.max_in_flight)")
+    ap.add_argument("--quantizer-only", action="store_true", help="print the quantizers' encode rates and stop")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--model", choices=["synthetic", "criteo-dlrm"], default="synthetic",
                     help="criteo-dlrm: 26 x 1M x dim 64 with row-wise Adagrad, checkpointed every --interval-min "
@@ -271,6 +278,13 @@ def main() -> int:
         if getattr(args, k) is None:
             setattr(args, k, v)
     threads = set_threads(args.threads)
+    if args.quantizer_only:
+        quant = quantizer_throughput(args.dim)
+        print(f"quantizer encode rate, rows of dim {args.dim}, one thread, MB per CPU second (wall): "
+              + ", ".join(f"{q['codec']} {q['mb_per_s_per_core']:,.0f} ({q['mb_per_wall_s']:,.0f})" for q in quant))
+        if args.json:
+            write_json(args.json, {"environment": environment(), "args": vars(args), "quantizer_mb_per_s_per_core": quant})
+        return 0
     spi = steps_for_fraction(args.rows, args.alpha, args.batch, args.target)
     total = spi * args.intervals
     batches = make_batches(args, total)
