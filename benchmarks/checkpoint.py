@@ -16,7 +16,9 @@ latest checkpoint needs). Per setting:
 - bytes read to restore the last checkpoint onto a fresh model, and the restored tables' relative
   L2 error;
 - stall: the in-memory snapshot (training paused) as a share of training time; slowdown: wall
-  time of the checkpointed run vs the same steps without checkpoints.
+  time of the checkpointed run vs the same steps without checkpoints; train CPU: the training
+  thread's CPU time vs that of the runs without checkpoints (snapshots included, waiting for a
+  write slot not; it moves little with other load on the machine, wall time moves a lot).
 
     python benchmarks/checkpoint.py                 # 8 tables x 100k rows x dim 128, 10 intervals
     python benchmarks/checkpoint.py --quick --json results/checkpoint.json
@@ -144,14 +146,17 @@ def step(model, opt, b: Batch) -> None:
     opt.step()
 
 
-def train_only(args, batches, track: bool = False) -> float:
-    """Seconds to train ``batches`` without checkpoints (``track``: with the row tracker on)."""
+def train_only(args, batches, track: bool = False, cpu: list[float] | None = None) -> float:
+    """Seconds to train ``batches`` without checkpoints (``track``: with the row tracker on);
+    the training thread's CPU seconds are appended to ``cpu``."""
     model, opt = build(args)
     if track:
         RowTracker(local_shards(model.embeddings))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     for b in batches:
         step(model, opt, b)
+    if cpu is not None:
+        cpu.append(time.thread_time() - c0)
     return time.perf_counter() - t0
 
 
@@ -163,7 +168,7 @@ def run_setting(args, s: Setting, batches, steps_per_interval: int, root: Path) 
     manager = CheckpointManager(s.settings(str(root), args.chunk_rows, args.max_in_flight), storage, shards, init_seed=0)
     stalls, changed = [], []
     state_bytes = 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     for i, b in enumerate(batches, 1):
         step(model, opt, b)
         if i % steps_per_interval == 0:
@@ -173,6 +178,7 @@ def run_setting(args, s: Setting, batches, steps_per_interval: int, root: Path) 
             state_bytes = len(buf.getvalue())
             stalls.append(manager.save(i, buf.getvalue(), {"step": i, "embedding_step": i}))
     train_wall = time.perf_counter() - t0
+    train_cpu = time.thread_time() - c0
     reports = manager.finish()
     drain = time.perf_counter() - t0 - train_wall
     written = [r.extra["bytes_written"] for r in reports]
@@ -197,7 +203,7 @@ def run_setting(args, s: Setting, batches, steps_per_interval: int, root: Path) 
         "changed_fraction": [r.extra["changed_fraction"] for r in reports],
         "bytes_written_total": sum(written), "stored_peak_bytes": stored_peak, "restore_bytes_read": stats.bytes_read,
         "restore_seconds": restore_s, "restored_rel_l2_error": (num / den) ** 0.5,
-        "stall_seconds": stalls, "stall_total_s": sum(stalls), "train_wall_s": train_wall, "drain_s": drain,
+        "stall_seconds": stalls, "stall_total_s": sum(stalls), "train_wall_s": train_wall, "train_cpu_s": train_cpu, "drain_s": drain,
         "background_s": [r.background_s for r in reports],
     }
 
@@ -296,7 +302,8 @@ def main() -> int:
     print("quantizer encode rate, one thread, MB per CPU second (wall): "
           + ", ".join(f"{q['codec']} {q['mb_per_s_per_core']:,.0f} ({q['mb_per_wall_s']:,.0f})" for q in quant))
     train_only(args, batches[:2])  # untimed: a first use compiles the native kernels
-    bases = [train_only(args, batches)]
+    base_cpu: list[float] = []  # the training thread's CPU seconds: steadier than wall time under load
+    bases = [train_only(args, batches, cpu=base_cpu)]
     results = []
     work = Path(tempfile.mkdtemp(prefix="recscale-ckpt-bench-"))
     try:
@@ -306,12 +313,12 @@ def main() -> int:
             results[-1]["repeat"] = i // len(chosen)
             shutil.rmtree(root, ignore_errors=True)
             if args.interleave_baselines:
-                bases.append(train_only(args, batches))
+                bases.append(train_only(args, batches, cpu=base_cpu))
                 results[-1]["baseline_s"] = (bases[-2] + bases[-1]) / 2
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if not args.interleave_baselines:
-        bases.append(train_only(args, batches))
+        bases.append(train_only(args, batches, cpu=base_cpu))
     tracked = train_only(args, batches, track=True)
     base = float(np.mean(bases))
     # The reference: a full fp32 checkpoint of every row and its optimizer state, plus the dense
@@ -323,21 +330,24 @@ def main() -> int:
         r["capacity_reduction"] = full_ckpt / r["stored_peak_bytes"] if full_ckpt else None
         r["stall_share"] = r["stall_total_s"] / r["train_wall_s"]
         r["slowdown"] = r["train_wall_s"] / r.get("baseline_s", base) - 1.0
+        # CPU time the training thread spent (training and snapshots; not waiting for a slot)
+        r["train_cpu_increase"] = r["train_cpu_s"] / float(np.mean(base_cpu)) - 1.0
         rows.append([
             r["setting"] + (f" #{r['repeat']}" if args.repeat > 1 else ""), "".join(k[0].upper() if k == "full" else k[0] for k in r["kinds"]),
             f"{r['bytes_written_total'] / 1e6:,.1f}", f"{r['write_reduction']:.1f}x" if full_ckpt else "-",
             f"{r['stored_peak_bytes'] / 1e6:,.1f}", f"{r['capacity_reduction']:.1f}x" if full_ckpt else "-",
             f"{r['restore_bytes_read'] / 1e6:,.1f}", f"{r['restored_rel_l2_error']:.1e}",
-            f"{100 * r['stall_share']:.2f}%", f"{100 * r['slowdown']:+.1f}%",
+            f"{100 * r['stall_share']:.2f}%", f"{100 * r['slowdown']:+.1f}%", f"{100 * r['train_cpu_increase']:+.1f}%",
         ])
     print(format_table(
         ["setting", "kinds", "written MB", "write red.", "stored MB", "capacity red.", "restore read MB",
-         "restore err", "stall", "slowdown"], rows))
+         "restore err", "stall", "slowdown", "train CPU"], rows))
     if args.repeat > 1:
         for s in chosen:
             mine = [r for r in results if r["setting"] == s.label]
             print(f"{s.label}: mean over {len(mine)} runs: slowdown {100 * np.mean([r['slowdown'] for r in mine]):+.1f}%, "
-                  f"stall {100 * np.mean([r['stall_share'] for r in mine]):.2f}%")
+                  f"stall {100 * np.mean([r['stall_share'] for r in mine]):.2f}%, "
+                  f"training thread CPU {100 * np.mean([r['train_cpu_increase'] for r in mine]):+.1f}%")
     inc = next((r for r in results if r["policy"] == "incremental"), None)
     if inc:
         per = inc["changed_fraction"][1:]
@@ -348,12 +358,13 @@ def main() -> int:
         print(f"rows changed since the first baseline after {len(one['changed_fraction']) - 1} intervals: "
               f"{100 * one['changed_fraction'][-1]:.1f}%")
     print(f"training without checkpoints: {', '.join(f'{b:.2f}' for b in bases)} s "
-          f"({total} steps); with the modified-row tracker alone: {tracked:.2f} s ({100 * (tracked / base - 1):+.2f}%); "
+          f"(training thread CPU {', '.join(f'{c:.2f}' for c in base_cpu)} s; "
+          f"{total} steps); with the modified-row tracker alone: {tracked:.2f} s ({100 * (tracked / base - 1):+.2f}%); "
           "kinds: F full, d differential, i incremental")
     if args.json:
         write_json(args.json, {
             "environment": environment(), "args": vars(args), "steps_per_interval": spi,
-            "baseline_train_s": bases, "quantizer_mb_per_s_per_core": quant, "tracked_train_s": tracked, "full_fp32_checkpoint_bytes": full_ckpt, "results": results,
+            "baseline_train_s": bases, "baseline_train_cpu_s": base_cpu, "quantizer_mb_per_s_per_core": quant, "tracked_train_s": tracked, "full_fp32_checkpoint_bytes": full_ckpt, "results": results,
         })
     return 0
 
