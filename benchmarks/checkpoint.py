@@ -75,7 +75,8 @@ class Setting:
                 method, bits = prefix, self.quantization[len(prefix):]
         return CheckpointSettings(
             dir=root, policy=self.policy, quantization=method, bits=int(bits) if bits else 0,  # type: ignore[arg-type]
-            optimizer_state=self.state, keep_last=1, async_write=True, max_in_flight=max_in_flight,  # type: ignore[arg-type]
+            optimizer_state=self.state, keep_last=1, async_write=True,  # type: ignore[arg-type]
+            max_in_flight=max_in_flight,
             chunk_rows=chunk_rows, at_end=False,
         )
 
@@ -165,7 +166,8 @@ def run_setting(args, s: Setting, batches, steps_per_interval: int, root: Path) 
     shards = local_shards(model.embeddings)
     storage = LocalStorage(root)
     # seed 0: what build() initialises the tables with, so baselines leave out rows never updated
-    manager = CheckpointManager(s.settings(str(root), args.chunk_rows, args.max_in_flight), storage, shards, init_seed=0)
+    settings = s.settings(str(root), args.chunk_rows, args.max_in_flight)
+    manager = CheckpointManager(settings, storage, shards, init_seed=0)
     stalls, changed = [], []
     state_bytes = 0
     t0, c0 = time.perf_counter(), time.thread_time()
@@ -203,7 +205,8 @@ def run_setting(args, s: Setting, batches, steps_per_interval: int, root: Path) 
         "changed_fraction": [r.extra["changed_fraction"] for r in reports],
         "bytes_written_total": sum(written), "stored_peak_bytes": stored_peak, "restore_bytes_read": stats.bytes_read,
         "restore_seconds": restore_s, "restored_rel_l2_error": (num / den) ** 0.5,
-        "stall_seconds": stalls, "stall_total_s": sum(stalls), "train_wall_s": train_wall, "train_cpu_s": train_cpu, "drain_s": drain,
+        "stall_seconds": stalls, "stall_total_s": sum(stalls), "train_wall_s": train_wall, "train_cpu_s": train_cpu,
+        "drain_s": drain,
         "background_s": [r.background_s for r in reports],
     }
 
@@ -266,7 +269,8 @@ def main() -> int:
                     help="run the chosen settings this many times in turn (interleaved: load shared with other "
                          "processes falls on every setting alike); the mean slowdown per setting is printed")
     ap.add_argument("--max-in-flight", type=int, default=1,
-                    help="checkpoints being written at once; the next snapshot waits for a slot (checkpoint.max_in_flight)")
+                    help="checkpoints being written at once; the next snapshot waits for a slot "
+                         "(checkpoint.max_in_flight)")
     ap.add_argument("--quantizer-only", action="store_true", help="print the quantizers' encode rates and stop")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--model", choices=["synthetic", "criteo-dlrm"], default="synthetic",
@@ -289,7 +293,8 @@ def main() -> int:
         print(f"quantizer encode rate, rows of dim {args.dim}, one thread, MB per CPU second (wall): "
               + ", ".join(f"{q['codec']} {q['mb_per_s_per_core']:,.0f} ({q['mb_per_wall_s']:,.0f})" for q in quant))
         if args.json:
-            write_json(args.json, {"environment": environment(), "args": vars(args), "quantizer_mb_per_s_per_core": quant})
+            write_json(args.json, {"environment": environment(), "args": vars(args),
+                                   "quantizer_mb_per_s_per_core": quant})
         return 0
     spi = steps_for_fraction(args.rows, args.alpha, args.batch, args.target)
     total = spi * args.intervals
@@ -364,7 +369,8 @@ def main() -> int:
     if args.json:
         write_json(args.json, {
             "environment": environment(), "args": vars(args), "steps_per_interval": spi,
-            "baseline_train_s": bases, "baseline_train_cpu_s": base_cpu, "quantizer_mb_per_s_per_core": quant, "tracked_train_s": tracked, "full_fp32_checkpoint_bytes": full_ckpt, "results": results,
+            "baseline_train_s": bases, "baseline_train_cpu_s": base_cpu, "quantizer_mb_per_s_per_core": quant,
+            "tracked_train_s": tracked, "full_fp32_checkpoint_bytes": full_ckpt, "results": results,
         })
     return 0
 

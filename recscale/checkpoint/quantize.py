@@ -140,7 +140,9 @@ def search_schedule(bits: int) -> SearchSchedule:
     return SearchSchedule(3, 2, 2) if bits <= 2 else SearchSchedule(1, 3, 0)
 
 
-def greedy_range(x: torch.Tensor, bits: int, bins: int, ratio: float, native: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_range(
+    x: torch.Tensor, bits: int, bins: int, ratio: float, native: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, the [lo, hi] of lowest L2 error found by shrinking [min, max] greedily (at most
     ``ratio x bins`` steps, in moves and with early stops as ``search_schedule`` says). The
     native kernel (when built; same results) searches sixteen rows at a time, one per vector
@@ -170,7 +172,9 @@ def _pair_errors(xt: torch.Tensor, width: torch.Tensor, lo_a: torch.Tensor, lo_b
     return _scaled_sq_error(xs, lo_a * inv, levels, buf) * ss, _scaled_sq_error(xs, lo_b * inv, levels, buf) * ss
 
 
-def _greedy_block(x: torch.Tensor, levels: int, bins: int, steps: int, plan: SearchSchedule) -> tuple[torch.Tensor, torch.Tensor]:
+def _greedy_block(
+    x: torch.Tensor, levels: int, bins: int, steps: int, plan: SearchSchedule
+) -> tuple[torch.Tensor, torch.Tensor]:
     xt = x.t().contiguous()
     buf = torch.empty_like(xt)
     lo, hi = x.amin(1), x.amax(1)

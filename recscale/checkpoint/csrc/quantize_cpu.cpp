@@ -4,9 +4,10 @@
 // steps of (max - min) / bins toward the other, whichever lowers the squared error of quantizing
 // the row more; keep the range of lowest error seen; stop early once `patience` moves in a row
 // found nothing better; then try the best range moved by one step at either end, `refine` times
-// (quantize.py's `search_schedule` picks move, patience and refine per bit width). recscale/checkpoint/quantize.py's `_greedy_block` is the one reference
-// definition: every float32 operation below is the same operation, in the same order (no FMA
-// contraction: -ffp-contract=off), each row's error summed in float32 over its columns in order,
+// (quantize.py's `search_schedule` picks move, patience and refine per bit width).
+// recscale/checkpoint/quantize.py's `_greedy_block` is the one reference definition: every
+// float32 operation below is the same operation, in the same order (no FMA contraction:
+// -ffp-contract=off), each row's error summed in float32 over its columns in order,
 // so the two agree bit for bit (the tests compare them).
 //
 // Sixteen rows are searched at once, one per vector lane, from a transposed copy that sits in
