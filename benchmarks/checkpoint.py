@@ -16,7 +16,9 @@ latest checkpoint needs). Per setting:
 - bytes read to restore the last checkpoint onto a fresh model, and the restored tables' relative
   L2 error;
 - stall: the in-memory snapshot (training paused) as a share of training time; slowdown: wall
-  time of the checkpointed run vs the same steps without checkpoints.
+  time of the checkpointed run vs the same steps without checkpoints; train CPU: the training
+  thread's CPU time vs that of the runs without checkpoints (snapshots included, waiting for a
+  write slot not; it moves little with other load on the machine, wall time moves a lot).
 
     python benchmarks/checkpoint.py                 # 8 tables x 100k rows x dim 128, 10 intervals
     python benchmarks/checkpoint.py --quick --json results/checkpoint.json
@@ -66,14 +68,15 @@ class Setting:
     def label(self) -> str:
         return f"{self.policy}/{self.quantization}/state-{self.state}"
 
-    def settings(self, root: str, chunk_rows: int) -> CheckpointSettings:
+    def settings(self, root: str, chunk_rows: int, max_in_flight: int = 1) -> CheckpointSettings:
         method, bits = self.quantization, ""
         for prefix in ("uniform", "adaptive", "mixed"):
             if self.quantization.startswith(prefix):
                 method, bits = prefix, self.quantization[len(prefix):]
         return CheckpointSettings(
             dir=root, policy=self.policy, quantization=method, bits=int(bits) if bits else 0,  # type: ignore[arg-type]
-            optimizer_state=self.state, keep_last=1, async_write=True, max_in_flight=1,  # type: ignore[arg-type]
+            optimizer_state=self.state, keep_last=1, async_write=True,  # type: ignore[arg-type]
+            max_in_flight=max_in_flight,
             chunk_rows=chunk_rows, at_end=False,
         )
 
@@ -146,14 +149,17 @@ def step(model, opt, b: Batch) -> None:
     opt.step()
 
 
-def train_only(args, batches, track: bool = False) -> float:
-    """Seconds to train ``batches`` without checkpoints (``track``: with the row tracker on)."""
+def train_only(args, batches, track: bool = False, cpu: list[float] | None = None) -> float:
+    """Seconds to train ``batches`` without checkpoints (``track``: with the row tracker on);
+    the training thread's CPU seconds are appended to ``cpu``."""
     model, opt = build(args)
     if track:
         RowTracker(local_shards(model.embeddings))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     for b in batches:
         step(model, opt, b)
+    if cpu is not None:
+        cpu.append(time.thread_time() - c0)
     return time.perf_counter() - t0
 
 
@@ -162,10 +168,11 @@ def run_setting(args, s: Setting, batches, steps_per_interval: int, root: Path) 
     shards = local_shards(model.embeddings)
     storage = LocalStorage(root)
     # seed 0: what build() initialises the tables with, so baselines leave out rows never updated
-    manager = CheckpointManager(s.settings(str(root), args.chunk_rows), storage, shards, init_seed=0)
+    settings = s.settings(str(root), args.chunk_rows, args.max_in_flight)
+    manager = CheckpointManager(settings, storage, shards, init_seed=0)
     stalls, changed = [], []
     state_bytes = 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     for i, b in enumerate(batches, 1):
         step(model, opt, b)
         if i % steps_per_interval == 0:
@@ -175,6 +182,7 @@ def run_setting(args, s: Setting, batches, steps_per_interval: int, root: Path) 
             state_bytes = len(buf.getvalue())
             stalls.append(manager.save(i, buf.getvalue(), {"step": i, "embedding_step": i}))
     train_wall = time.perf_counter() - t0
+    train_cpu = time.thread_time() - c0
     reports = manager.finish()
     drain = time.perf_counter() - t0 - train_wall
     written = [r.extra["bytes_written"] for r in reports]
@@ -199,37 +207,42 @@ def run_setting(args, s: Setting, batches, steps_per_interval: int, root: Path) 
         "changed_fraction": [r.extra["changed_fraction"] for r in reports],
         "bytes_written_total": sum(written), "stored_peak_bytes": stored_peak, "restore_bytes_read": stats.bytes_read,
         "restore_seconds": restore_s, "restored_rel_l2_error": (num / den) ** 0.5,
-        "stall_seconds": stalls, "stall_total_s": sum(stalls), "train_wall_s": train_wall, "drain_s": drain,
+        "stall_seconds": stalls, "stall_total_s": sum(stalls), "train_wall_s": train_wall, "train_cpu_s": train_cpu,
+        "drain_s": drain,
         "background_s": [r.background_s for r in reports],
     }
 
 
-def quantizer_throughput(dim: int, rows: int = 32768) -> list[dict]:
+def quantizer_throughput(dim: int, rows: int = 32768, repeats: int = 3) -> list[dict]:
     """Each row codec's encode rate on one thread (MB of fp32 rows per second per core): the
     writer quantizes on one background thread. Adaptive is timed with its native range search
-    and with the PyTorch definition (same codes). Per second of the thread's CPU time (steady on
-    a shared machine) and of wall time."""
+    and with the PyTorch definition (same codes; on an eighth of the rows, it is slow). Per
+    second of the thread's CPU time (steady on a shared machine) and of wall time, best of
+    ``repeats``."""
     x = torch.randn(rows, dim) * torch.rand(rows, 1) * 0.05
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     out = []
     try:
-        for method, bits, native in [("uniform", 8, True), ("uniform", 4, True), ("uniform", 2, True),
-                                     ("adaptive", 8, True), ("adaptive", 4, True), ("adaptive", 2, True),
-                                     ("adaptive", 4, False)]:
+        cases = [("uniform", b, True) for b in (2, 3, 4, 8)] + [("adaptive", b, True) for b in (2, 3, 4, 8)]
+        for method, bits, native in cases + [("adaptive", b, False) for b in (2, 3, 4)]:
             codec = Codec(method, bits=bits)
-            if method == "adaptive" and not native:
+            block = x if native else x[: max(rows // 8, 1)]
+            if not native:
                 os.environ["RECSCALE_NATIVE_QUANTIZE"] = "0"  # read on every call: the PyTorch search
             try:
                 codec.encode(x[:256])  # untimed: a first use builds the native kernel
-                t0, c0 = time.perf_counter(), time.thread_time()
-                codec.encode(x)
-                seconds, cpu = time.perf_counter() - t0, time.thread_time() - c0
+                seconds = cpu = float("inf")
+                for _ in range(repeats):
+                    t0, c0 = time.perf_counter(), time.thread_time()
+                    codec.encode(block)
+                    seconds, cpu = min(seconds, time.perf_counter() - t0), min(cpu, time.thread_time() - c0)
             finally:
-                if method == "adaptive" and not native:
+                if not native:
                     os.environ.pop("RECSCALE_NATIVE_QUANTIZE", None)
-            out.append({"codec": codec.name + ("" if native or method != "adaptive" else " (PyTorch)"),
-                        "mb_per_s_per_core": x.numel() * 4 / cpu / 1e6, "mb_per_wall_s": x.numel() * 4 / seconds / 1e6})
+            out.append({"codec": codec.name + ("" if native else " (PyTorch)"),
+                        "mb_per_s_per_core": block.numel() * 4 / cpu / 1e6,
+                        "mb_per_wall_s": block.numel() * 4 / seconds / 1e6})
     finally:
         torch.set_num_threads(saved)
     return out
@@ -257,6 +270,10 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the chosen settings this many times in turn (interleaved: load shared with other "
                          "processes falls on every setting alike); the mean slowdown per setting is printed")
+    ap.add_argument("--max-in-flight", type=int, default=1,
+                    help="checkpoints being written at once; the next snapshot waits for a slot "
+                         "(checkpoint.max_in_flight)")
+    ap.add_argument("--quantizer-only", action="store_true", help="print the quantizers' encode rates and stop")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--model", choices=["synthetic", "criteo-dlrm"], default="synthetic",
                     help="criteo-dlrm: 26 x 1M x dim 64 with row-wise Adagrad, checkpointed every --interval-min "
@@ -276,6 +293,14 @@ def main() -> int:
         if getattr(args, k) is None:
             setattr(args, k, v)
     threads = set_threads(args.threads)
+    if args.quantizer_only:
+        quant = quantizer_throughput(args.dim)
+        print(f"quantizer encode rate, rows of dim {args.dim}, one thread, MB per CPU second (wall): "
+              + ", ".join(f"{q['codec']} {q['mb_per_s_per_core']:,.0f} ({q['mb_per_wall_s']:,.0f})" for q in quant))
+        if args.json:
+            write_json(args.json, {"environment": environment(), "args": vars(args),
+                                   "quantizer_mb_per_s_per_core": quant})
+        return 0
     spi = steps_for_fraction(args.rows, args.alpha, args.batch, args.target)
     total = spi * args.intervals
     batches = make_batches(args, total)
@@ -287,7 +312,8 @@ def main() -> int:
     print("quantizer encode rate, one thread, MB per CPU second (wall): "
           + ", ".join(f"{q['codec']} {q['mb_per_s_per_core']:,.0f} ({q['mb_per_wall_s']:,.0f})" for q in quant))
     train_only(args, batches[:2])  # untimed: a first use compiles the native kernels
-    bases = [train_only(args, batches)]
+    base_cpu: list[float] = []  # the training thread's CPU seconds: steadier than wall time under load
+    bases = [train_only(args, batches, cpu=base_cpu)]
     results = []
     work = Path(tempfile.mkdtemp(prefix="recscale-ckpt-bench-"))
     try:
@@ -297,12 +323,12 @@ def main() -> int:
             results[-1]["repeat"] = i // len(chosen)
             shutil.rmtree(root, ignore_errors=True)
             if args.interleave_baselines:
-                bases.append(train_only(args, batches))
+                bases.append(train_only(args, batches, cpu=base_cpu))
                 results[-1]["baseline_s"] = (bases[-2] + bases[-1]) / 2
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if not args.interleave_baselines:
-        bases.append(train_only(args, batches))
+        bases.append(train_only(args, batches, cpu=base_cpu))
     tracked = train_only(args, batches, track=True)
     base = float(np.mean(bases))
     # The reference: a full fp32 checkpoint of every row and its optimizer state, plus the dense
@@ -314,21 +340,24 @@ def main() -> int:
         r["capacity_reduction"] = full_ckpt / r["stored_peak_bytes"] if full_ckpt else None
         r["stall_share"] = r["stall_total_s"] / r["train_wall_s"]
         r["slowdown"] = r["train_wall_s"] / r.get("baseline_s", base) - 1.0
+        # CPU time the training thread spent (training and snapshots; not waiting for a slot)
+        r["train_cpu_increase"] = r["train_cpu_s"] / float(np.mean(base_cpu)) - 1.0
         rows.append([
             r["setting"] + (f" #{r['repeat']}" if args.repeat > 1 else ""), "".join(k[0].upper() if k == "full" else k[0] for k in r["kinds"]),
             f"{r['bytes_written_total'] / 1e6:,.1f}", f"{r['write_reduction']:.1f}x" if full_ckpt else "-",
             f"{r['stored_peak_bytes'] / 1e6:,.1f}", f"{r['capacity_reduction']:.1f}x" if full_ckpt else "-",
             f"{r['restore_bytes_read'] / 1e6:,.1f}", f"{r['restored_rel_l2_error']:.1e}",
-            f"{100 * r['stall_share']:.2f}%", f"{100 * r['slowdown']:+.1f}%",
+            f"{100 * r['stall_share']:.2f}%", f"{100 * r['slowdown']:+.1f}%", f"{100 * r['train_cpu_increase']:+.1f}%",
         ])
     print(format_table(
         ["setting", "kinds", "written MB", "write red.", "stored MB", "capacity red.", "restore read MB",
-         "restore err", "stall", "slowdown"], rows))
+         "restore err", "stall", "slowdown", "train CPU"], rows))
     if args.repeat > 1:
         for s in chosen:
             mine = [r for r in results if r["setting"] == s.label]
             print(f"{s.label}: mean over {len(mine)} runs: slowdown {100 * np.mean([r['slowdown'] for r in mine]):+.1f}%, "
-                  f"stall {100 * np.mean([r['stall_share'] for r in mine]):.2f}%")
+                  f"stall {100 * np.mean([r['stall_share'] for r in mine]):.2f}%, "
+                  f"training thread CPU {100 * np.mean([r['train_cpu_increase'] for r in mine]):+.1f}%")
     inc = next((r for r in results if r["policy"] == "incremental"), None)
     if inc:
         per = inc["changed_fraction"][1:]
@@ -339,12 +368,14 @@ def main() -> int:
         print(f"rows changed since the first baseline after {len(one['changed_fraction']) - 1} intervals: "
               f"{100 * one['changed_fraction'][-1]:.1f}%")
     print(f"training without checkpoints: {', '.join(f'{b:.2f}' for b in bases)} s "
-          f"({total} steps); with the modified-row tracker alone: {tracked:.2f} s ({100 * (tracked / base - 1):+.2f}%); "
+          f"(training thread CPU {', '.join(f'{c:.2f}' for c in base_cpu)} s; "
+          f"{total} steps); with the modified-row tracker alone: {tracked:.2f} s ({100 * (tracked / base - 1):+.2f}%); "
           "kinds: F full, d differential, i incremental")
     if args.json:
         write_json(args.json, {
             "environment": environment(), "args": vars(args), "steps_per_interval": spi,
-            "baseline_train_s": bases, "quantizer_mb_per_s_per_core": quant, "tracked_train_s": tracked, "full_fp32_checkpoint_bytes": full_ckpt, "results": results,
+            "baseline_train_s": bases, "baseline_train_cpu_s": base_cpu, "quantizer_mb_per_s_per_core": quant,
+            "tracked_train_s": tracked, "full_fp32_checkpoint_bytes": full_ckpt, "results": results,
         })
     return 0
 
