@@ -125,10 +125,10 @@ def _slow_reads(monkeypatch, seconds: float) -> None:
     """Background reads take ``seconds``: prefetches are still in flight while batches train."""
     real = RowFile.read
 
-    def read(self, rows, out):
+    def read(self, rows, out, *args):
         if threading.current_thread() is not threading.main_thread():
             time.sleep(seconds)
-        real(self, rows, out)
+        real(self, rows, out, *args)
 
     monkeypatch.setattr(RowFile, "read", read)
 
@@ -274,6 +274,35 @@ def test_page_cache_holds_a_bounded_part_of_the_tier_file(tmp_path, monkeypatch)
     rows_read = tier_stats(m).read_bytes // m.groups[0].storage.segments[0].file.record_bytes
     assert rows_read * 4096 > 3 * bound  # the reads touched far more pages than the bound
     close_tiers(m)
+
+
+def test_batched_record_io_round_trips_with_page_drops(tmp_path, monkeypatch):
+    """Reads and writes of many records (their pages requested ahead, in chunks on a pool),
+    with the file's pages flushed and dropped between them, return what was written."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from recscale.embedding import tier_file
+
+    monkeypatch.setattr(tier_file, "FLUSH_BYTES", 1)  # a drop after every call
+    meta = TierFileMeta("t", 3000, 0, 5, "fp32", (("sum", 1),), 0)
+    f = RowFile.create(tmp_path, meta, lambda s, n: (torch.arange(s, s + n).float()[:, None].repeat(1, 5), {"sum": torch.zeros(n, 1)}))
+    rng = np.random.default_rng(0)
+    want = np.zeros((3000, f.record_bytes), dtype=np.uint8)
+    f.read(np.arange(3000), want)
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(5):
+            rows = np.unique(rng.integers(0, 3000, 700))
+            data = rng.integers(0, 256, (rows.size, f.record_bytes), dtype=np.uint8)
+            for fut in f.write_async(rows, data, pool):
+                fut.result()
+            want[rows] = data
+            f.drop_pages()
+            got = np.empty_like(want)
+            for fut in f.read_async(np.arange(3000), got, pool):
+                fut.result()
+            f.drop_pages()
+            assert np.array_equal(got, want)
+        f.close()
 
 
 def test_two_tiered_groups_share_one_reader_pool(tmp_path):
