@@ -95,6 +95,7 @@ class _Segment:
     row_of_slot: torch.Tensor  # [slots] table-local row, -1 free
     gen: torch.Tensor  # [rows] write-backs of each row so far
     stage_key: torch.Tensor  # [rows] (read id << 32 | position) of a staged copy, -1 none
+    uses: torch.Tensor  # [rows] training batches that looked each row up (lookahead only)
     used: int = 0
     reads: dict[int, _Read] = field(default_factory=dict)
     next_read: int = 0
@@ -140,6 +141,7 @@ class TieredRowStorage(RowStorage):
                 t, off, slot, cache_rows, RowFile.create(settings.ssd_dir, meta, init),
                 EvictionPolicy(settings.policy, cache_rows), torch.full((cache_rows,), -1, dtype=torch.int64),
                 torch.zeros(t.num_rows, dtype=torch.int32), torch.full((t.num_rows,), -1, dtype=torch.int64),
+                torch.zeros(t.num_rows if settings.policy == "lookahead" else 0, dtype=torch.int32),
             ))  # fmt: skip
             slot += cache_rows
         self._tick = 0
@@ -200,6 +202,8 @@ class TieredRowStorage(RowStorage):
         missing = rows[slots < 0]
         stats.lookups += n
         stats.hits += n - missing.numel()
+        if seg.uses.numel() and stats is self.stats:  # training lookups only, as the stats
+            seg.uses[rows] += 1
         if missing.numel():
             t0 = time.perf_counter()
             self._admit(seg, missing, pinned=slots[slots >= 0] - seg.base)
@@ -214,8 +218,11 @@ class TieredRowStorage(RowStorage):
             evictable = torch.zeros(seg.slots, dtype=torch.bool)
             evictable[: seg.used] = True
             evictable[pinned] = False
-            next_use = self._next_use(seg) if seg.policy.name == "lookahead" else None
-            victims = seg.policy.victims(n - free, evictable, next_use)
+            next_use = uses = None
+            if seg.policy.name == "lookahead":
+                next_use = self._next_use(seg)
+                uses = seg.uses[seg.row_of_slot.clamp(min=0)]
+            victims = seg.policy.victims(n - free, evictable, next_use, uses)
             self._write_back(seg, victims)
             self._map[seg.row_of_slot[victims] + seg.row_start] = -1
             target = torch.cat([target, victims])
