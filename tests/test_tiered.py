@@ -133,11 +133,25 @@ def _slow_reads(monkeypatch, seconds: float) -> None:
     monkeypatch.setattr(RowFile, "read", read)
 
 
-def test_row_updated_by_one_batch_and_needed_by_the_next_is_never_stale(tmp_path, monkeypatch):
+def _slow_writes(monkeypatch, seconds: float) -> None:
+    """Background write-backs take ``seconds``: they are still running when the next reads are due."""
+    real = RowFile.write
+
+    def write(self, rows, data, *args):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(seconds)
+        real(self, rows, data, *args)
+
+    monkeypatch.setattr(RowFile, "write", write)
+
+
+@pytest.mark.parametrize("slow", ["reads", "writes"])
+def test_row_updated_by_one_batch_and_needed_by_the_next_is_never_stale(tmp_path, monkeypatch, slow):
     """Batch 1's rows are announced (and read, slowly) before batch 0 updates the rows they
-    share; batch 2 needs a row that batch 1 evicts after batch 0 updated it. Every copy the
-    next batch sees must carry the update: the run equals the in-RAM one bitwise."""
-    _slow_reads(monkeypatch, 0.02)
+    share; batch 2 needs a row that batch 1 evicts after batch 0 updated it (its write-back,
+    slowly, still running when the row is read again). Every copy the next batch sees must
+    carry the update: the run equals the in-RAM one bitwise."""
+    (_slow_reads if slow == "reads" else _slow_writes)(monkeypatch, 0.02)
     t = TableConfig("t", 10, 4, ("f",))
     ids = [[[0, 1]], [[1, 2]], [[0, 3]], [[1, 0]], [[2, 3]], [[0, 1]]]
     batches = [JaggedBatch.from_lists({"f": b}) for b in ids]

@@ -196,12 +196,14 @@ class RowFile:
                 got += n
         self._count(rows)
 
-    def read_async(self, rows: np.ndarray, out: np.ndarray, pool: Executor | None) -> list:
-        """Start reading ``rows`` into ``out`` on ``pool`` in chunks; the futures to wait for."""
+    def read_async(self, rows: np.ndarray, out: np.ndarray, pool: Executor | None, advise: bool = True) -> list:
+        """Start reading ``rows`` into ``out`` on ``pool`` in chunks; the futures to wait for.
+        ``advise=False``: the caller has already requested their pages."""
         if pool is None or rows.size <= INLINE_ROWS:
-            self.read(rows, out)
+            self.read(rows, out, advise)
             return []
-        self.prefetch_pages(rows)
+        if advise:
+            self.prefetch_pages(rows)
         chunk = max(INLINE_ROWS, rows.size // 16)
         return [pool.submit(self.read, rows[i : i + chunk], out[i : i + chunk], False) for i in range(0, rows.size, chunk)]
 
@@ -215,11 +217,14 @@ class RowFile:
             _pwrite_all(self.fd, memoryview(data[a:b]).cast("B"), HEADER_BYTES + int(rows[a]) * rec)
         self._count(rows)
 
-    def write_async(self, rows: np.ndarray, data: np.ndarray, pool: Executor | None) -> list:
-        """Start writing ``rows`` from ``data`` on ``pool`` in chunks; the futures to wait for."""
-        if pool is None or rows.size <= INLINE_ROWS:
+    def write_async(self, rows: np.ndarray, data: np.ndarray, pool: Executor | None, background: bool = False) -> list:
+        """Start writing ``rows`` from ``data`` on ``pool`` in chunks; the futures to wait for.
+        ``background``: even a few rows go to the pool, so the caller need not wait for them."""
+        if pool is None or (rows.size <= INLINE_ROWS and not background):
             self.write(rows, data)
             return []
+        if rows.size <= INLINE_ROWS:
+            return [pool.submit(self.write, rows, data)]
         self.prefetch_pages(rows)
         chunk = max(INLINE_ROWS, rows.size // 16)
         return [pool.submit(self.write, rows[i : i + chunk], data[i : i + chunk], False) for i in range(0, rows.size, chunk)]
