@@ -11,8 +11,8 @@ Prefetch: ``announce`` gives the rows of a future batch; rows neither cached nor
 their way are read by background threads into a staging buffer, with the write-back generation
 of each row at the time the read was issued. Only the training thread changes the cache. A
 write-back runs in the background while the batch trains; every read of the file (a prefetch,
-an admission, a whole-table read) and the next write-back first wait for it, so a read issued
-later sees the written record (an admission reads only uncached rows, never the victims being
+on its reader thread; an admission; a whole-table read) and the next write-back first wait for
+it, so a read issued later sees the written record (an admission reads only uncached rows, never the victims being
 written, so it need not wait for its own write-back). A staged
 copy is installed only if its row has not been written back since its read was issued,
 otherwise it is dropped and the row read again. A row that the current batch updates is
@@ -321,14 +321,14 @@ class TieredRowStorage(RowStorage):
             local = local[(self._map[local + seg.row_start] < 0) & (seg.stage_key[local] < 0)]
             if local.numel() == 0:
                 continue
-            self._wait_writes(seg)
             rid = seg.next_read
             seg.next_read += 1
             out = np.empty((local.numel(), seg.file.record_bytes), dtype=np.uint8)
             read = _Read(self._announced, local, seg.gen[local].clone(), out, [])
-            read.futures = [self.pool.submit(seg.file.read, local.numpy(), out)] if self.pool else []
-            if self.pool is None:
+            if self.pool is None:  # no pool: write-backs ran inline, nothing is in flight
                 seg.file.read(local.numpy(), out)
+            else:  # the reader waits for the write-back in flight, not the training thread
+                read.futures = [self.pool.submit(_read_after, seg.writes, seg.file, local.numpy(), out)]
             seg.reads[rid] = read
             seg.stage_key[local] = (rid << 32) | torch.arange(local.numel(), dtype=torch.int64)
 
@@ -402,6 +402,14 @@ class TieredRowStorage(RowStorage):
             raise SparseInputError(f"id {int(values[pos])} is outside its table of {int(bounds[pos])} rows; "
                                    "ids must be in [0, rows) (hash or clip ids to the table size)")
         return self.slots_for(values.to(torch.int64) + feature_offsets)
+
+
+def _read_after(writes: list, file: RowFile, rows: np.ndarray, out: np.ndarray) -> None:
+    """Read once ``writes`` are done. They were submitted to the same FIFO pool earlier, so they
+    have all started before this runs: waiting for them cannot starve the pool."""
+    for f in writes:
+        f.result()
+    file.read(rows, out)
 
 
 def segment_span(sorted_rows: torch.Tensor, seg: _Segment) -> tuple[int, int]:
