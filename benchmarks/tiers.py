@@ -11,6 +11,11 @@ Prints, on Zipf-like multi-hot ids:
 
     python benchmarks/tiers.py --quick --json out.json     # seconds: small tables
     python benchmarks/tiers.py --ssd-dir /mnt/nvme/tmp      # 8 tables of 4M rows, dim 64
+    python benchmarks/tiers.py --rows 500000 --steps 24 --parts train,disk   # a few minutes
+
+``--parts`` picks among the hit rates (``hits``), the throughput runs (``train``) and the disk
+probe (``disk``); the disk part also reads records the way the tier does (a batch of pages
+requested at once) and prints the prefetching run's share of the rate the disk bounds.
 
 The full size holds about 8 GiB of rows; run it under a cgroup memory limit that counts the
 page cache (e.g. ``systemd-run --scope -p MemoryMax=3G``) to check that the tier keeps to its
