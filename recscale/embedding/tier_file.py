@@ -219,15 +219,17 @@ class RowFile:
 
     def write_async(self, rows: np.ndarray, data: np.ndarray, pool: Executor | None, background: bool = False) -> list:
         """Start writing ``rows`` from ``data`` on ``pool`` in chunks; the futures to wait for.
-        ``background``: even a few rows go to the pool, so the caller need not wait for them."""
+        ``background``: even a few rows go to the pool, and each chunk requests its own pages
+        there, so the calling thread spends nothing on them."""
         if pool is None or (rows.size <= INLINE_ROWS and not background):
             self.write(rows, data)
             return []
         if rows.size <= INLINE_ROWS:
             return [pool.submit(self.write, rows, data)]
-        self.prefetch_pages(rows)
+        if not background:
+            self.prefetch_pages(rows)
         chunk = max(INLINE_ROWS, rows.size // 16)
-        return [pool.submit(self.write, rows[i : i + chunk], data[i : i + chunk], False) for i in range(0, rows.size, chunk)]
+        return [pool.submit(self.write, rows[i : i + chunk], data[i : i + chunk], background) for i in range(0, rows.size, chunk)]
 
     def prefetch_pages(self, rows: np.ndarray) -> None:
         """Ask the kernel to read the pages of ``rows`` (ascending) now, all in flight at once;
