@@ -11,6 +11,11 @@ Prints, on Zipf-like multi-hot ids:
 
     python benchmarks/tiers.py --quick --json out.json     # seconds: small tables
     python benchmarks/tiers.py --ssd-dir /mnt/nvme/tmp      # 8 tables of 4M rows, dim 64
+    python benchmarks/tiers.py --rows 500000 --steps 24 --parts train,disk   # a few minutes
+
+``--parts`` picks among the hit rates (``hits``), the throughput runs (``train``) and the disk
+probe (``disk``); the disk part also reads records the way the tier does (a batch of pages
+requested at once) and prints the prefetching run's share of the rate the disk bounds.
 
 The full size holds about 8 GiB of rows; run it under a cgroup memory limit that counts the
 page cache (e.g. ``systemd-run --scope -p MemoryMax=3G``) to check that the tier keeps to its
@@ -99,16 +104,18 @@ def policy_hit_rate(table: TableConfig, batches: list[JaggedBatch], cache: int, 
     return stats.hits / max(stats.lookups, 1)
 
 
-def train_rate(tables, batches, placement, settings, lookahead: int, warmup: int) -> tuple[float, float]:
-    """(samples/s, io_stall_fraction) of forward + fused backward over ``batches``."""
+def train_rate(tables, batches, placement, settings, lookahead: int, warmup: int) -> tuple[float, float, float]:
+    """(samples/s, io_stall_fraction, missed rows per step) of forward + fused backward over
+    ``batches``."""
     fac = tiered_storage_factory(placement, settings, seed=0) if placement else None
     m = TableBatchedEmbeddingBags(tables, RowWiseAdagrad(lr=0.01), storage_factory=fac)
-    stall0, t0 = 0.0, 0.0
+    stall0, miss0, t0 = 0.0, 0, 0.0
     ahead = 0
     for i, b in enumerate(batches):
         if i == warmup:
             st = tier_stats(m)
-            stall0, t0 = (st.stall_seconds if st else 0.0), time.perf_counter()
+            stall0, miss0 = (st.stall_seconds, st.lookups - st.hits) if st else (0.0, 0)
+            t0 = time.perf_counter()
         while placement and ahead < min(len(batches), i + 1 + lookahead):
             announce_batch(m, batches[ahead])
             ahead += 1
@@ -118,10 +125,11 @@ def train_rate(tables, batches, placement, settings, lookahead: int, warmup: int
     seconds = time.perf_counter() - t0
     st = tier_stats(m)
     stall = (st.stall_seconds - stall0) if st else 0.0
+    misses = (st.lookups - st.hits - miss0) if st else 0
     if placement:
         close_tiers(m)
     samples = (len(batches) - warmup) * batches[0].batch_size
-    return samples / seconds, stall / seconds
+    return samples / seconds, stall / seconds, misses / (len(batches) - warmup)
 
 
 def random_read_rate(path_dir: str, rows: int, dim: int, reads: int, depth: int) -> float:
@@ -149,6 +157,88 @@ def random_read_rate(path_dir: str, rows: int, dim: int, reads: int, depth: int)
     return rate
 
 
+def hit_rates(table: TableConfig, sim_steps: int, batch: int, pooling: int, window: int, ssd_dir: str, result: dict) -> None:
+    """Hit rates of every policy and offline Belady on one table's trace."""
+    hit_rows = []
+    for alpha in (1.05, 0.8):
+        trace = make_batches([table], sim_steps, batch, pooling, alpha, seed=2)
+        uniq = [np.unique(b.values.numpy()) for b in trace]
+        low = max(u.size for u in uniq)
+        for share in SHARES:
+            cache = max(low, int(share * table.num_rows))
+            row = {"belady": belady_hit_rate(uniq, cache)}
+            for policy in ("lru", "lfu", "lookahead"):
+                row[policy] = policy_hit_rate(table, trace, cache, policy, window, ssd_dir)
+            result["hit_rate"][f"zipf{alpha}_cache{share:.2f}"] = {"cache_rows": cache, **row}
+            hit_rows.append([f"{alpha}", f"{share:.0%}", f"{cache:,}"] + [f"{row[k]:.3f}" for k in ("lru", "lfu", "lookahead", "belady")])
+    print(format_table(["zipf", "cache", "rows", "lru", "lfu", "lookahead", "belady"], hit_rows))
+    print()
+
+
+def throughput(tables: list[TableConfig], steps: int, batch: int, pooling: int, ssd_dir: str, result: dict) -> None:
+    """Training throughput at a 25% cache, Zipf 1.05: all in RAM, the tier with and without prefetch."""
+    batches = make_batches(tables, steps, batch, pooling, 1.05, seed=3)
+    rows = tables[0].num_rows
+    low = max(int(torch.unique(b.select((t.features[0],)).values).numel()) for b in batches for t in tables)
+    cache = max(low, rows // 4)
+    place = {t.name: ("ssd", cache) for t in tables}
+    warm = max(2, steps // 6)
+    ram_rate, _, _ = train_rate(tables, batches, None, None, 0, warm)
+    tp_rows = [["all in RAM", f"{ram_rate:,.0f}", "1.00", "-", "-"]]
+    result["throughput"]["ram"] = {"samples_per_s": ram_rate}
+    for name, k in (("tier, prefetch (lookahead 2)", 2), ("tier, no prefetch", 0)):
+        rate, stall, misses = train_rate(tables, batches, place, TierSettings(ssd_dir, "lookahead", k, 8), k, warm)
+        result["throughput"][name] = {"samples_per_s": rate, "share_of_ram": rate / ram_rate, "io_stall_fraction": stall,
+                                      "missed_rows_per_step": misses}
+        tp_rows.append([name, f"{rate:,.0f}", f"{rate / ram_rate:.2f}", f"{stall:.3f}", f"{misses:,.0f}"])
+    print(format_table(["run (25% cache, zipf 1.05)", "samples/s", "share", "io_stall_fraction", "missed rows/step"], tp_rows))
+    print()
+
+
+def disk(ssd_dir: str, rows: int, dim: int, reads: int, result: dict) -> None:
+    """This disk's random record reads at queue depth 1 and 32, and the step time they bound."""
+    qd1 = random_read_rate(ssd_dir, rows, dim, reads, 1)
+    qd32 = random_read_rate(ssd_dir, rows, dim, reads, 32)
+    batched = batched_read_rate(ssd_dir, rows, dim, reads)
+    best = max(qd32, batched)  # the bound: the fastest way this disk was seen to read
+    result["disk"] = {"reads_per_s_qd1": qd1, "reads_per_s_qd32": qd32, "reads_per_s_batched": batched}
+    shown = [["random record reads/s, queue depth 1", f"{qd1:,.0f}"], ["random record reads/s, queue depth 32", f"{qd32:,.0f}"],
+             ["random record reads/s, batched (pages requested ahead)", f"{batched:,.0f}"]]
+    tier = result["throughput"].get("tier, prefetch (lookahead 2)")
+    if tier:  # the misses the prefetching run measured bound its step time at this read rate
+        miss_rows = tier["missed_rows_per_step"]
+        bound_rate = result["batch"] / (miss_rows / best) if miss_rows else float("inf")
+        share = tier["samples_per_s"] / bound_rate
+        result["disk"].update(missed_rows_per_step=miss_rows, step_bound_s=miss_rows / best,
+                              disk_bound_samples_per_s=bound_rate, share_of_disk_bound=share)
+        shown += [["missed rows per step (lookahead, 25%)", f"{miss_rows:,.0f}"],
+                  ["step-time bound from the fastest reads", f"{miss_rows / best * 1e3:.1f} ms"],
+                  ["disk-bound samples/s; tier (prefetch) share", f"{bound_rate:,.0f}; {share:.2f}"]]
+    print(format_table(["disk", "value"], shown))
+
+
+def batched_read_rate(path_dir: str, rows: int, dim: int, reads: int, batch_rows: int = 4096) -> float:
+    """Random record reads per second as the tier issues them: ``batch_rows`` sorted rows at a
+    time, all their pages requested at once, then read; the file's pages dropped after each."""
+    from recscale.embedding.tier_file import TierFileMeta
+
+    meta = TierFileMeta("probe", rows, 0, dim, "fp32", (("sum_sq", 1),), 0)
+    f = RowFile.create(path_dir, meta, lambda s, n: (torch.zeros(n, dim), {"sum_sq": torch.zeros(n, 1)}))
+    rng = np.random.default_rng(2)
+    done, seconds = 0, 0.0
+    while done < reads:
+        picks = np.unique(rng.integers(0, rows, min(batch_rows, reads - done)))
+        buf = np.empty((picks.size, f.record_bytes), dtype=np.uint8)
+        t0 = time.perf_counter()
+        f.read(picks, buf)
+        seconds += time.perf_counter() - t0
+        done += picks.size
+        f.drop_pages(force=True)
+    f.close()
+    os.unlink(f.path)
+    return done / seconds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small tables, seconds")
@@ -156,62 +246,36 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=4, help="lookahead window (batches) of the hit-rate runs")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default="", help="also write the figures here")
+    ap.add_argument("--tables", type=int, default=None, help="number of tables (default 8; --quick 2)")
+    ap.add_argument("--rows", type=int, default=None, help="rows per table (default 4M; --quick 8000)")
+    ap.add_argument("--dim", type=int, default=None, help="embedding dim (default 64; --quick 16)")
+    ap.add_argument("--batch", type=int, default=None, help="batch size (default 4096; --quick 128)")
+    ap.add_argument("--pooling", type=int, default=None, help="ids per sample and table (default 20; --quick 8)")
+    ap.add_argument("--steps", type=int, default=None, help="timed training steps (default 120; --quick 16)")
+    ap.add_argument("--sim-steps", type=int, default=None, help="batches of the hit-rate trace (default 200; --quick 24)")
+    ap.add_argument("--parts", default="hits,train,disk", help="comma list of the parts to run: hits, train, disk")
     args = ap.parse_args()
     threads = set_threads(args.threads)
     if args.quick:
-        n_tables, rows, dim, batch, pooling, steps, sim_steps = 2, 8_000, 16, 128, 8, 16, 24
+        sizes = (2, 8_000, 16, 128, 8, 16, 24)
     else:
-        n_tables, rows, dim, batch, pooling, steps, sim_steps = 8, 4_000_000, 64, 4096, 20, 120, 200
+        sizes = (8, 4_000_000, 64, 4096, 20, 120, 200)
+    given = (args.tables, args.rows, args.dim, args.batch, args.pooling, args.steps, args.sim_steps)
+    n_tables, rows, dim, batch, pooling, steps, sim_steps = (d if g is None else g for g, d in zip(given, sizes))
+    parts = set(args.parts.split(","))
+    if not parts <= {"hits", "train", "disk"}:
+        ap.error(f"--parts: expected a comma list of hits, train, disk; got {args.parts!r}")
     ssd_dir = args.ssd_dir or tempfile.mkdtemp(prefix="recscale-tiers-")
     tables = [TableConfig(f"t{i}", rows, dim, (f"f{i}",)) for i in range(n_tables)]
     result: dict = {"environment": environment(), "threads": threads, "window": args.window, "rows": rows, "tables": n_tables, "dim": dim,
                     "batch": batch, "pooling": pooling, "hit_rate": {}, "throughput": {}}
 
-    # Hit rates on one table's trace.
-    hit_rows = []
-    for alpha in (1.05, 0.8):
-        trace = make_batches(tables[:1], sim_steps, batch, pooling, alpha, seed=2)
-        uniq = [np.unique(b.values.numpy()) for b in trace]
-        low = max(u.size for u in uniq)
-        for share in SHARES:
-            cache = max(low, int(share * rows))
-            row = {"belady": belady_hit_rate(uniq, cache)}
-            for policy in ("lru", "lfu", "lookahead"):
-                row[policy] = policy_hit_rate(tables[0], trace, cache, policy, args.window, ssd_dir)
-            result["hit_rate"][f"zipf{alpha}_cache{share:.2f}"] = {"cache_rows": cache, **row}
-            hit_rows.append([f"{alpha}", f"{share:.0%}", f"{cache:,}"] + [f"{row[k]:.3f}" for k in ("lru", "lfu", "lookahead", "belady")])
-    print(format_table(["zipf", "cache", "rows", "lru", "lfu", "lookahead", "belady"], hit_rows))
-
-    # Throughput at a 25% cache, Zipf 1.05.
-    batches = make_batches(tables, steps, batch, pooling, 1.05, seed=3)
-    low = max(int(torch.unique(b.select((t.features[0],)).values).numel()) for b in batches for t in tables)
-    cache = max(low, rows // 4)
-    place = {t.name: ("ssd", cache) for t in tables}
-    warm = max(2, steps // 6)
-    ram_rate, _ = train_rate(tables, batches, None, None, 0, warm)
-    tp_rows = [["all in RAM", f"{ram_rate:,.0f}", "1.00", "-"]]
-    result["throughput"]["ram"] = {"samples_per_s": ram_rate}
-    for name, k in (("tier, prefetch (lookahead 2)", 2), ("tier, no prefetch", 0)):
-        rate, stall = train_rate(tables, batches, place, TierSettings(ssd_dir, "lookahead", k, 8), k, warm)
-        result["throughput"][name] = {"samples_per_s": rate, "share_of_ram": rate / ram_rate, "io_stall_fraction": stall}
-        tp_rows.append([name, f"{rate:,.0f}", f"{rate / ram_rate:.2f}", f"{stall:.3f}"])
-    print()
-    print(format_table(["run (25% cache, zipf 1.05)", "samples/s", "share", "io_stall_fraction"], tp_rows))
-
-    # Disk random reads of one record.
-    reads = 1_000 if args.quick else 50_000
-    qd1 = random_read_rate(ssd_dir, rows, dim, reads, 1)
-    qd32 = random_read_rate(ssd_dir, rows, dim, reads, 32)
-    miss_rows = (1 - result["hit_rate"]["zipf1.05_cache0.25"]["lookahead"]) * low * n_tables
-    result["disk"] = {"reads_per_s_qd1": qd1, "reads_per_s_qd32": qd32,
-                      "missed_rows_per_step": miss_rows, "step_bound_s_qd32": miss_rows / qd32}
-    print()
-    print(format_table(["disk", "value"], [
-        ["random record reads/s, queue depth 1", f"{qd1:,.0f}"],
-        ["random record reads/s, queue depth 32", f"{qd32:,.0f}"],
-        ["missed rows per step (lookahead, 25%)", f"{miss_rows:,.0f}"],
-        ["step-time bound from reads at depth 32", f"{miss_rows / qd32 * 1e3:.1f} ms"],
-    ]))
+    if "hits" in parts:
+        hit_rates(tables[0], sim_steps, batch, pooling, args.window, ssd_dir, result)
+    if "train" in parts:
+        throughput(tables, steps, batch, pooling, ssd_dir, result)
+    if "disk" in parts:
+        disk(ssd_dir, rows, dim, 1_000 if args.quick else 50_000, result)
     if args.json:
         write_json(args.json, result)
 

@@ -125,19 +125,33 @@ def _slow_reads(monkeypatch, seconds: float) -> None:
     """Background reads take ``seconds``: prefetches are still in flight while batches train."""
     real = RowFile.read
 
-    def read(self, rows, out):
+    def read(self, rows, out, *args):
         if threading.current_thread() is not threading.main_thread():
             time.sleep(seconds)
-        real(self, rows, out)
+        real(self, rows, out, *args)
 
     monkeypatch.setattr(RowFile, "read", read)
 
 
-def test_row_updated_by_one_batch_and_needed_by_the_next_is_never_stale(tmp_path, monkeypatch):
+def _slow_writes(monkeypatch, seconds: float) -> None:
+    """Background write-backs take ``seconds``: they are still running when the next reads are due."""
+    real = RowFile.write
+
+    def write(self, rows, data, *args):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(seconds)
+        real(self, rows, data, *args)
+
+    monkeypatch.setattr(RowFile, "write", write)
+
+
+@pytest.mark.parametrize("slow", ["reads", "writes"])
+def test_row_updated_by_one_batch_and_needed_by_the_next_is_never_stale(tmp_path, monkeypatch, slow):
     """Batch 1's rows are announced (and read, slowly) before batch 0 updates the rows they
-    share; batch 2 needs a row that batch 1 evicts after batch 0 updated it. Every copy the
-    next batch sees must carry the update: the run equals the in-RAM one bitwise."""
-    _slow_reads(monkeypatch, 0.02)
+    share; batch 2 needs a row that batch 1 evicts after batch 0 updated it (its write-back,
+    slowly, still running when the row is read again). Every copy the next batch sees must
+    carry the update: the run equals the in-RAM one bitwise."""
+    (_slow_reads if slow == "reads" else _slow_writes)(monkeypatch, 0.02)
     t = TableConfig("t", 10, 4, ("f",))
     ids = [[[0, 1]], [[1, 2]], [[0, 3]], [[1, 0]], [[2, 3]], [[0, 1]]]
     batches = [JaggedBatch.from_lists({"f": b}) for b in ids]
@@ -274,6 +288,35 @@ def test_page_cache_holds_a_bounded_part_of_the_tier_file(tmp_path, monkeypatch)
     rows_read = tier_stats(m).read_bytes // m.groups[0].storage.segments[0].file.record_bytes
     assert rows_read * 4096 > 3 * bound  # the reads touched far more pages than the bound
     close_tiers(m)
+
+
+def test_batched_record_io_round_trips_with_page_drops(tmp_path, monkeypatch):
+    """Reads and writes of many records (their pages requested ahead, in chunks on a pool),
+    with the file's pages flushed and dropped between them, return what was written."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from recscale.embedding import tier_file
+
+    monkeypatch.setattr(tier_file, "FLUSH_BYTES", 1)  # a drop after every call
+    meta = TierFileMeta("t", 3000, 0, 5, "fp32", (("sum", 1),), 0)
+    f = RowFile.create(tmp_path, meta, lambda s, n: (torch.arange(s, s + n).float()[:, None].repeat(1, 5), {"sum": torch.zeros(n, 1)}))
+    rng = np.random.default_rng(0)
+    want = np.zeros((3000, f.record_bytes), dtype=np.uint8)
+    f.read(np.arange(3000), want)
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(5):
+            rows = np.unique(rng.integers(0, 3000, 700))
+            data = rng.integers(0, 256, (rows.size, f.record_bytes), dtype=np.uint8)
+            for fut in f.write_async(rows, data, pool):
+                fut.result()
+            want[rows] = data
+            f.drop_pages()
+            got = np.empty_like(want)
+            for fut in f.read_async(np.arange(3000), got, pool):
+                fut.result()
+            f.drop_pages()
+            assert np.array_equal(got, want)
+        f.close()
 
 
 def test_two_tiered_groups_share_one_reader_pool(tmp_path):

@@ -7,7 +7,9 @@ rows is a few vector operations, not a loop.
 ``lookahead`` uses what the training pipeline already knows: the rows of the next
 ``lookahead_batches`` batches. A row needed within that window is evicted only when nothing
 else is left, and then the one needed farthest ahead goes first (Belady's choice within the
-window); rows not needed in the window go in least-recently-used order.
+window). Rows not needed in the window go first, least often looked up first (by the batches
+that looked each row up since the start, cached or not: on skewed ids that count predicts the
+next use far better than recency does), ties least recently used first.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ PolicyName = Literal["lru", "lfu", "lookahead"]
 POLICIES: tuple[str, ...] = ("lru", "lfu", "lookahead")
 
 _TICK_BITS = 40  # a tick per batch: 2^40 batches is beyond any run
-_FAR = 1 << 60  # above every in-window rank
+_FAR = 1 << 61  # above every in-window rank
+_COUNT_CAP = (1 << 20) - 1  # use counts saturate here, which keeps every key inside int64
 
 
 class EvictionPolicy:
@@ -42,9 +45,10 @@ class EvictionPolicy:
         self.last_use[slots] = tick
         self.freq[slots] += 1
 
-    def rank(self, next_use: torch.Tensor | None) -> torch.Tensor:
+    def rank(self, next_use: torch.Tensor | None, uses: torch.Tensor | None = None) -> torch.Tensor:
         """Eviction key per slot, larger = evict first. ``next_use``: for each slot the index of
-        the next window batch that needs it, or -1 for none (``lookahead`` only)."""
+        the next window batch that needs it, or -1 for none; ``uses``: for each slot the batches
+        that looked its row up so far (both ``lookahead`` only)."""
         age = (1 << _TICK_BITS) - 1 - self.last_use  # older: larger
         if self.name == "lru":
             return age
@@ -54,11 +58,15 @@ class EvictionPolicy:
         if next_use is None:
             return age
         in_window = next_use >= 0
-        return torch.where(in_window, (next_use << _TICK_BITS) + age, _FAR + age)
+        beyond = _FAR + age
+        if uses is not None:
+            beyond = beyond + ((_COUNT_CAP - uses.to(torch.int64).clamp(max=_COUNT_CAP)) << _TICK_BITS)
+        return torch.where(in_window, (next_use << _TICK_BITS) + age, beyond)
 
-    def victims(self, k: int, evictable: torch.Tensor, next_use: torch.Tensor | None) -> torch.Tensor:
+    def victims(self, k: int, evictable: torch.Tensor, next_use: torch.Tensor | None,
+                uses: torch.Tensor | None = None) -> torch.Tensor:
         """The ``k`` evictable slots ranked highest (ties: the lower slot), ascending."""
-        key = self.rank(next_use)
+        key = self.rank(next_use, uses)
         key = torch.where(evictable, key, torch.full_like(key, -1))
         order = torch.sort(key, descending=True, stable=True).indices[:k]
         return order.sort().values

@@ -10,9 +10,13 @@ than ``O_DIRECT``: direct I/O needs block-aligned records (a 768-byte row would 
 4 KiB) and fails on tmpfs. The file is opened ``POSIX_FADV_RANDOM`` (no read-ahead); every page
 a read or write touches is counted, and once ``FLUSH_BYTES`` of pages have been touched the file
 is flushed (``fdatasync``) and all its pages dropped (``DONTNEED``), so the page cache holds at
-most that much of the file plus the reads in flight. Pages are not dropped after every read: a
-row written back soon after it was read then finds its page cached, where a dropped page would
-make each small write a synchronous read-modify-write.
+most that much of the file plus the I/O in flight.
+
+Queue depth: before reading or writing a set of records, ``prefetch_pages`` asks the kernel for
+all their pages at once (``POSIX_FADV_WILLNEED``, asynchronous), so the device sees the whole
+set in flight instead of one read per thread. A write-back needs this most: a record smaller
+than a page is a read-modify-write of its page, and buffered writes to one file hold its inode
+lock, so without the pages already cached the writes would run one device read at a time.
 """
 
 from __future__ import annotations
@@ -81,8 +85,6 @@ class RowFile:
     def __init__(self, path: Path, meta: TierFileMeta, fd: int) -> None:
         self.path, self.meta, self.fd = path, meta, fd
         self.record_bytes = meta.record_bytes
-        # Page-cache bytes a record's read or write may bring in (it can straddle two pages).
-        self._page_bytes = ((meta.record_bytes + 4095) // 4096 + 1) * 4096
         self._touched = 0
         self._lock = threading.Lock()
 
@@ -177,10 +179,12 @@ class RowFile:
         self.fd = -1
 
     # ------------------------------------------------------------------ rows
-    def read(self, rows: np.ndarray, out: np.ndarray) -> None:
+    def read(self, rows: np.ndarray, out: np.ndarray, advise: bool = True) -> None:
         """Records of ``rows`` (ascending) into ``out`` ``[n, record_bytes]``; runs of adjacent
-        rows are one read each."""
+        rows are one read each, all their pages requested first (``advise``)."""
         rec = self.record_bytes
+        if advise and rows.size > INLINE_ROWS:
+            self.prefetch_pages(rows)
         for a, b in _runs(rows):
             off = HEADER_BYTES + int(rows[a]) * rec
             view = memoryview(out[a:b]).cast("B")
@@ -190,32 +194,57 @@ class RowFile:
                 if n <= 0:
                     raise TierError(f"table '{self.meta.table}': tier file '{self.path}' is shorter than its header says; delete it")
                 got += n
-        with self._lock:
-            self._touched += rows.size * self._page_bytes
+        self._count(rows)
 
-    def read_async(self, rows: np.ndarray, out: np.ndarray, pool: Executor | None) -> list:
-        """Start reading ``rows`` into ``out`` on ``pool`` in chunks; the futures to wait for."""
+    def read_async(self, rows: np.ndarray, out: np.ndarray, pool: Executor | None, advise: bool = True) -> list:
+        """Start reading ``rows`` into ``out`` on ``pool`` in chunks; the futures to wait for.
+        ``advise=False``: the caller has already requested their pages."""
         if pool is None or rows.size <= INLINE_ROWS:
-            self.read(rows, out)
+            self.read(rows, out, advise)
             return []
+        if advise:
+            self.prefetch_pages(rows)
         chunk = max(INLINE_ROWS, rows.size // 16)
-        return [pool.submit(self.read, rows[i : i + chunk], out[i : i + chunk]) for i in range(0, rows.size, chunk)]
+        return [pool.submit(self.read, rows[i : i + chunk], out[i : i + chunk], False) for i in range(0, rows.size, chunk)]
 
-    def write(self, rows: np.ndarray, data: np.ndarray) -> None:
-        """Records of ``rows`` (ascending) from ``data``."""
+    def write(self, rows: np.ndarray, data: np.ndarray, advise: bool = True) -> None:
+        """Records of ``rows`` (ascending) from ``data``; the pages they partly cover are
+        requested first (``advise``), all at once."""
         rec = self.record_bytes
+        if advise and rows.size > INLINE_ROWS:
+            self.prefetch_pages(rows)
         for a, b in _runs(rows):
             _pwrite_all(self.fd, memoryview(data[a:b]).cast("B"), HEADER_BYTES + int(rows[a]) * rec)
-        with self._lock:
-            self._touched += rows.size * self._page_bytes
+        self._count(rows)
 
-    def write_async(self, rows: np.ndarray, data: np.ndarray, pool: Executor | None) -> list:
-        """Start writing ``rows`` from ``data`` on ``pool`` in chunks; the futures to wait for."""
-        if pool is None or rows.size <= INLINE_ROWS:
+    def write_async(self, rows: np.ndarray, data: np.ndarray, pool: Executor | None, background: bool = False) -> list:
+        """Start writing ``rows`` from ``data`` on ``pool`` in chunks; the futures to wait for.
+        ``background``: even a few rows go to the pool, and each chunk requests its own pages
+        there, so the calling thread spends nothing on them."""
+        if pool is None or (rows.size <= INLINE_ROWS and not background):
             self.write(rows, data)
             return []
+        if rows.size <= INLINE_ROWS:
+            return [pool.submit(self.write, rows, data)]
+        if not background:
+            self.prefetch_pages(rows)
         chunk = max(INLINE_ROWS, rows.size // 16)
-        return [pool.submit(self.write, rows[i : i + chunk], data[i : i + chunk]) for i in range(0, rows.size, chunk)]
+        return [pool.submit(self.write, rows[i : i + chunk], data[i : i + chunk], background) for i in range(0, rows.size, chunk)]
+
+    def prefetch_pages(self, rows: np.ndarray) -> None:
+        """Ask the kernel to read the pages of ``rows`` (ascending) now, all in flight at once;
+        a later read or sub-page write of them then waits on these reads, not its own."""
+        rec = self.record_bytes
+        for a, b in _runs(rows):
+            off = HEADER_BYTES + int(rows[a]) * rec
+            os.posix_fadvise(self.fd, off, (b - a) * rec, os.POSIX_FADV_WILLNEED)
+
+    def _count(self, rows: np.ndarray) -> None:
+        """Count the pages the records of ``rows`` span (a record may straddle two)."""
+        off = HEADER_BYTES + rows.astype(np.int64) * self.record_bytes
+        pages = int(((off + self.record_bytes - 1) // 4096 - off // 4096 + 1).sum())
+        with self._lock:
+            self._touched += pages * 4096
 
     def drop_pages(self, force: bool = False) -> None:
         """Flush and drop the file's pages once ``FLUSH_BYTES`` of them may be cached (call

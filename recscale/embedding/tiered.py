@@ -9,8 +9,11 @@ would the whole table: results are bitwise those of the all-in-RAM run.
 
 Prefetch: ``announce`` gives the rows of a future batch; rows neither cached nor already on
 their way are read by background threads into a staging buffer, with the write-back generation
-of each row at the time the read was issued. Only the training thread changes the cache, and
-it waits for the write-backs of its victims, so a read issued later sees the written record; a staged
+of each row at the time the read was issued. Only the training thread changes the cache. A
+write-back runs in the background while the batch trains; every read of the file (a prefetch,
+on its reader thread; an admission; a whole-table read) and the next write-back first wait for
+it, so a read issued later sees the written record (an admission reads only uncached rows, never the victims being
+written, so it need not wait for its own write-back). A staged
 copy is installed only if its row has not been written back since its read was issued,
 otherwise it is dropped and the row read again. A row that the current batch updates is
 cached (pinned) for that batch, so the next batch finds it in the cache, never a stale copy.
@@ -95,8 +98,10 @@ class _Segment:
     row_of_slot: torch.Tensor  # [slots] table-local row, -1 free
     gen: torch.Tensor  # [rows] write-backs of each row so far
     stage_key: torch.Tensor  # [rows] (read id << 32 | position) of a staged copy, -1 none
+    uses: torch.Tensor  # [rows] training batches that looked each row up (lookahead only)
     used: int = 0
     reads: dict[int, _Read] = field(default_factory=dict)
+    writes: list = field(default_factory=list)  # futures of the last write-back, still running
     next_read: int = 0
 
 
@@ -140,6 +145,7 @@ class TieredRowStorage(RowStorage):
                 t, off, slot, cache_rows, RowFile.create(settings.ssd_dir, meta, init),
                 EvictionPolicy(settings.policy, cache_rows), torch.full((cache_rows,), -1, dtype=torch.int64),
                 torch.zeros(t.num_rows, dtype=torch.int32), torch.full((t.num_rows,), -1, dtype=torch.int64),
+                torch.zeros(t.num_rows if settings.policy == "lookahead" else 0, dtype=torch.int32),
             ))  # fmt: skip
             slot += cache_rows
         self._tick = 0
@@ -200,6 +206,8 @@ class TieredRowStorage(RowStorage):
         missing = rows[slots < 0]
         stats.lookups += n
         stats.hits += n - missing.numel()
+        if seg.uses.numel() and stats is self.stats:  # training lookups only, as the stats
+            seg.uses[rows] += 1
         if missing.numel():
             t0 = time.perf_counter()
             self._admit(seg, missing, pinned=slots[slots >= 0] - seg.base)
@@ -208,19 +216,25 @@ class TieredRowStorage(RowStorage):
         seg.policy.used(slots - seg.base, self._tick)
 
     def _admit(self, seg: _Segment, missing: torch.Tensor, pinned: torch.Tensor) -> None:
+        self._wait_writes(seg)
         n, free = missing.numel(), seg.slots - seg.used
         target = torch.arange(seg.used, seg.used + min(n, free), dtype=torch.int64)
         if n > free:
             evictable = torch.zeros(seg.slots, dtype=torch.bool)
             evictable[: seg.used] = True
             evictable[pinned] = False
-            next_use = self._next_use(seg) if seg.policy.name == "lookahead" else None
-            victims = seg.policy.victims(n - free, evictable, next_use)
+            next_use = uses = None
+            if seg.policy.name == "lookahead":
+                next_use = self._next_use(seg)
+                uses = seg.uses[seg.row_of_slot.clamp(min=0)]
+            victims = seg.policy.victims(n - free, evictable, next_use, uses)
+            # The pages of the rows to read go in flight with those the write-back rewrites.
+            seg.file.prefetch_pages(missing[seg.stage_key[missing] < 0].numpy())
             self._write_back(seg, victims)
             self._map[seg.row_of_slot[victims] + seg.row_start] = -1
             target = torch.cat([target, victims])
         seg.used = min(seg.slots, seg.used + n)
-        w, state = decode(seg.file.meta, self._fetch(seg, missing), self.dtype)
+        w, state = decode(seg.file.meta, self._fetch(seg, missing, advise=n <= free), self.dtype)
         cache_slots = target + seg.base
         self._cache.scatter(cache_slots, w, state)
         self._dirty[cache_slots] = False
@@ -241,15 +255,23 @@ class TieredRowStorage(RowStorage):
         w = self._cache.weight.index_select(0, cache_slots)  # storage dtype, not float32
         state = {k: v.index_select(0, cache_slots) for k, v in self._cache.state_tensors().items()}
         seg.gen[rows] += 1  # before the write: a read issued earlier is now known stale
-        # Waited for here: a read issued after this returns sees the written records.
-        for f in seg.file.write_async(rows.numpy(), encode(seg.file.meta, w, state).numpy(), self.pool):
-            f.result()
+        self._wait_writes(seg)
+        seg.writes = seg.file.write_async(rows.numpy(), encode(seg.file.meta, w, state).numpy(), self.pool, background=True)
         self.stats.write_bytes += rows.numel() * seg.file.record_bytes
         self._dirty[cache_slots] = False
 
-    def _fetch(self, seg: _Segment, rows: torch.Tensor) -> torch.Tensor:
+    def _wait_writes(self, seg: _Segment) -> None:
+        """Wait for ``seg``'s write-back in flight: any read issued after this sees it."""
+        if seg.writes:
+            t0 = time.perf_counter()
+            for f in seg.writes:
+                f.result()
+            seg.writes = []
+            self.stats.stall_seconds += time.perf_counter() - t0
+
+    def _fetch(self, seg: _Segment, rows: torch.Tensor, advise: bool = True) -> torch.Tensor:
         """``[n, record_bytes]`` records of ``rows`` (ascending): from valid staged copies, the
-        rest read now."""
+        rest read now (their pages requested first unless ``advise`` is False: done already)."""
         out = torch.empty(rows.numel(), seg.file.record_bytes, dtype=torch.uint8)
         key = seg.stage_key[rows]
         need = key < 0
@@ -270,7 +292,7 @@ class TieredRowStorage(RowStorage):
         idx = need.nonzero().view(-1)
         if idx.numel():
             buf = np.empty((idx.numel(), seg.file.record_bytes), dtype=np.uint8)
-            for f in seg.file.read_async(rows[idx].numpy(), buf, self.pool):
+            for f in seg.file.read_async(rows[idx].numpy(), buf, self.pool, advise):
                 f.result()
             out[idx] = torch.from_numpy(buf)
         self.stats.read_bytes += rows.numel() * seg.file.record_bytes
@@ -303,9 +325,10 @@ class TieredRowStorage(RowStorage):
             seg.next_read += 1
             out = np.empty((local.numel(), seg.file.record_bytes), dtype=np.uint8)
             read = _Read(self._announced, local, seg.gen[local].clone(), out, [])
-            read.futures = [self.pool.submit(seg.file.read, local.numpy(), out)] if self.pool else []
-            if self.pool is None:
+            if self.pool is None:  # no pool: write-backs ran inline, nothing is in flight
                 seg.file.read(local.numpy(), out)
+            else:  # the reader waits for the write-back in flight, not the training thread
+                read.futures = [self.pool.submit(_read_after, seg.writes, seg.file, local.numpy(), out)]
             seg.reads[rid] = read
             seg.stage_key[local] = (rid << 32) | torch.arange(local.numel(), dtype=torch.int64)
 
@@ -342,6 +365,7 @@ class TieredRowStorage(RowStorage):
         if seg is None:
             slots = self._map[start : start + n].to(torch.int64)
             return self.weight[slots].clone(), {k: v[slots].clone() for k, v in self.state_tensors().items()}
+        self._wait_writes(seg)
         buf = np.empty((n, seg.file.record_bytes), dtype=np.uint8)
         seg.file.read(np.arange(n, dtype=np.int64), buf)
         w, state = decode(seg.file.meta, torch.from_numpy(buf), self.dtype)
@@ -356,6 +380,7 @@ class TieredRowStorage(RowStorage):
         """Write every dirty cached row back (they stay cached, now clean)."""
         for seg in self.segments:
             self._write_back(seg, torch.arange(seg.used, dtype=torch.int64))
+            self._wait_writes(seg)
 
     def close(self, shutdown_pool: bool = True) -> None:
         """Flush and mark each file clean: it then holds every row of the last step."""
@@ -377,6 +402,14 @@ class TieredRowStorage(RowStorage):
             raise SparseInputError(f"id {int(values[pos])} is outside its table of {int(bounds[pos])} rows; "
                                    "ids must be in [0, rows) (hash or clip ids to the table size)")
         return self.slots_for(values.to(torch.int64) + feature_offsets)
+
+
+def _read_after(writes: list, file: RowFile, rows: np.ndarray, out: np.ndarray) -> None:
+    """Read once ``writes`` are done. They were submitted to the same FIFO pool earlier, so they
+    have all started before this runs: waiting for them cannot starve the pool."""
+    for f in writes:
+        f.result()
+    file.read(rows, out)
 
 
 def segment_span(sorted_rows: torch.Tensor, seg: _Segment) -> tuple[int, int]:
