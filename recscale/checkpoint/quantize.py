@@ -70,6 +70,14 @@ class Codec:
         from its tags; ValueError when ``buf`` cannot hold them)."""
         return _mixed_nbytes(mixed_tags(buf, n), d) if self.method == "mixed" else self.nbytes(n, d)
 
+    def encode_view(self, x: torch.Tensor) -> bytes | memoryview:
+        """``encode``'s bytes without copying them where they already lie in ``x`` (``none`` in
+        ``x``'s own dtype, contiguous, on the CPU): a model-sized full checkpoint then costs one
+        pass less over its gigabytes. The view is valid while ``x`` is."""
+        if self.method == "none" and x.dtype == _FLOATS[self.dtype] and x.device.type == "cpu" and x.is_contiguous():
+            return memoryview(x.detach().view(torch.uint8).numpy().reshape(-1)) if x.numel() else b""
+        return self.encode(x)
+
     def encode(self, x: torch.Tensor, tags: torch.Tensor | None = None) -> bytes:
         """``x``: ``[n, d]`` rows (any float dtype, CPU). ``tags`` (``mixed`` only): each row's
         width from ``allocate_widths`` over every row a checkpoint writes; None: allocated within

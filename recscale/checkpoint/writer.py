@@ -165,9 +165,10 @@ def width_tags(job: WriteJob, blocks: list[_Block]) -> list[torch.Tensor]:
     return list(torch.split(tags, [blk.n for blk in blocks]))
 
 
-def encode_chunks(job: WriteJob, file: str) -> Iterator[tuple[Chunk, bytes]]:
-    """Each block encoded (offsets filled later). ``mixed`` plans every block first: its widths
-    are allocated over all of them; other codecs encode each block as it is planned."""
+def encode_chunks(job: WriteJob, file: str) -> Iterator[tuple[Chunk, list[bytes | memoryview]]]:
+    """Each block encoded, as the parts its payload is made of in order (offsets filled later).
+    ``mixed`` plans every block first: its widths are allocated over all of them; other codecs
+    encode each block as it is planned. Lossless parts are views of the snapshot, not copies."""
     blocks: Iterator[_Block] | list[_Block] = plan_blocks(job)
     tags: Iterator[torch.Tensor | None] = itertools.repeat(None)
     if job.weight_codec.method == "mixed":
@@ -176,21 +177,24 @@ def encode_chunks(job: WriteJob, file: str) -> Iterator[tuple[Chunk, bytes]]:
     for blk, t in zip(blocks, tags):
         sh, ids = blk.sh, blk.ids
         weight, state = blk.rows()
-        w = job.weight_codec.encode(weight, t)
-        parts, state_meta = [ids, w], []
+        w = job.weight_codec.encode(weight, t) if t is not None else job.weight_codec.encode_view(weight)
+        parts: list[bytes | memoryview] = [ids, w]
+        state_meta = []
         for name, st in state.items():
-            sb = job.state_codec.encode(st)
+            sb = job.state_codec.encode_view(st)
             parts.append(sb)
             state_meta.append((name, st.shape[1], len(sb)))
-        payload = b"".join(parts)
+        crc = 0
+        for part in parts:
+            crc = zlib.crc32(part, crc)
         yield (
             Chunk(
-                table=sh.table, file=file, offset=0, length=len(payload), crc32=zlib.crc32(payload),
+                table=sh.table, file=file, offset=0, length=sum(len(part) for part in parts), crc32=crc,
                 row_start=sh.row_offset + blk.a, row_stop=sh.row_offset + blk.b, selector=blk.selector,
                 num_rows=blk.n, col_offset=sh.col_offset, num_cols=sh.num_cols,
                 id_bytes=len(ids), weight_bytes=len(w), state=tuple(state_meta),
             ),
-            payload,
+            parts,
         )
 
 
@@ -243,11 +247,12 @@ def write_rank(storage: Storage, job: WriteJob) -> WriteReport:
     sha = hashlib.sha256()
     offset = 0
     with storage.open_write(f"{tmp}/{data_file}") as f:
-        for chunk, payload in _pipelined(encode_chunks(job, data_file)):
-            f.write(payload)
-            sha.update(payload)
+        for chunk, parts in _pipelined(encode_chunks(job, data_file)):
+            for part in parts:
+                f.write(part)
+                sha.update(part)
             chunks.append(Chunk(**{**asdict(chunk), "offset": offset, "state": chunk.state}))
-            offset += len(payload)
+            offset += chunk.length
             rows += chunk.num_rows
             faults.point("checkpoint", job.manifest.step)
         faults.point("checkpoint", job.manifest.step)
