@@ -90,3 +90,14 @@ def test_checkpoints_through_reused_buffers_restore_bitwise(tmp_path, monkeypatc
         fresh = _model()
         restore_shards(storage, load_chain(storage, load_manifest(storage, r.name)), local_shards(fresh))
         assert all(torch.equal(a, b) for a, b in zip(_state(fresh), expected[r.step])), r.name
+
+
+def test_reserved_buffers_serve_the_first_snapshot():
+    buffers = SnapshotBuffers(threads=2, min_parallel_bytes=0)
+    src = torch.randn(300, 5)
+    buffers.reserve([src])
+    reserved = buffers._free[(src.dtype, (5,))][0]
+    held: list[torch.Tensor] = []
+    out = buffers.copy(src, held)
+    assert out.data_ptr() == reserved.data_ptr() and torch.equal(out, src)
+    buffers.close()

@@ -84,6 +84,9 @@ class CheckpointManager:
             settings.commit_timeout_s, self._retain if rank == 0 else None,
         )
         self.snapshots = SnapshotBuffers()
+        if settings.async_write:  # the snapshot's memory, mapped before training rather than at its first save
+            self.snapshots.reserve([t for s in shards if s.writer for t in (
+                s.module.table_weight(s.local_name), *s.module.table_state(s.local_name).values())])
         self.last_step = -1
         self.last_time = time.monotonic()
 

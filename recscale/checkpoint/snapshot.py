@@ -65,6 +65,19 @@ class SnapshotBuffers:
             advise_huge_pages(buf)  # before first touch: 2 MiB faults instead of 4 KiB ones
         return buf[:rows], buf
 
+    def reserve(self, tensors: list[torch.Tensor]) -> None:
+        """Allocate and fault in a buffer for each of ``tensors`` now, so that the first
+        checkpoint's snapshot copies into memory already mapped (a 7 GB state: 6-10 s of page
+        faults and compaction otherwise, paid in the middle of training)."""
+        held: list[torch.Tensor] = []
+        for t in tensors:
+            if t.dim() == 0 or t.device.type != "cpu":
+                continue
+            _, buf = self._take(t.shape[0], t)
+            self._split(buf.shape[0], buf.numel() * buf.element_size(), lambda a, b, buf=buf: buf[a:b].zero_())
+            held.append(buf)
+        self.release(held)
+
     def release(self, buffers: list[torch.Tensor]) -> None:
         with self._lock:
             for b in buffers:
