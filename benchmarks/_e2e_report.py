@@ -31,7 +31,7 @@ def measure_machine(threads: int, quick: bool) -> dict[str, float]:
         out["fp32_gflops"] = _matmul_gflops(m, torch.float32, 5)
         # bf16 gets a small probe first: without bf16 instructions it runs at about 1 GFLOP/s,
         # and the full-size matmul would take minutes to say so.
-        out["bf16_gflops"] = _matmul_gflops(256, torch.bfloat16, 1)
+        out["bf16_gflops"] = _matmul_gflops(256, torch.bfloat16, 5)  # best of 5: one timing can be a stall
         if out["bf16_gflops"] >= out["fp32_gflops"] / 10:
             out["bf16_gflops"] = _matmul_gflops(m, torch.bfloat16, 5)
         return out
