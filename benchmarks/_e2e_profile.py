@@ -21,7 +21,7 @@ _COMM = ("comm:", "c10d", "gloo", "all_to_all", "alltoall", "all2all", "allreduc
 _EMB = ("e2e.embeddings", "FusedPooling", "EmbeddingBag", "SplitLookup", "fbgemm", "embedding", "Embedding")
 _MLP = ("e2e.mlp", "Addmm", "Mm", "Relu", "Threshold", "Bmm", "_TrianglePairs", "_NativeInteraction", "Linear", "Index", "Optimizer.step",
         "BinaryCrossEntropy", "binary_cross_entropy", "Mean", "Squeeze", "Cat", "View", "Transpose", "Unsqueeze", "Div", "Permute",
-        "Addcmul", "MulBackward", "AddBackward", "ToCopyBackward")
+        "Addcmul", "MulBackward", "AddBackward", "ToCopyBackward", "_CrossLayers")  # DCNv2's fused cross layers
 
 
 def _category(name: str) -> str | None:

@@ -15,5 +15,6 @@ def test_embedding_operators_forward_and_backward_count_as_embeddings() -> None:
                  "autograd::engine::evaluate_function: _NativeFusedPoolingBackward"):
         assert _category(name) == "embeddings", name
     assert _category("aten::binary_cross_entropy_with_logits") == "mlp"
+    assert _category("_CrossLayersBackward") == "mlp"  # DCNv2's fused backward is dense work
     assert _category("comm:output_a2a") == "comm"
     assert _category("aten::view") is None  # left to its enclosing event, else "other"
