@@ -121,28 +121,17 @@ def test_tiered_equals_ram_bitwise(tmp_path_factory, rows, dim, pooling, dtype, 
     close_tiers(tier)
 
 
-def _slow_reads(monkeypatch, seconds: float) -> None:
-    """Background reads take ``seconds``: prefetches are still in flight while batches train."""
-    real = RowFile.read
+def _slow_in_background(monkeypatch, method: str, seconds: float) -> None:
+    """``RowFile.<method>`` takes ``seconds`` off the main thread: prefetches (``read``) or
+    write-backs (``write``) are still in flight when the next batch needs their rows."""
+    real = getattr(RowFile, method)
 
-    def read(self, rows, out, *args):
+    def slow(self, *args):
         if threading.current_thread() is not threading.main_thread():
             time.sleep(seconds)
-        real(self, rows, out, *args)
+        real(self, *args)
 
-    monkeypatch.setattr(RowFile, "read", read)
-
-
-def _slow_writes(monkeypatch, seconds: float) -> None:
-    """Background write-backs take ``seconds``: they are still running when the next reads are due."""
-    real = RowFile.write
-
-    def write(self, rows, data, *args):
-        if threading.current_thread() is not threading.main_thread():
-            time.sleep(seconds)
-        real(self, rows, data, *args)
-
-    monkeypatch.setattr(RowFile, "write", write)
+    monkeypatch.setattr(RowFile, method, slow)
 
 
 @pytest.mark.parametrize("slow", ["reads", "writes"])
@@ -151,7 +140,7 @@ def test_row_updated_by_one_batch_and_needed_by_the_next_is_never_stale(tmp_path
     share; batch 2 needs a row that batch 1 evicts after batch 0 updated it (its write-back,
     slowly, still running when the row is read again). Every copy the next batch sees must
     carry the update: the run equals the in-RAM one bitwise."""
-    (_slow_reads if slow == "reads" else _slow_writes)(monkeypatch, 0.02)
+    _slow_in_background(monkeypatch, "read" if slow == "reads" else "write", 0.02)
     t = TableConfig("t", 10, 4, ("f",))
     ids = [[[0, 1]], [[1, 2]], [[0, 3]], [[1, 0]], [[2, 3]], [[0, 1]]]
     batches = [JaggedBatch.from_lists({"f": b}) for b in ids]
