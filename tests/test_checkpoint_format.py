@@ -69,6 +69,25 @@ def test_native_range_search_equals_the_pytorch_definition(n, d, bits, bins, rat
     assert torch.equal(lo_t, lo_n) and torch.equal(hi_t, hi_n)
 
 
+@pytest.mark.skipif(quantize_kernels() is None, reason="the native quantizer cannot be built here (no C++ compiler)")
+@given(st.integers(1, 70), st.integers(1, 140), st.integers(1, 8), st.sampled_from([1e-4, 0.1, 30.0]),
+       st.integers(0, 2**31 - 1))
+@settings(max_examples=60, deadline=None)
+def test_native_codes_and_packing_equal_the_pytorch_definition(n, d, bits, spread, seed):
+    """Same bytes from the one-pass kernel as from PyTorch's codes and NumPy's packing, rows that
+    start inside a byte (odd ``d`` x ``bits``), constant rows and narrowed ranges included."""
+    from recscale.checkpoint.quantize import quantize_packed
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g) * torch.rand(n, 1, generator=g) * spread
+    x[0] = 0.5  # a constant row
+    lo, hi = greedy_range(x, min(bits, 8), 25, 0.6) if bits in (2, 3, 4, 8) else (x.amin(1), x.amax(1))
+    s_t, b_t, c_t = quantize_packed(x, lo, hi, bits, native=False)
+    s_n, b_n, c_n = quantize_packed(x, lo, hi, bits, native=True)
+    assert torch.equal(s_t, s_n) and torch.equal(b_t, b_n)
+    assert bytes(c_t) == bytes(c_n)
+
+
 def test_lossless_and_float_codecs():
     x = torch.randn(50, 8)
     assert torch.equal(Codec("none", "fp32").decode(Codec("none", "fp32").encode(x), 50, 8), x)
@@ -162,6 +181,20 @@ def test_flipped_byte_is_refused(written, tmp_path, target):
     assert "damaged" in msg and target in msg
 
 
+def test_verify_finds_a_flipped_byte_in_a_data_file_by_its_chunk_checksums(written, tmp_path, capsys):
+    """Data files carry no file hash: the crc32s of the chunks that tile them check every byte."""
+    ck = damaged_copy(written[0], tmp_path)
+    d = ckpt_dir(ck, 8)
+    entry = next(f for f in json.loads((d / MANIFEST).read_text())["files"] if f["path"] == "rank00000.bin")
+    assert entry["sha256"] == ""
+    f = d / "rank00000.bin"
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 0x01
+    f.write_bytes(bytes(raw))
+    assert main(["ckpt", "verify", str(d)]) == 2
+    assert "checksum mismatch" in capsys.readouterr().err
+
+
 def test_missing_manifest_is_refused(written, tmp_path):
     ck = damaged_copy(written[0], tmp_path)
     (ckpt_dir(ck, 8) / MANIFEST).unlink()
@@ -232,3 +265,28 @@ def test_full_checkpoints_leave_out_rows_at_their_initial_values(written, tmp_pa
     m = load_manifest(LocalStorage(ckpt_dir(every, 4).parent), "step0000000004")
     assert m.initial_rows is None and sum(c.num_rows for c in m.chunks) == total
     assert m.stats["bytes_written"] > base.stats["bytes_written"]
+
+
+def test_full_checkpoint_after_a_resume_holds_the_rows_off_their_initial_values(written, tmp_path):
+    """Full checkpoints take their rows from the modified-row flags, not from comparing every
+    row with its initial value; after a resume the flags start from the restored rows, so the
+    next full checkpoint holds exactly the rows an update reached, before or after the resume,
+    and restores to the trained state."""
+    from recscale.checkpoint.restore import load_chain, load_manifest
+    from recscale.checkpoint.storage import LocalStorage
+
+    ck = damaged_copy(written[0], tmp_path)
+    _, state, _ = run_training([f"checkpoint.dir='{ck}'", "checkpoint.resume=latest", "train.max_steps=12",
+                                "checkpoint.interval_steps=4"])
+    d = ckpt_dir(ck, 12)
+    m = load_manifest(LocalStorage(d.parent), d.name)
+    assert m.kind == "full" and m.initial_rows is not None
+    for t in m.tables:
+        reached = int((state[f"{t.name}.sum_sq"] != 0).any(1).sum())
+        assert sum(c.num_rows for c in m.chunks if c.table == t.name) == reached > 0
+    assert len(load_chain(LocalStorage(d.parent), m)) == 1
+    exported = tmp_path / "model.pt"
+    assert main(["ckpt", "export", str(d.parent), "--out", str(exported)]) == 0
+    out = torch.load(exported)
+    for t in m.tables:
+        assert torch.equal(out[f"embeddings.{t.name}.weight"], state[f"{t.name}.weight"])

@@ -126,6 +126,8 @@ class CheckpointManager:
         self.chain = chain
         stall = time.perf_counter() - t0
         skip = kind == "full" and self.init_seed is not None
+        # With a tracker, the snapshot already left out the rows never updated: no scan.
+        scan = skip and self.tracker is None
         manifest = Manifest(
             initial_rows=self._initial_rows_meta() if skip else None,
             name=name, step=step, kind=kind, chain=chain, policy=self.settings.policy,
@@ -137,7 +139,7 @@ class CheckpointManager:
         )
         job = WriteJob(
             manifest, self.rank, self.world_size, snaps, rank_state, self.weight_codec, self.state_codec,
-            self.settings.chunk_rows, stall, self._full_fp32_bytes(), self.init_seed if skip else None,
+            self.settings.chunk_rows, stall, self._full_fp32_bytes(), self.init_seed if scan else None,
             on_done=lambda: self.snapshots.release(held),
         )
         self.writer.submit(job)
@@ -146,6 +148,8 @@ class CheckpointManager:
 
     def _snapshot(self, s: LocalShard, kind: str, held: list[torch.Tensor]) -> ShardSnapshot:
         mask = None if self.tracker is None else self.tracker.shard_mask(s, kind)
+        if mask is None and self.tracker is not None and self.init_seed is not None:
+            mask = self.tracker.changed_since_init(s)  # a full checkpoint of the rows off their initial values
         w = s.module.table_weight(s.local_name)
         states = s.module.table_state(s.local_name)
         keep_state = set(states) - (row_state_names(s.module, s.table.dim) if s.col_offset > 0 else set())
@@ -159,6 +163,12 @@ class CheckpointManager:
             state = {k: self.snapshots.gather(v, rows, held) for k, v in states.items() if k in keep_state}
             rows = rows.cpu()
         return ShardSnapshot(s.table.name, s.row_offset, s.num_rows, s.col_offset, s.num_cols, rows, weight, state, s.table)
+
+    def restored(self) -> None:
+        """After a restore into the tracked tables: the rows that now differ from their initial
+        values are what the next full checkpoint must hold."""
+        if self.tracker is not None and self.init_seed is not None:
+            self.tracker.mark_off_initial(self.init_seed)
 
     def _initial_rows_meta(self) -> dict:
         bounds = {s.table.name: list(s.table.bounds) for s in self.shards}

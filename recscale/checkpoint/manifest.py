@@ -4,7 +4,8 @@ Directory ``<root>/step0000000100/``::
 
     manifest.json      format name and version, kind (full/differential/incremental), the chain
                        of checkpoints a restore applies (baseline first), policy, codecs, plan,
-                       tables, every file with size and sha256, every chunk, training position;
+                       tables, every file with size and sha256 (a data file: none, its chunks'
+                       crc32s cover it byte for byte), every chunk, training position;
                        its own sha256 over the rest, so a damaged manifest is refused too
     rank00000.bin      that rank's embedding chunks, back to back
     rank00000.state    that rank's RNG states and accumulators (rank 0 also: dense model and optimizer)
@@ -26,9 +27,13 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 FORMAT_NAME = "recscale-checkpoint"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 # Version 1 (no run identity, chain links by name only) is still read; a restore checks its chain by name.
-READABLE_VERSIONS = (1, 2)
+# Version 2 also hashed the data files (sha256); from version 3 their chunks' crc32s check them.
+READABLE_VERSIONS = (1, 2, 3)
+# A file entry's sha256 for a data file: its chunks tile it and each carries a crc32, so a second
+# pass over every byte (sha256 costs twice crc32's CPU) would check nothing more.
+BY_CHUNKS = ""
 MANIFEST = "manifest.json"
 KINDS = ("full", "differential", "incremental")
 

@@ -93,8 +93,8 @@ class Codec:
             lo, hi = greedy_range(x, self.bits, self.bins, self.ratio)
         else:
             lo, hi = (x.amin(1), x.amax(1)) if x.numel() else (x.new_zeros(0), x.new_zeros(0))
-        scale, bias, q = _quantize(x, lo, hi, self.bits)
-        return tensor_bytes(scale) + tensor_bytes(bias) + pack_bits(q.numpy(), self.bits)
+        scale, bias, codes = quantize_packed(x, lo, hi, self.bits)
+        return tensor_bytes(scale) + tensor_bytes(bias) + codes
 
     def decode(self, buf: bytes | memoryview, n: int, d: int) -> torch.Tensor:
         """Rows as float32 ``[n, d]`` (``none``: in the stored dtype)."""
@@ -110,16 +110,38 @@ class Codec:
         return torch.from_numpy(q.astype(np.float32)) * scale + bias
 
 
-def _quantize(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int):
-    """Codes for ``x`` on [lo, hi] per row, with scale and offset rounded to fp16 first so the
-    decoder reconstructs exactly what the encoder measured."""
+def _scales(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row the fp16 scale and offset of [lo, hi] (rounded first, so the decoder rebuilds
+    exactly what the encoder measured) and the reciprocal of the scale (0 for a constant row:
+    every code 0)."""
     levels = (1 << bits) - 1
     bias = lo.clamp(-_FP16_MAX, _FP16_MAX).half()
     scale = ((hi - bias.float()) / levels).clamp(0, _FP16_MAX).half()
-    s = scale.float().view(-1, 1)
-    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))  # a constant row: every code 0
-    q = (x - bias.float().view(-1, 1)).mul_(inv).round_().clamp_(0, levels).to(torch.uint8)
+    s = scale.float()
+    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+    return scale, bias, inv
+
+
+def _quantize(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int):
+    """Codes for ``x`` on [lo, hi] per row (uint8, one per value), with the fp16 scale and offset."""
+    scale, bias, inv = _scales(lo, hi, bits)
+    levels = (1 << bits) - 1
+    q = (x - bias.float().view(-1, 1)).mul_(inv.view(-1, 1)).round_().clamp_(0, levels).to(torch.uint8)
     return scale, bias, q
+
+
+def quantize_packed(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int,
+                    native: bool = True) -> tuple[torch.Tensor, torch.Tensor, bytes | memoryview]:
+    """``_quantize`` with the codes packed (``pack_bits``). The native kernel (when built; the
+    same bytes) computes and packs each row's codes in one pass, without the five full-size
+    temporaries of the PyTorch and NumPy definition."""
+    kernels = quantize_kernels() if native else None
+    if kernels is None or x.numel() == 0:
+        scale, bias, q = _quantize(x, lo, hi, bits)
+        return scale, bias, pack_bits(q.numpy(), bits)
+    scale, bias, inv = _scales(lo, hi, bits)
+    packed = kernels.pack_codes(x.contiguous(), bias.float().contiguous(), inv.contiguous(), bits)
+    return scale, bias, memoryview(packed.numpy())
 
 
 def _scaled_sq_error(xs: torch.Tensor, a: torch.Tensor, levels: int, buf: torch.Tensor) -> torch.Tensor:
@@ -310,9 +332,9 @@ def _encode_mixed(x: torch.Tensor, tags: torch.Tensor | None) -> bytes:
         rows = torch.nonzero(tags == t).reshape(-1)
         if rows.numel():
             xs = x.index_select(0, rows)
-            s, b, q = _quantize(xs, xs.amin(1), xs.amax(1), WIDTHS[t])
+            s, b, codes = quantize_packed(xs, xs.amin(1), xs.amax(1), WIDTHS[t])
             scale[rows], bias[rows] = s, b
-            groups.append(pack_bits(q.numpy(), WIDTHS[t]))
+            groups.append(codes)
     return tensor_bytes(scale) + tensor_bytes(bias) + pack_bits(tags.numpy(), 2) + b"".join(groups)
 
 

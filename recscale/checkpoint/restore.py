@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from recscale.checkpoint.lineage import list_checkpoints, resolve  # noqa: F401  (this module's API too)
-from recscale.checkpoint.manifest import MANIFEST, CheckpointError, Chunk, Manifest
+from recscale.checkpoint.manifest import BY_CHUNKS, MANIFEST, CheckpointError, Chunk, FileEntry, Manifest
 from recscale.checkpoint.quantize import Codec
 from recscale.checkpoint.shards import LocalShard, row_state_names
 from recscale.checkpoint.storage import Storage
@@ -90,9 +90,26 @@ def check_files(storage: Storage, m: Manifest, deep: bool) -> None:
             raise CheckpointError(f"{where}: missing; the checkpoint is incomplete and is not loaded")
         if size != f.size:
             raise CheckpointError(f"{where}: {size} bytes but the manifest records {f.size} (truncated or damaged)")
-        if deep:
-            if hashlib.sha256(storage.read(f"{m.name}/{f.path}")).hexdigest() != f.sha256:
-                raise CheckpointError(f"{where}: sha256 mismatch; the file is damaged")
+        if f.sha256 == BY_CHUNKS:
+            _check_tiling(where, f, [c for c in m.chunks if c.file == f.path])
+            if deep:
+                for c in m.chunks:
+                    if c.file == f.path:
+                        read_chunk(storage, m, c)
+        elif deep and hashlib.sha256(storage.read(f"{m.name}/{f.path}")).hexdigest() != f.sha256:
+            raise CheckpointError(f"{where}: sha256 mismatch; the file is damaged")
+
+
+def _check_tiling(where: str, f: FileEntry, chunks: list[Chunk]) -> None:
+    """A data file checked by its chunks' crc32s: they must cover it exactly, back to back."""
+    end = 0
+    for c in sorted(chunks, key=lambda c: c.offset):
+        if c.offset != end:
+            break
+        end += c.length
+    if end != f.size or sum(c.length for c in chunks) != f.size:
+        raise CheckpointError(f"{where}: its chunks do not cover the file exactly; the manifest is damaged, "
+                              "do not load it")
 
 
 def read_file_checked(storage: Storage, m: Manifest, path: str, stats: ReadStats | None = None) -> bytes:

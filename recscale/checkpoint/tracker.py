@@ -1,8 +1,12 @@
-"""Modified-row tracking: which rows changed since the last checkpoint and since the baseline.
+"""Modified-row tracking: which rows changed since the last checkpoint, since the baseline, and
+since the rows were initialised.
 
 The table-batched backward sets ``TableGroup.touched[row] = 1`` for every row it updates (one
 byte per row, only while a tracker is attached). At each checkpoint the tracker reads those
-flags, folds them into the since-baseline flags and clears them, as the policy requires.
+flags, folds them into the since-baseline and since-initialisation flags and clears them, as the
+policy requires. The since-initialisation flags let a full checkpoint that leaves out rows still
+at their initial values copy and write only the others, without regenerating every initial row
+to compare.
 """
 
 from __future__ import annotations
@@ -11,15 +15,19 @@ import torch
 
 from recscale.checkpoint.shards import LocalShard, embedding_modules
 
+_SCAN_ROWS = 65536  # rows compared with their initial values at a time after a restore
+
 
 class RowTracker:
     def __init__(self, shards: list[LocalShard]) -> None:
         self.shards = shards
         self._since_base: dict[int, torch.Tensor] = {}
+        self._since_init: dict[int, torch.Tensor] = {}
         for m in embedding_modules(shards):
             for g in m.groups:
                 g.touched = torch.zeros(g.storage.num_rows, dtype=torch.uint8, device=g.storage.weight.device)
                 self._since_base[id(g)] = torch.zeros_like(g.touched)
+                self._since_init[id(g)] = torch.zeros_like(g.touched)
 
     def detach(self) -> None:
         """Stop tracking (backward no longer marks rows)."""
@@ -38,6 +46,32 @@ class RowTracker:
             return touched.bool()
         return (touched | self._since_base[id(g)][off : off + shard.num_rows]).bool()
 
+    def changed_since_init(self, shard: LocalShard) -> torch.Tensor:
+        """Rows of ``shard`` updated since initialisation (or restored to other values): a
+        superset of the rows that differ from their initial values, so a full checkpoint that
+        leaves out the rest restores exactly."""
+        g, off = shard.group()
+        assert g.touched is not None, "tracking is off"
+        sl = slice(off, off + shard.num_rows)
+        return (g.touched[sl] | self._since_init[id(g)][sl]).bool()
+
+    def mark_off_initial(self, seed: int) -> None:
+        """After a restore: flag every row that differs from its initial values for ``seed`` or
+        has optimizer state (one pass over the tables, block by block)."""
+        from recscale.checkpoint.writer import off_initial  # the writer's definition of "initial"
+
+        for s in self.shards:
+            g, off = s.group()
+            flags = self._since_init[id(g)]
+            w = s.module.table_weight(s.local_name)
+            states = s.module.table_state(s.local_name)
+            for a in range(0, s.num_rows, _SCAN_ROWS):
+                b = min(a + _SCAN_ROWS, s.num_rows)
+                rows = off_initial(s.table, seed, s.row_offset + a, s.col_offset, w[a:b],
+                                   {k: t[a:b] for k, t in states.items()})
+                if rows.size:
+                    flags[off + a + torch.from_numpy(rows).to(flags.device)] = 1
+
     def changed_cells(self, kind: str) -> tuple[int, int]:
         """(cells a checkpoint of ``kind`` would hold, all cells) over the shards this rank writes."""
         changed = total = 0
@@ -50,8 +84,9 @@ class RowTracker:
         return changed, total
 
     def advance(self, kind: str) -> None:
-        """After a checkpoint of ``kind``: a baseline clears everything; otherwise the interval's
-        changes join the since-baseline set and the interval starts afresh."""
+        """After a checkpoint of ``kind``: a baseline clears the since-baseline set; otherwise
+        the interval's changes join it; either way they join the since-initialisation set and
+        the interval starts afresh."""
         for m in embedding_modules(self.shards):
             for g in m.groups:
                 assert g.touched is not None
@@ -60,4 +95,5 @@ class RowTracker:
                     base.zero_()
                 else:
                     base.bitwise_or_(g.touched)
+                self._since_init[id(g)].bitwise_or_(g.touched)
                 g.touched.zero_()

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from recscale import faults
-from recscale.checkpoint.manifest import MANIFEST, Chunk, CheckpointError, FileEntry, Manifest, tmp_name
+from recscale.checkpoint.manifest import BY_CHUNKS, MANIFEST, Chunk, CheckpointError, FileEntry, Manifest, tmp_name
 from recscale.checkpoint.quantize import Codec, allocate_widths, row_importance
 from recscale.checkpoint.storage import Storage
 from recscale.embedding import TableConfig
@@ -86,15 +86,22 @@ def rank_file(rank: int, suffix: str) -> str:
 
 
 # ---------------------------------------------------------------------- chunk encoding
-def initial_row_mask(sh: ShardSnapshot, seed: int, a: int, b: int) -> np.ndarray:
-    """Local rows ``a..b`` of a whole-shard snapshot that differ from their initial values
-    (bitwise) or have non-zero optimizer state: the rows a full checkpoint must hold."""
-    init = init_rows(sh.config, seed, sh.row_offset + a, b - a, sh.col_offset, sh.num_cols)
-    w = sh.weight[a:b]
-    keep = (w != init.to(w.dtype)).any(1)
-    for t in sh.state.values():
-        keep |= (t[a:b] != 0).any(1)
+def off_initial(table: TableConfig, seed: int, first_row: int, col_offset: int, weight: torch.Tensor,
+                state: dict[str, torch.Tensor]) -> np.ndarray:
+    """Rows of a block (``weight``: the table's rows from ``first_row``, columns from
+    ``col_offset``; ``state``: theirs) that differ from their initial values (bitwise) or have
+    non-zero optimizer state: the rows a full checkpoint must hold."""
+    init = init_rows(table, seed, first_row, weight.shape[0], col_offset, weight.shape[1])
+    keep = (weight.cpu() != init.to(weight.dtype)).any(1)
+    for t in state.values():
+        keep |= (t.cpu() != 0).any(1)
     return np.flatnonzero(keep.numpy())
+
+
+def initial_row_mask(sh: ShardSnapshot, seed: int, a: int, b: int) -> np.ndarray:
+    """Local rows ``a..b`` of a whole-shard snapshot that a full checkpoint must hold."""
+    return off_initial(sh.config, seed, sh.row_offset + a, sh.col_offset, sh.weight[a:b],
+                       {k: t[a:b] for k, t in sh.state.items()})
 
 
 @dataclass
@@ -244,13 +251,11 @@ def write_rank(storage: Storage, job: WriteJob) -> WriteReport:
     data_file = rank_file(job.rank, "bin")
     chunks: list[Chunk] = []
     rows = 0
-    sha = hashlib.sha256()
     offset = 0
     with storage.open_write(f"{tmp}/{data_file}") as f:
         for chunk, parts in _pipelined(encode_chunks(job, data_file)):
             for part in parts:
                 f.write(part)
-                sha.update(part)
             chunks.append(Chunk(**{**asdict(chunk), "offset": offset, "state": chunk.state}))
             offset += chunk.length
             rows += chunk.num_rows
@@ -259,7 +264,7 @@ def write_rank(storage: Storage, job: WriteJob) -> WriteReport:
     state_file = rank_file(job.rank, "state")
     storage.write_atomic(f"{tmp}/{state_file}", job.rank_state)
     files = [
-        FileEntry(data_file, offset, sha.hexdigest()),
+        FileEntry(data_file, offset, BY_CHUNKS),
         FileEntry(state_file, len(job.rank_state), hashlib.sha256(job.rank_state).hexdigest()),
     ]
     report = WriteReport(

@@ -156,6 +156,8 @@ class TrainCheckpointing:
             )
         chain = load_chain(storage, manifest)
         stats = restore_shards(storage, chain, self.shards)
+        if self.manager is not None:
+            self.manager.restored()
         step = int(manifest.training["embedding_step"])
         for s in self.shards:
             for g in s.module.groups:

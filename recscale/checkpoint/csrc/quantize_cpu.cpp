@@ -1,4 +1,5 @@
-// Native CPU kernel of the adaptive row quantizer's range search (Check-N-Run's greedy search).
+// Native CPU kernels of the row quantizer: the adaptive range search (Check-N-Run's greedy
+// search) and the codes of rows on their scales, packed (`pack_codes`, at the end).
 //
 // For each row: start from [min, max], and for at most `steps` steps move one end by `move`
 // steps of (max - min) / bins toward the other, whichever lowers the squared error of quantizing
@@ -18,6 +19,7 @@
 #include <torch/python.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -259,9 +261,84 @@ std::tuple<at::Tensor, at::Tensor> greedy_range(const at::Tensor& x, int64_t lev
   return {best_lo, best_hi};
 }
 
+// Codes of one row, round(clamp((x - bias) * inv, 0, levels)) as quantize.py's `_quantize`
+// computes them (float32 sub and mul, rounding half to even, then the clamp), into c[0..d).
+inline void row_codes(const float* x, int64_t d, float bias, float inv, float levels, uint8_t* c) {
+  for (int64_t j = 0; j < d; ++j) {
+    float q = std::nearbyint((x[j] - bias) * inv);
+    q = q < 0.0f ? 0.0f : q;
+    q = levels < q ? levels : q;
+    c[j] = static_cast<uint8_t>(q);
+  }
+}
+
+// Packs `count` codes of `bits` bits at bit offset `bit` of `out` (zeroed), least significant
+// bit first: code i's bit b lands at stream bit (bit + i * bits + b), as pack_bits lays it out.
+inline void put_bits(const uint8_t* c, int64_t count, int bits, int64_t bit, uint8_t* out) {
+  if (bit % 8 == 0 && (bits == 8 || bits == 4 || bits == 2 || bits == 1)) {
+    uint8_t* o = out + bit / 8;
+    const int per = 8 / bits;
+    const int64_t whole = count / per;
+    if (bits == 8) {
+      std::copy(c, c + count, o);
+      return;
+    }
+    for (int64_t k = 0; k < whole; ++k) {  // a loop the compiler vectorizes
+      uint8_t v = 0;
+      for (int i = 0; i < per; ++i) v |= static_cast<uint8_t>(c[k * per + i] << (bits * i));
+      o[k] = v;
+    }
+    for (int64_t i = whole * per; i < count; ++i) o[i / per] |= static_cast<uint8_t>(c[i] << (bits * (i % per)));
+    return;
+  }
+  uint64_t acc = 0;
+  int have = static_cast<int>(bit % 8);
+  uint8_t* o = out + bit / 8;
+  acc = *o;  // bits already written in the first byte
+  for (int64_t i = 0; i < count; ++i) {
+    acc |= static_cast<uint64_t>(c[i]) << have;
+    have += bits;
+    while (have >= 8) {
+      *o++ = static_cast<uint8_t>(acc & 0xffu);
+      acc >>= 8;
+      have -= 8;
+    }
+  }
+  if (have > 0) *o = static_cast<uint8_t>(acc & 0xffu);
+}
+
+// Every row's codes on its own scale (`bias`, `inv`: float32 per row), packed densely in row
+// order: the bytes pack_bits(codes) gives, without the n x d intermediate tensors.
+at::Tensor pack_codes(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& inv, int64_t bits) {
+  if (x.dim() != 2 || x.scalar_type() != at::kFloat || !x.is_contiguous() || x.device().type() != at::kCPU) {
+    throw std::invalid_argument("pack_codes: x must be a contiguous 2-d float32 CPU tensor");
+  }
+  const int64_t n = x.size(0), d = x.size(1);
+  if (bias.numel() != n || inv.numel() != n || bias.scalar_type() != at::kFloat || inv.scalar_type() != at::kFloat ||
+      !bias.is_contiguous() || !inv.is_contiguous()) {
+    throw std::invalid_argument("pack_codes: bias and inv must be contiguous float32 with one value per row");
+  }
+  if (bits < 1 || bits > 8) throw std::invalid_argument("pack_codes: bits must be 1 to 8");
+  const int64_t total = (n * d * bits + 7) / 8;
+  at::Tensor out = at::zeros({total}, x.options().dtype(at::kByte));
+  const float* xp = x.data_ptr<float>();
+  const float* bp = bias.data_ptr<float>();
+  const float* ip = inv.data_ptr<float>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  const float levels = static_cast<float>((1 << bits) - 1);
+  std::vector<uint8_t> codes(static_cast<size_t>(d));
+  for (int64_t r = 0; r < n; ++r) {
+    row_codes(xp + r * d, d, bp[r], ip[r], levels, codes.data());
+    put_bits(codes.data(), d, static_cast<int>(bits), r * d * bits, op);
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_range", &greedy_range, "per-row [lo, hi] of the adaptive quantizer's greedy range search",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("pack_codes", &pack_codes, "per-row codes of rows on their scales, densely packed",
         pybind11::call_guard<pybind11::gil_scoped_release>());
 }
