@@ -53,13 +53,13 @@ fi
 step pytest_cuda 300 "$PY" -m pytest -rA -q -p no:cacheprovider --durations=15 tests/test_cuda.py \
   --junitxml="$LOG_DIR/pytest_cuda.xml"
 
-common=(--config configs/synthetic.toml --set train.device=cuda --set data.num_samples=131072
+common=(--config configs/synthetic.toml --set train.device=cuda --set data.num_samples=65536
         --set data.eval_samples=16384 --set train.progress=false)
-step train_dot 150 "$PY" -m recscale train "${common[@]}" --set train.eval_every_steps=64 \
-  --set checkpoint.dir="$LOG_DIR/ckpt" --set checkpoint.interval_steps=96 --set checkpoint.at_end=false --summary-json "$LOG_DIR/train_dot.json"
-# Resume the same job from its last checkpoint (step 96 of 128): it must end with the same summary.
-step train_dot_resume 150 "$PY" -m recscale train "${common[@]}" --set train.eval_every_steps=64 \
-  --set checkpoint.dir="$LOG_DIR/ckpt" --set checkpoint.interval_steps=96 --set checkpoint.at_end=false --resume latest \
+step train_dot 150 "$PY" -m recscale train "${common[@]}" --set train.eval_every_steps=32 \
+  --set checkpoint.dir="$LOG_DIR/ckpt" --set checkpoint.interval_steps=48 --set checkpoint.at_end=false --summary-json "$LOG_DIR/train_dot.json"
+# Resume the same job from its last checkpoint (step 48 of 64): it must end with the same summary.
+step train_dot_resume 150 "$PY" -m recscale train "${common[@]}" --set train.eval_every_steps=32 \
+  --set checkpoint.dir="$LOG_DIR/ckpt" --set checkpoint.interval_steps=48 --set checkpoint.at_end=false --resume latest \
   --summary-json "$LOG_DIR/train_dot_resume.json"
 step resume_equal 30 "$PY" -c "
 import json, sys
@@ -69,13 +69,13 @@ diff = {k: (a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)}
 print('resumed from', b.get('resumed_from'), 'differences:', diff)
 sys.exit(1 if diff or not b.get('resumed_from') else 0)" "$LOG_DIR/train_dot.json" "$LOG_DIR/train_dot_resume.json"
 step train_dcn_bf16 150 "$PY" -m recscale train "${common[@]}" --set model.interaction=dcn \
-  --set model.dcn_low_rank=64 --set model.mlp_precision=bf16 --set train.max_steps=64 \
+  --set model.dcn_low_rank=64 --set model.mlp_precision=bf16 --set train.max_steps=32 \
   --summary-json "$LOG_DIR/train_dcn_bf16.json"
 find "$LOG_DIR/ckpt" -maxdepth 3 -printf "%s %p\\n" > "$LOG_DIR/ckpt_files.txt" 2>&1
 rm -rf "$LOG_DIR/ckpt"  # model-sized files: their listing is kept
 
 # Report the kernel builds (waiting a bounded time for them; killed if still compiling).
-for _ in $(seq 1 "${GPU_CHECK_KERNEL_WAIT_S:-60}"); do kill -0 "$kernels_pid" 2>/dev/null || break; sleep 1; done
+for _ in $(seq 1 "${GPU_CHECK_KERNEL_WAIT_S:-45}"); do kill -0 "$kernels_pid" 2>/dev/null || break; sleep 1; done
 if kill -0 "$kernels_pid" 2>/dev/null; then
   echo "native kernel builds still running at the end: stopped" >> "$kernels_log"
   pkill -TERM -P "$kernels_pid" 2>/dev/null; kill "$kernels_pid" 2>/dev/null
