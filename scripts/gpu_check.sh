@@ -50,7 +50,7 @@ else
   export RECSCALE_KERNEL_BUILD_TIMEOUT=1
 fi
 
-step pytest_cuda 300 "$PY" -m pytest -rA -q -p no:cacheprovider --durations=15 tests/test_cuda.py \
+step pytest_cuda 200 "$PY" -m pytest -rA -q -p no:cacheprovider --durations=15 tests/test_cuda.py \
   --junitxml="$LOG_DIR/pytest_cuda.xml"
 
 common=(--config configs/synthetic.toml --set train.device=cuda --set data.num_samples=65536
