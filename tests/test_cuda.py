@@ -262,7 +262,7 @@ def test_bf16_linear_matches_cpu(device):
     x, w, b = torch.randn(12, 20, generator=gen), torch.randn(7, 20, generator=gen), torch.randn(7, generator=gen)
     outs = []
     for dev in ("cpu", device):
-        xs, ws, bs = (t.to(dev).requires_grad_() for t in (x, w, b))
+        xs, ws, bs = (t.to(dev, copy=True).requires_grad_() for t in (x, w, b))
         y = bf16_linear(xs, ws, bs)
         assert y.dtype == torch.bfloat16 and y.device.type == dev
         y.float().square().sum().backward()
