@@ -27,7 +27,7 @@ TINY = [
 def batch_digest(batch) -> str:
     h = hashlib.sha256()
     for t in (batch.dense, batch.sparse.values, batch.sparse.lengths, batch.labels):
-        h.update(t.contiguous().numpy().tobytes())
+        h.update(t.cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
 

@@ -55,7 +55,9 @@ class RowWiseInt8Codec:
             return out
         lo = x.amin(dim=1, keepdim=True)
         hi = x.amax(dim=1, keepdim=True)
-        scale = (hi - lo) / 255.0
+        # Divided by a tensor: CUDA multiplies by the reciprocal of a Python-number divisor (a
+        # bit off now and then), which would put other bytes on the wire than the CPU does.
+        scale = (hi - lo) / torch.full_like(hi, 255.0)
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         out[:, :c] = torch.round((x - lo) / scale).clamp_(0, 255).to(torch.uint8)
         out[:, c:] = torch.cat([scale, lo], dim=1).float().contiguous().view(torch.uint8)

@@ -96,6 +96,8 @@ def init_process_groups(
     if device is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
+        if device.index is None:  # "cuda" (train.device): this rank's GPU; set_device needs an index
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     if topology.world_size == 1 and not dist.is_initialized():
         return ProcessGroups(topology, None, None, None, None, None, device, timeout_s)

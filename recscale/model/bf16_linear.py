@@ -22,7 +22,13 @@ def _onednn_linear() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tor
     op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
     if op is None or not torch.backends.mkldnn.is_available():
         return None
-    return lambda x, w, b: op(x, w, b, "none", [], "")
+    linear = lambda x, w, b: op(x, w, b, "none", [], "")  # noqa: E731
+    try:  # oneDNN has no bf16 inner product on CPUs without AVX-512 (it raises): addmm there
+        one = torch.ones(1, 1, dtype=torch.bfloat16)
+        linear(one, one, one.view(1))
+    except RuntimeError:
+        return None
+    return linear
 
 
 _ONEDNN_LINEAR = _onednn_linear()

@@ -71,7 +71,9 @@ class TrainState:
 
     def loss_over_ranks(self, group) -> None:
         """Make the running loss the mean over every rank's samples, not rank 0's alone."""
-        totals = torch.tensor([float(self.running_loss), float(self.running_n)], dtype=torch.float64)
+        # On the loss's device: NCCL reduces device tensors only.
+        totals = torch.tensor([float(self.running_loss), float(self.running_n)], dtype=torch.float64,
+                              device=self.running_loss.device)
         torch.distributed.all_reduce(totals, group=group)
         self.running_loss, self.running_n = totals[0], int(totals[1])
 

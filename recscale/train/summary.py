@@ -24,7 +24,7 @@ def runs_native_kernels(model: DLRM, groups: ProcessGroups) -> bool:
     bags = [m for m in model.embeddings.modules() if isinstance(m, TableBatchedEmbeddingBags)]
     native = all(b.runs_native() for b in bags)
     if groups.world_size > 1:
-        flag = torch.tensor([int(native)])
+        flag = torch.tensor([int(native)], device=groups.device)  # NCCL reduces device tensors only
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=groups.dense)
         native = bool(flag.item())
     return native
