@@ -24,10 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-from _common import format_table, zipf_ids
+from _common import format_table, zipf_batches
 
 from recscale.checkpoint.manager import CheckpointManager
 from recscale.checkpoint.restore import load_chain, load_manifest, restore_shards
@@ -37,7 +36,6 @@ from recscale.checkpoint.storage import LocalStorage
 from recscale.data import Batch
 from recscale.embedding import RowWiseAdagrad, TableBatchedEmbeddingBags, TableConfig
 from recscale.model import DLRM
-from recscale.sparse import JaggedBatch
 
 POOL = 64  # distinct batches, cycled: generating ids every step would cost more than training
 
@@ -66,15 +64,7 @@ def build(args):
 
 
 def batches(args) -> list[Batch]:
-    rng = np.random.default_rng(1234)
-    names = [f"f{i}" for i in range(args.tables)]
-    out = []
-    for _ in range(POOL):
-        ids = np.stack([zipf_ids(args.rows, args.batch, rng, args.alpha, salt=t) for t in range(args.tables)], 1)
-        dense = torch.from_numpy(rng.standard_normal((args.batch, 13), dtype=np.float32))
-        labels = torch.from_numpy((rng.random(args.batch) < 0.25).astype(np.float32))
-        out.append(Batch(dense, JaggedBatch.from_dense_ids(names, torch.from_numpy(ids)), labels))
-    return out
+    return zipf_batches(args.tables, args.rows, args.batch, args.alpha, POOL)
 
 
 def _step(model, opt, b: Batch) -> None:

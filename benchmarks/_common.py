@@ -113,6 +113,23 @@ def zipf_ids(num_rows: int, size: int, rng: np.random.Generator, alpha: float = 
 # --------------------------------------------------------------------------- timing
 
 
+def zipf_batches(tables: int, rows: int, batch: int, alpha: float, count: int, seed: int = 1234) -> list:
+    """``count`` batches of one Zipf id per sample from each of ``tables`` tables of ``rows`` rows
+    (features ``f0``, ``f1``, ...), 13 dense features and labels with a 25% positive rate."""
+    from recscale.data import Batch
+    from recscale.sparse import JaggedBatch
+
+    rng = np.random.default_rng(seed)
+    names = [f"f{i}" for i in range(tables)]
+    out = []
+    for _ in range(count):
+        ids = np.stack([zipf_ids(rows, batch, rng, alpha, salt=t) for t in range(tables)], 1)
+        dense = torch.from_numpy(rng.standard_normal((batch, 13), dtype=np.float32))
+        labels = torch.from_numpy((rng.random(batch) < 0.25).astype(np.float32))
+        out.append(Batch(dense, JaggedBatch.from_dense_ids(names, torch.from_numpy(ids)), labels))
+    return out
+
+
 def summarize(samples_s: Sequence[float]) -> dict[str, float]:
     """Median, min and max of per-iteration times, in milliseconds."""
     ms = [s * 1e3 for s in samples_s]

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import environment, format_table, set_threads, write_json, zipf_ids  # noqa: E402
+from _common import environment, format_table, set_threads, write_json, zipf_batches  # noqa: E402
 
 from recscale.checkpoint.manager import CheckpointManager  # noqa: E402
 from recscale.checkpoint.quantize import Codec  # noqa: E402
@@ -55,7 +55,6 @@ from recscale.checkpoint.tracker import RowTracker  # noqa: E402
 from recscale.data import Batch  # noqa: E402
 from recscale.embedding import RowWiseAdagrad, TableBatchedEmbeddingBags, TableConfig  # noqa: E402
 from recscale.model import DLRM  # noqa: E402
-from recscale.sparse import JaggedBatch  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -121,15 +120,7 @@ def steps_for_fraction(rows: int, alpha: float, lookups_per_step: int, target: f
 
 
 def make_batches(args, steps: int) -> list[Batch]:
-    rng = np.random.default_rng(1234)
-    names = [f"f{i}" for i in range(args.tables)]
-    out = []
-    for _ in range(steps):
-        ids = np.stack([zipf_ids(args.rows, args.batch, rng, args.alpha, salt=t) for t in range(args.tables)], 1)
-        dense = torch.from_numpy(rng.standard_normal((args.batch, 13), dtype=np.float32))
-        labels = torch.from_numpy((rng.random(args.batch) < 0.25).astype(np.float32))
-        out.append(Batch(dense, JaggedBatch.from_dense_ids(names, torch.from_numpy(ids)), labels))
-    return out
+    return zipf_batches(args.tables, args.rows, args.batch, args.alpha, steps)
 
 
 def build(args):
