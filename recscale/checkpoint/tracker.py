@@ -3,6 +3,10 @@
 The table-batched backward sets ``TableGroup.touched[row] = 1`` for every row it updates (one
 byte per row, only while a tracker is attached). At each checkpoint the tracker reads those
 flags, folds them into the since-baseline flags and clears them, as the policy requires.
+
+A group on the SSD tier (``TieredRowStorage``) updates cache slots, not rows: its ``touched``
+has one flag per slot, and the storage moves a slot's flag to its row whenever the slot takes
+another row, so rows written back to the tier file since the last checkpoint still count.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from recscale.checkpoint.shards import LocalShard, embedding_modules
+from recscale.embedding.tiered import TieredRowStorage
 
 
 class RowTracker:
@@ -18,22 +23,33 @@ class RowTracker:
         self._since_base: dict[int, torch.Tensor] = {}
         for m in embedding_modules(shards):
             for g in m.groups:
-                g.touched = torch.zeros(g.storage.num_rows, dtype=torch.uint8, device=g.storage.weight.device)
-                self._since_base[id(g)] = torch.zeros_like(g.touched)
+                if isinstance(g.storage, TieredRowStorage):
+                    g.touched = torch.zeros(g.storage.weight.shape[0], dtype=torch.uint8)
+                    flags = g.storage.track_changes(g.touched)
+                else:
+                    g.touched = flags = torch.zeros(g.storage.num_rows, dtype=torch.uint8, device=g.storage.weight.device)
+                self._since_base[id(g)] = torch.zeros_like(flags)
+
+    @staticmethod
+    def _flags(g) -> torch.Tensor:
+        """The group's per-row flags: rows updated since they were last cleared."""
+        assert g.touched is not None, "tracking is off"
+        return g.storage.changed_rows() if isinstance(g.storage, TieredRowStorage) else g.touched
 
     def detach(self) -> None:
         """Stop tracking (backward no longer marks rows)."""
         for m in embedding_modules(self.shards):
             for g in m.groups:
                 g.touched = None
+                if isinstance(g.storage, TieredRowStorage):
+                    g.storage.track_changes(None)
 
     def shard_mask(self, shard: LocalShard, kind: str) -> torch.Tensor | None:
         """Rows of ``shard`` (local indices) to write for a checkpoint of ``kind``; None = all."""
         if kind == "full":
             return None
         g, off = shard.group()
-        assert g.touched is not None, "tracking is off"
-        touched = g.touched[off : off + shard.num_rows]
+        touched = self._flags(g)[off : off + shard.num_rows]
         if kind == "incremental":
             return touched.bool()
         return (touched | self._since_base[id(g)][off : off + shard.num_rows]).bool()
@@ -54,10 +70,10 @@ class RowTracker:
         changes join the since-baseline set and the interval starts afresh."""
         for m in embedding_modules(self.shards):
             for g in m.groups:
-                assert g.touched is not None
+                flags = self._flags(g)
                 base = self._since_base[id(g)]
                 if kind == "full":
                     base.zero_()
                 else:
-                    base.bitwise_or_(g.touched)
-                g.touched.zero_()
+                    base.bitwise_or_(flags)
+                flags.zero_()
