@@ -76,7 +76,7 @@ def test_kill_during_checkpoint_write_leaves_previous_restorable(tmp_path):
 
 
 TIERED = [  # tables on the SSD tier behind caches far smaller than them, checkpoints every 10 steps
-    "data.source=synthetic", "data.num_samples=9600", "data.eval_samples=128", "data.num_workers=0",
+    "data.source=synthetic", "data.num_samples=1600", "data.eval_samples=128", "data.num_workers=0",
     "data.pooling_factors=[1, 3, 2]", "model.table_rows=[300, 900, 60]", "model.embedding_dim=8",
     "model.bottom_mlp=[16, 8]", "train.batch_size=16", "train.progress=false", "train.threads=1",
     "embedding_optimizer.name=rowwise_adagrad", "tiers.policy=lookahead", "tiers.lookahead_batches=2",
