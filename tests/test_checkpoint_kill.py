@@ -98,8 +98,8 @@ def test_kill_of_a_run_on_the_ssd_tier_then_resume_is_bitwise_the_uninterrupted_
 
     for d in ("ssd_a", "ssd_b"):
         (tmp_path / d).mkdir()
-    whole = train(load_config(None, TIERED + [f"tiers.ssd_dir={tmp_path / 'ssd_a'}", f"checkpoint.dir={tmp_path / 'a'}"]),
-                  log=lambda _: None)
+    opts_a = TIERED + [f"tiers.ssd_dir={tmp_path / 'ssd_a'}", f"checkpoint.dir={tmp_path / 'a'}"]
+    whole = train(load_config(None, opts_a), log=lambda _: None)
     ck, opts = tmp_path / "b", TIERED + [f"tiers.ssd_dir={tmp_path / 'ssd_b'}", f"checkpoint.dir={tmp_path / 'b'}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "recscale", "train"] + sets(opts), cwd=ROOT, env=env,

@@ -203,8 +203,8 @@ def test_every_policy_and_codec_writes_what_the_ram_run_writes(dirs, policy, cod
         quiet(BASE + ["train.max_steps=30", "embedding_optimizer.name=rowwise_adagrad"] + opts
               + checkpointed(dirs / name, policy, 10)[:-1] + [f"checkpoint.quantization={codec}"])
         (run,) = (dirs / name).glob("run-*")
-        crcs.append({d.name: [(c["table"], c["num_rows"], c["crc32"]) for c in
-                              json.loads((d / "manifest.json").read_text())["chunks"]] for d in sorted(run.glob("step*"))})
+        manifests = {d.name: json.loads((d / "manifest.json").read_text()) for d in sorted(run.glob("step*"))}
+        crcs.append({k: [(c["table"], c["num_rows"], c["crc32"]) for c in m["chunks"]] for k, m in manifests.items()})
     assert crcs[0] == crcs[1] and len(crcs[0]) == 3
 
 

@@ -152,7 +152,8 @@ class CheckpointManager:
             rows = None if mask is None else torch.nonzero(mask).view(-1)
             weight, states = s.read_rows(rows)
             state = {k: v for k, v in states.items() if k in keep_state}
-            return ShardSnapshot(s.table.name, s.row_offset, s.num_rows, s.col_offset, s.num_cols, rows, weight, state, s.table)
+            return ShardSnapshot(s.table.name, s.row_offset, s.num_rows, s.col_offset, s.num_cols, rows, weight,
+                                 state, s.table)
         w = s.module.table_weight(s.local_name)
         states = s.module.table_state(s.local_name)
         if mask is None:

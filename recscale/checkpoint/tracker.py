@@ -27,7 +27,8 @@ class RowTracker:
                     g.touched = torch.zeros(g.storage.weight.shape[0], dtype=torch.uint8)
                     flags = g.storage.track_changes(g.touched)
                 else:
-                    g.touched = flags = torch.zeros(g.storage.num_rows, dtype=torch.uint8, device=g.storage.weight.device)
+                    g.touched = flags = torch.zeros(g.storage.num_rows, dtype=torch.uint8,
+                                                    device=g.storage.weight.device)
                 self._since_base[id(g)] = torch.zeros_like(flags)
 
     @staticmethod

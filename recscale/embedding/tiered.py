@@ -390,7 +390,8 @@ class TieredRowStorage(RowStorage):
         flags the kernels set, ``TableGroup.touched``) or stop (None). Returns the per-row flags
         (uint8 ``[num_rows]``) that ``changed_rows`` keeps current; the caller clears them."""
         if slot_flags is not None and slot_flags.shape != (self.weight.shape[0],):
-            raise ValueError(f"slot flags must be [{self.weight.shape[0]}] (one per cache slot), got {tuple(slot_flags.shape)}")
+            raise ValueError(f"slot flags must be [{self.weight.shape[0]}] (one per cache slot), "
+                             f"got {tuple(slot_flags.shape)}")
         self._slot_flags = slot_flags
         self._row_flags = None if slot_flags is None else torch.zeros(self.num_rows, dtype=torch.uint8)
         return self._row_flags

@@ -95,7 +95,8 @@ def stale_tier_files(cfg: Config) -> str:
                 clean = json.loads(f.read(HEADER_BYTES).decode().strip()).get("clean")
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             clean = None
-        found.append(f"{p.name} ({'closed cleanly' if clean else 'not closed cleanly' if clean is False else 'unreadable'})")
+        how = "closed cleanly" if clean else "not closed cleanly" if clean is False else "unreadable"
+        found.append(f"{p.name} ({how})")
     if not found:
         return ""
     return (f"tiers: rebuilding the tier files left in {cfg.tiers.ssd_dir} by an earlier run: {', '.join(found)}; "
