@@ -229,3 +229,56 @@ def test_a_tiered_checkpoint_resumes_on_two_ranks(tmp_path):
     for k in s_res:
         err = float((s_res[k].double() - s_full1[k].double()).norm() / s_full1[k].double().norm().clamp(min=1e-30))
         assert err <= 1e-6, (k, err)
+
+
+def test_the_snapshot_sees_the_newest_copy_with_write_backs_in_flight(tmp_path, monkeypatch):
+    """At each checkpoint (write-backs of the rows just evicted still running, slowly, in the
+    background) the tracker marks the rows the RAM tracker marks, evicted ones included, and
+    reading them, or the whole table, gives the RAM rows bitwise: the snapshot waits for the
+    write-back it needs."""
+    import threading
+    import time
+
+    from recscale.checkpoint.shards import local_shards
+    from recscale.checkpoint.tracker import RowTracker
+    from recscale.embedding import RowWiseAdagrad, TableBatchedEmbeddingBags, TableConfig
+    from recscale.embedding.tier_file import RowFile
+    from recscale.embedding.tier_hooks import close_tiers, tier_stats
+    from recscale.embedding.tiered import TierSettings, tiered_storage_factory
+    from recscale.sparse import JaggedBatch
+
+    real_write = RowFile.write
+
+    def slow_write(self, *args):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.02)
+        real_write(self, *args)
+
+    monkeypatch.setattr(RowFile, "write", slow_write)
+    t = TableConfig("t", 40, 4, ("f",))
+    ram = TableBatchedEmbeddingBags([t], RowWiseAdagrad(lr=0.5), seed=1)
+    factory = tiered_storage_factory({"t": ("ssd", 6)}, TierSettings(str(tmp_path), "lru", 0, 2), seed=1)
+    tier = TableBatchedEmbeddingBags([t], RowWiseAdagrad(lr=0.5), seed=1, storage_factory=factory)
+    shards = {m: local_shards(m) for m in (ram, tier)}
+    trackers = {m: RowTracker(shards[m]) for m in (ram, tier)}
+    g = torch.Generator().manual_seed(0)
+    for step in range(1, 19):
+        batch = JaggedBatch(("f",), torch.randint(0, 40, (5,), generator=g), torch.ones(5, dtype=torch.int64))
+        for m in (ram, tier):
+            m(batch).sum().backward()
+        if step % 3:
+            continue
+        # A checkpoint every 3 steps: rows changed since the last one (incremental) and since the
+        # first (differential) were mostly evicted since, some still being written back.
+        for kind in ("incremental", "differential"):
+            masks = [trackers[m].shard_mask(shards[m][0], kind) for m in (ram, tier)]
+            assert torch.equal(masks[0], masks[1]), kind
+            changed = masks[0].nonzero().view(-1)
+            for local in (changed, None):
+                (w0, s0), (w1, s1) = (shards[m][0].read_rows(local) for m in (ram, tier))
+                assert torch.equal(w0, w1) and s0.keys() == s1.keys()
+                assert all(torch.equal(s0[k], s1[k]) for k in s0)
+        for m in (ram, tier):
+            trackers[m].advance("incremental")
+    assert tier_stats(tier).write_bytes > 0
+    close_tiers(tier)
