@@ -85,7 +85,7 @@ class CheckpointManager:
         )
         self.snapshots = SnapshotBuffers()
         if settings.async_write:  # the snapshot's memory, mapped before training rather than at its first save
-            self.snapshots.reserve([t for s in shards if s.writer for t in (
+            self.snapshots.reserve([t for s in shards if s.writer and s.tiered() is None for t in (
                 s.module.table_weight(s.local_name), *s.module.table_state(s.local_name).values())])
         self.last_step = -1
         self.last_time = time.monotonic()
@@ -150,9 +150,16 @@ class CheckpointManager:
         mask = None if self.tracker is None else self.tracker.shard_mask(s, kind)
         if mask is None and self.tracker is not None and self.init_seed is not None:
             mask = self.tracker.changed_since_init(s)  # a full checkpoint of the rows off their initial values
+        keep_state = set(s.module.optimizer.state_columns(s.table.dim))
+        keep_state -= row_state_names(s.module, s.table.dim) if s.col_offset > 0 else set()
+        if s.tiered() is not None:  # rows from the cache or the tier file: read just those asked
+            rows = None if mask is None else torch.nonzero(mask).view(-1)
+            weight, states = s.read_rows(rows)
+            state = {k: v for k, v in states.items() if k in keep_state}
+            return ShardSnapshot(s.table.name, s.row_offset, s.num_rows, s.col_offset, s.num_cols, rows, weight,
+                                 state, s.table)
         w = s.module.table_weight(s.local_name)
         states = s.module.table_state(s.local_name)
-        keep_state = set(states) - (row_state_names(s.module, s.table.dim) if s.col_offset > 0 else set())
         if mask is None:
             rows = None
             weight = self.snapshots.copy(w, held)

@@ -232,6 +232,10 @@ def restore_shards(storage: Storage, chain: list[Manifest], shards: list[LocalSh
     return stats
 
 
+# Rows a restore into the SSD tier sets at once (bounded memory for a table larger than it).
+_TIER_CHUNK_ROWS = 65_536
+
+
 def reset_to_initial(s: LocalShard, m: Manifest, initial: dict) -> None:
     """Set a shard to its initial rows and zero optimizer state: what every row a full
     checkpoint with ``initial_rows`` leaves out holds."""
@@ -241,6 +245,15 @@ def reset_to_initial(s: LocalShard, m: Manifest, initial: dict) -> None:
             f"checkpoint {m.name}: table '{s.table.name}' was initialised in [{bounds[0]}, {bounds[1]}] but the "
             f"model's is {list(s.table.bounds)}; resume with the model config that wrote it"
         )
+    tier = s.tiered()
+    if tier is not None:  # in chunks: the table need not fit in memory
+        st, off = tier
+        names = s.module.optimizer.state_columns(s.table.dim)
+        for a in range(0, s.num_rows, _TIER_CHUNK_ROWS):
+            n = min(_TIER_CHUNK_ROWS, s.num_rows - a)
+            init = init_rows(s.table, int(initial["seed"]), s.row_offset + a, n, s.col_offset, s.num_cols)
+            st.write_rows_at(torch.arange(off + a, off + a + n), init, {k: torch.zeros(n, c) for k, c in names.items()})
+        return
     init = init_rows(s.table, int(initial["seed"]), s.row_offset, s.num_rows, s.col_offset, s.num_cols)
     w = s.module.table_weight(s.local_name)
     w.copy_(init.to(device=w.device, dtype=w.dtype))
@@ -259,15 +272,30 @@ def _apply(s: LocalShard, c: Chunk, d: DecodedChunk) -> None:
     local = d.rows[keep] - s.row_offset
     if local.numel() == 0:
         return
-    dev = s.module.device
-    local_dev = local.to(dev)
+    tier = s.tiered()
+    if tier is not None:  # read the rows the chunk sets, set them in the copies, write them back
+        st, off = tier
+        local, order = torch.sort(local)  # the storage takes ascending rows
+        at = torch.empty_like(order)
+        at[order] = torch.arange(order.numel())  # where each of the chunk's rows lands
+        w, states = st.read_rows_at(local + off)
+        _apply_into(s, c, d, keep, at, w, states)
+        st.write_rows_at(local + off, w, states)
+        return
+    _apply_into(s, c, d, keep, local.to(s.module.device), s.module.table_weight(s.local_name),
+                s.module.table_state(s.local_name))
+
+
+def _apply_into(s: LocalShard, c: Chunk, d: DecodedChunk, keep: torch.Tensor, local_dev: torch.Tensor,
+                w: torch.Tensor, states: dict[str, torch.Tensor]) -> None:
+    """Set rows ``local_dev`` of ``w`` and ``states`` (the shard's tensors or copies of some of
+    its rows) from the chunk's rows ``keep``."""
+    dev = w.device
     c0, c1 = max(s.col_offset, c.col_offset), min(s.col_offset + s.num_cols, c.col_offset + c.num_cols)
     if c0 < c1:
-        w = s.module.table_weight(s.local_name)
         src = d.weight[keep][:, c0 - c.col_offset : c1 - c.col_offset]
         w[local_dev, c0 - s.col_offset : c1 - s.col_offset] = src.to(device=dev, dtype=w.dtype)
     per_row = row_state_names(s.module, s.table.dim)
-    states = s.module.table_state(s.local_name)
     for name, t in d.state.items():
         if name not in states:
             raise CheckpointError(f"checkpoint state '{name}' of table '{c.table}' is unknown to the model's optimizer")

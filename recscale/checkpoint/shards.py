@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from recscale.embedding import TableBatchedEmbeddingBags, TableConfig
 from recscale.embedding.module import EmbeddingModule
 from recscale.embedding.table_batched import TableGroup
+from recscale.embedding.tiered import TieredRowStorage
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,26 @@ class LocalShard:
                 if t.name == self.local_name:
                     return g, off
         raise KeyError(self.local_name)
+
+    def tiered(self) -> tuple[TieredRowStorage, int] | None:
+        """(the tiered storage, the shard's first group row in it) when the shard's rows live
+        behind a cache over the SSD tier; None when they are all in memory."""
+        g, off = self.group()
+        return (g.storage, off) if isinstance(g.storage, TieredRowStorage) else None
+
+    def read_rows(self, local: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Copies of the shard's rows ``local`` (ascending local indices; None: every row): the
+        weights in the storage dtype and every optimizer state tensor."""
+        tier = self.tiered()
+        if tier is not None:
+            st, off = tier
+            if local is None:
+                return st.read_rows(off, self.num_rows)
+            return st.read_rows_at(local + off)
+        w, state = self.module.table_weight(self.local_name), self.module.table_state(self.local_name)
+        if local is None:
+            return w.clone(), {k: v.clone() for k, v in state.items()}
+        return w.index_select(0, local), {k: v.index_select(0, local) for k, v in state.items()}
 
     @property
     def cells(self) -> int:

@@ -7,6 +7,10 @@ flags, folds them into the since-baseline and since-initialisation flags and cle
 policy requires. The since-initialisation flags let a full checkpoint that leaves out rows still
 at their initial values copy and write only the others, without regenerating every initial row
 to compare.
+
+A group on the SSD tier (``TieredRowStorage``) updates cache slots, not rows: its ``touched``
+has one flag per slot, and the storage moves a slot's flag to its row whenever the slot takes
+another row, so rows written back to the tier file since the last checkpoint still count.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from recscale.checkpoint.shards import LocalShard, embedding_modules
+from recscale.embedding.tiered import TieredRowStorage
 
 _SCAN_ROWS = 65536  # rows compared with their initial values at a time after a restore
 
@@ -25,23 +30,35 @@ class RowTracker:
         self._since_init: dict[int, torch.Tensor] = {}
         for m in embedding_modules(shards):
             for g in m.groups:
-                g.touched = torch.zeros(g.storage.num_rows, dtype=torch.uint8, device=g.storage.weight.device)
-                self._since_base[id(g)] = torch.zeros_like(g.touched)
-                self._since_init[id(g)] = torch.zeros_like(g.touched)
+                if isinstance(g.storage, TieredRowStorage):
+                    g.touched = torch.zeros(g.storage.weight.shape[0], dtype=torch.uint8)
+                    flags = g.storage.track_changes(g.touched)
+                else:
+                    g.touched = flags = torch.zeros(g.storage.num_rows, dtype=torch.uint8,
+                                                    device=g.storage.weight.device)
+                self._since_base[id(g)] = torch.zeros_like(flags)
+                self._since_init[id(g)] = torch.zeros_like(flags)
+
+    @staticmethod
+    def _flags(g) -> torch.Tensor:
+        """The group's per-row flags: rows updated since they were last cleared."""
+        assert g.touched is not None, "tracking is off"
+        return g.storage.changed_rows() if isinstance(g.storage, TieredRowStorage) else g.touched
 
     def detach(self) -> None:
         """Stop tracking (backward no longer marks rows)."""
         for m in embedding_modules(self.shards):
             for g in m.groups:
                 g.touched = None
+                if isinstance(g.storage, TieredRowStorage):
+                    g.storage.track_changes(None)
 
     def shard_mask(self, shard: LocalShard, kind: str) -> torch.Tensor | None:
         """Rows of ``shard`` (local indices) to write for a checkpoint of ``kind``; None = all."""
         if kind == "full":
             return None
         g, off = shard.group()
-        assert g.touched is not None, "tracking is off"
-        touched = g.touched[off : off + shard.num_rows]
+        touched = self._flags(g)[off : off + shard.num_rows]
         if kind == "incremental":
             return touched.bool()
         return (touched | self._since_base[id(g)][off : off + shard.num_rows]).bool()
@@ -51,9 +68,8 @@ class RowTracker:
         superset of the rows that differ from their initial values, so a full checkpoint that
         leaves out the rest restores exactly."""
         g, off = shard.group()
-        assert g.touched is not None, "tracking is off"
         sl = slice(off, off + shard.num_rows)
-        return (g.touched[sl] | self._since_init[id(g)][sl]).bool()
+        return (self._flags(g)[sl] | self._since_init[id(g)][sl]).bool()
 
     def mark_off_initial(self, seed: int) -> None:
         """After a restore: flag every row that differs from its initial values for ``seed`` or
@@ -63,12 +79,10 @@ class RowTracker:
         for s in self.shards:
             g, off = s.group()
             flags = self._since_init[id(g)]
-            w = s.module.table_weight(s.local_name)
-            states = s.module.table_state(s.local_name)
             for a in range(0, s.num_rows, _SCAN_ROWS):
                 b = min(a + _SCAN_ROWS, s.num_rows)
-                rows = off_initial(s.table, seed, s.row_offset + a, s.col_offset, w[a:b],
-                                   {k: t[a:b] for k, t in states.items()})
+                w, states = s.read_rows(torch.arange(a, b))
+                rows = off_initial(s.table, seed, s.row_offset + a, s.col_offset, w, states)
                 if rows.size:
                     flags[off + a + torch.from_numpy(rows).to(flags.device)] = 1
 
@@ -89,11 +103,11 @@ class RowTracker:
         the interval starts afresh."""
         for m in embedding_modules(self.shards):
             for g in m.groups:
-                assert g.touched is not None
+                flags = self._flags(g)
                 base = self._since_base[id(g)]
                 if kind == "full":
                     base.zero_()
                 else:
-                    base.bitwise_or_(g.touched)
-                self._since_init[id(g)].bitwise_or_(g.touched)
-                g.touched.zero_()
+                    base.bitwise_or_(flags)
+                self._since_init[id(g)].bitwise_or_(flags)
+                flags.zero_()

@@ -127,6 +127,7 @@ class TieredRowStorage(RowStorage):
         self._cache = DenseRowStorage(weight, state_columns)
         self._dirty = torch.zeros(total, dtype=torch.bool)
         self._map = torch.full((self.num_rows,), -1, dtype=torch.int32)  # group row -> slot
+        self._fixed_slot_rows = torch.full((total,), -1, dtype=torch.int64)  # slot -> row of RAM-placed tables
         self.segments: list[_Segment] = []
         slot = 0
         for t, off in zip(tables, offsets):
@@ -134,6 +135,7 @@ class TieredRowStorage(RowStorage):
             if where == "ram":
                 weight[slot : slot + t.num_rows] = init_rows(t, seed)
                 self._map[off : off + t.num_rows] = torch.arange(slot, slot + t.num_rows, dtype=torch.int32)
+                self._fixed_slot_rows[slot : slot + t.num_rows] = torch.arange(off, off + t.num_rows)
                 slot += t.num_rows
                 continue
             meta = TierFileMeta(t.name, t.num_rows, 0, dim, _DTYPE_NAMES[dtype], tuple(state_columns.items()), seed)
@@ -149,6 +151,11 @@ class TieredRowStorage(RowStorage):
             ))  # fmt: skip
             slot += cache_rows
         self._tick = 0
+        # Modified-row tracking for differential checkpoints (off: None). The kernels mark the
+        # slots they update in ``_slot_flags``; a slot's flag moves to its row's in ``_row_flags``
+        # before the slot takes another row, so a row written back still counts as changed.
+        self._slot_flags: torch.Tensor | None = None
+        self._row_flags: torch.Tensor | None = None
         self._seq = 0  # batches begun
         self._announced = 0
         self._window: deque[torch.Tensor] = deque()  # unique group rows of announced batches
@@ -231,6 +238,7 @@ class TieredRowStorage(RowStorage):
             # The pages of the rows to read go in flight with those the write-back rewrites.
             seg.file.prefetch_pages(missing[seg.stage_key[missing] < 0].numpy())
             self._write_back(seg, victims)
+            self._fold_flags(victims + seg.base, seg.row_of_slot[victims] + seg.row_start)
             self._map[seg.row_of_slot[victims] + seg.row_start] = -1
             target = torch.cat([target, victims])
         seg.used = min(seg.slots, seg.used + n)
@@ -375,6 +383,90 @@ class TieredRowStorage(RowStorage):
         for k, v in self.state_tensors().items():
             state[k][rows] = v[slots]
         return w, state
+
+    # ------------------------------------------------------------------ checkpoints
+    def track_changes(self, slot_flags: torch.Tensor | None) -> torch.Tensor | None:
+        """Start tracking updated rows with ``slot_flags`` (uint8, one per slot of ``weight``: the
+        flags the kernels set, ``TableGroup.touched``) or stop (None). Returns the per-row flags
+        (uint8 ``[num_rows]``) that ``changed_rows`` keeps current; the caller clears them."""
+        if slot_flags is not None and slot_flags.shape != (self.weight.shape[0],):
+            raise ValueError(f"slot flags must be [{self.weight.shape[0]}] (one per cache slot), "
+                             f"got {tuple(slot_flags.shape)}")
+        self._slot_flags = slot_flags
+        self._row_flags = None if slot_flags is None else torch.zeros(self.num_rows, dtype=torch.uint8)
+        return self._row_flags
+
+    def changed_rows(self) -> torch.Tensor:
+        """Per group row, 1 if updated since its flag was last cleared: rows still cached and
+        rows written back to the file since (their flags moved over on eviction)."""
+        assert self._slot_flags is not None and self._row_flags is not None, "tracking is off"
+        slot_rows = self._fixed_slot_rows.clone()  # RAM-placed rows; then each cache's rows
+        for seg in self.segments:
+            held = seg.row_of_slot
+            slot_rows[seg.base : seg.base + seg.slots] = torch.where(held >= 0, held + seg.row_start, -1)
+        slots = (slot_rows >= 0).nonzero().view(-1)
+        self._fold_flags(slots, slot_rows[slots])
+        return self._row_flags
+
+    def _fold_flags(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Move the update flags of ``slots`` (holding group ``rows``) to those rows."""
+        if self._slot_flags is None or self._row_flags is None or slots.numel() == 0:
+            return
+        hit = self._slot_flags[slots].bool()
+        self._row_flags[rows[hit]] = 1
+        self._slot_flags[slots] = 0
+
+    def read_rows_at(self, rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Copies of group ``rows`` (ascending; weights in the storage dtype, state float32): each
+        from its cache slot when cached, else from the file once the write-back in flight is
+        done (the newest copy of a row is the one or the other). Costs the rows asked, not the
+        table: a differential checkpoint reads only its changed rows."""
+        rows = rows.to(torch.int64)
+        w = torch.empty(rows.numel(), self.dim, dtype=self.dtype)
+        state = {k: torch.empty(rows.numel(), v.shape[1]) for k, v in self.state_tensors().items()}
+        slots = self._map[rows].to(torch.int64)
+        cached = (slots >= 0).nonzero().view(-1)
+        w[cached] = self.weight[slots[cached]]
+        for k, v in self.state_tensors().items():
+            state[k][cached] = v[slots[cached]]
+        for seg in self.segments:
+            lo, hi = segment_span(rows, seg)
+            at = lo + (slots[lo:hi] < 0).nonzero().view(-1)
+            if at.numel() == 0:
+                continue
+            self._wait_writes(seg)
+            buf = np.empty((at.numel(), seg.file.record_bytes), dtype=np.uint8)
+            seg.file.read((rows[at] - seg.row_start).numpy(), buf)
+            fw, fstate = decode(seg.file.meta, torch.from_numpy(buf), self.dtype)
+            w[at] = fw
+            for k in state:
+                state[k][at] = fstate[k]
+            seg.file.drop_pages()
+        return w, state
+
+    def write_rows_at(self, rows: torch.Tensor, w: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """Set group ``rows`` (ascending, unique) to ``w`` and ``state`` (a restore): cached rows in
+        their slots (dirty, written back on eviction), the others in the file. Staged copies of
+        those rows become stale (their generation moves on), so a prefetch never brings back
+        what was there before."""
+        rows = rows.to(torch.int64)
+        slots = self._map[rows].to(torch.int64)
+        cached = (slots >= 0).nonzero().view(-1)
+        if cached.numel():
+            self._cache.scatter(slots[cached], w[cached], {k: v[cached] for k, v in state.items()})
+            self._dirty[slots[cached]] = True
+        for seg in self.segments:
+            lo, hi = segment_span(rows, seg)
+            at = lo + (slots[lo:hi] < 0).nonzero().view(-1)
+            if at.numel() == 0:
+                continue
+            local = rows[at] - seg.row_start
+            seg.gen[local] += 1
+            self._wait_writes(seg)
+            data = encode(seg.file.meta, w[at].to(self.dtype), {k: v[at].float() for k, v in state.items()})
+            seg.file.write(local.numpy(), data.numpy())
+            self.stats.write_bytes += at.numel() * seg.file.record_bytes
+            seg.file.drop_pages()
 
     def flush(self) -> None:
         """Write every dirty cached row back (they stay cached, now clean)."""

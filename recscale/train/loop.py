@@ -30,7 +30,7 @@ from recscale.train.progress import ProgressBar, TrainState
 from recscale.train.process_tuning import ProcessTuning, tune_process
 from recscale.train.replay import Replay, check_world_size
 from recscale.train.summary import comm_per_step, run_info, runs_native_kernels
-from recscale.train.tiers import tier_summary
+from recscale.train.tiers import stale_tier_files, tier_summary
 
 
 def seed_everything(seed: int) -> None:
@@ -77,6 +77,8 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], repla
     cfg = with_table_rows(cfg, data.table_rows, log)
     stats = CommStats()
     choice = choose_plan(cfg, build_tables(cfg, data.sparse_names), groups, replay, data) if world > 1 else None
+    if stale := stale_tier_files(cfg):
+        log(stale)
     model = build_model(cfg, data.sparse_names, data.num_dense, device, groups, stats, choice.plan if choice else None, data)
     kernel_native = runs_native_kernels(model, groups)
     dense_params = model.dense_parameters()

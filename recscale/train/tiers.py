@@ -3,11 +3,14 @@ cache is, and what the tier did (for the summary and the progress bar)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from recscale.embedding import SparseOptimizer, TableConfig
+from recscale.embedding.tier_file import HEADER_BYTES
 from recscale.embedding.tier_hooks import tier_stats
 from recscale.embedding.tiered import StorageFactory, TierSettings, tiered_storage_factory
 from recscale.train.config import Config, ConfigError, TiersConfig
@@ -72,14 +75,32 @@ def tier_factory(cfg: Config, tables: list[TableConfig], optimizer: SparseOptimi
         return None
     if world_size > 1:
         raise ConfigError("config section [tiers]: the SSD tier runs in one process only so far; unset it for several ranks")
-    if cfg.checkpoint.enabled:
-        raise ConfigError("config section [tiers]: checkpoints of tables on the SSD tier are not supported yet; "
-                          "unset checkpoint.dir or the tier")
     placement = tier_placement(tiers, tables, optimizer)
     if all(p == "ram" for p, _ in placement.values()):
         return None
     settings = TierSettings(tiers.ssd_dir, tiers.policy, tiers.lookahead_batches, tiers.io_threads)
     return tiered_storage_factory(placement, settings, cfg.train.seed)
+
+
+def stale_tier_files(cfg: Config) -> str:
+    """A line naming the tier files an earlier run left in ``tiers.ssd_dir`` (each is rebuilt
+    from the initial rows, then from the checkpoint resumed from, never read: after a crash
+    it mixes rows of several steps); "" when there are none."""
+    if not cfg.tiers.enabled() or not cfg.tiers.ssd_dir or not Path(cfg.tiers.ssd_dir).is_dir():
+        return ""
+    found = []
+    for p in sorted(Path(cfg.tiers.ssd_dir).glob("*.tier")):
+        try:
+            with p.open("rb") as f:
+                clean = json.loads(f.read(HEADER_BYTES).decode().strip()).get("clean")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            clean = None
+        how = "closed cleanly" if clean else "not closed cleanly" if clean is False else "unreadable"
+        found.append(f"{p.name} ({how})")
+    if not found:
+        return ""
+    return (f"tiers: rebuilding the tier files left in {cfg.tiers.ssd_dir} by an earlier run: {', '.join(found)}; "
+            "a tier file is never reused: its rows come from the initial values and the checkpoint resumed from")
 
 
 def tier_summary(embeddings: torch.nn.Module, steps: int, train_seconds: float) -> dict[str, Any]:
