@@ -143,24 +143,49 @@ def plan_tiers(tiers: TiersConfig, tables: list[TableConfig], optimizer: SparseO
         first = sized[0]
         raise ConfigError(
             f"table '{first}' is on the SSD tier but no RAM is left for its cache: the SSD tables' smallest caches "
-            f"(one batch's distinct rows each) need {need / 2**20:.1f} MiB and {max(left, 0) / 2**20:.1f} MiB is left; "
+            f"(one batch's distinct rows each) need {need / 2**20:.1f} MiB and {max(left, 0) / 2**20:.1f} MiB of the "
+            f"{budget / 2**20:.0f} MiB budget is left after the RAM-placed tables and explicit caches; "
             f"raise tiers.ram_budget_mb or set tiers.tables.{first}.cache_rows"
         )
     left -= need
-    at = dict(start)  # current cache rows; num_rows + 1 stands for RAM
     segments = []
     for n in sized:
         segments += _hull_segments(n, acc[n], tiers.policy, start[n], by_name[n].num_rows, rb[n], cost[n], n in free)
     segments.sort(key=lambda s: (-s[0], s[1], s[2]))
-    for slope, n, _, c_to, dx in segments:
-        if slope <= 0 or left <= 0:
+    rows_of = {n: by_name[n].num_rows for n in sized}
+
+    def saved(at: dict[str, int]) -> float:
+        return sum(acc[n].lookups_per_batch() * cost[n] * (1.0 if at[n] > rows_of[n] else acc[n].hit_rate(tiers.policy, at[n]))
+                   for n in sized)
+
+    # Along the hulls by saving per byte. The first step that does not fit either takes the
+    # budget left as a larger cache (and ends), or is skipped with its table's later steps while
+    # the others go on; whichever the curves say saves more.
+    best: tuple[float, dict[str, int], int] | None = None
+    for skip in (False, True):
+        at, left_now, blocked = dict(start), left, []
+        for slope, n, _, c_to, dx in segments:
+            if slope <= 0 or left_now <= 0:
+                break
+            if n in blocked:
+                continue
+            if dx <= left_now:
+                at[n], left_now = c_to, left_now - dx
+                continue
+            if skip:
+                blocked.append(n)
+                continue
+            grow = max(min(int(left_now // rb[n]), rows_of[n] - at[n]), 0)
+            at[n], left_now = at[n] + grow, left_now - grow * rb[n]
             break
-        if dx <= left:
-            at[n], left = c_to, left - dx
-            continue
-        grow = min(int(left // rb[n]), by_name[n].num_rows - at[n])  # part of the step: a larger cache
-        at[n], left = at[n] + max(grow, 0), left - max(grow, 0) * rb[n]
-        break
+        for n in blocked:  # what the skipped steps leave: larger caches, in the order skipped
+            grow = max(min(int(left_now // rb[n]), rows_of[n] - at[n]), 0)
+            at[n], left_now = at[n] + grow, left_now - grow * rb[n]
+        value = saved(at)
+        if best is None or value > best[0] * (1 + 1e-12):
+            best = (value, at, left_now)
+    assert best is not None
+    _, at, left = best
     # What is left moves whole tables to RAM, the cheapest first: no tier file, no I/O at all.
     for n in sorted(free, key=lambda n: ((by_name[n].num_rows - min(at[n], by_name[n].num_rows)) * rb[n], n)):
         extra = (by_name[n].num_rows - min(at[n], by_name[n].num_rows)) * rb[n]
@@ -184,7 +209,8 @@ def _hull_segments(name: str, acc: RowAccess, policy: str, c0: int, num_rows: in
     """(saved seconds per byte, table, order, cache rows after, bytes) of each step along the
     upper concave hull of the table's saving curve from ``c0`` (``num_rows + 1``: in RAM)."""
     lookups = acc.lookups_per_batch()
-    cs = sorted({c0, *np.round(np.geomspace(max(c0, 1), num_rows, _GRID)).astype(int).tolist(), num_rows})
+    seen = math.ceil(acc.seen_rows())  # where the steady-state curve reaches 1: a kink
+    cs = sorted({c0, seen, *np.round(np.geomspace(max(c0, 1), num_rows, _GRID)).astype(int).tolist(), num_rows})
     cs = [c for c in cs if c0 <= c <= num_rows]
     pts = [(c * rb, lookups * acc.hit_rate(policy, c) * cost, c) for c in cs]
     if may_be_ram:
