@@ -145,3 +145,19 @@ def test_hot_small_tables_stay_in_ram_and_explicit_settings_win():
 def test_a_budget_below_one_batch_per_cache_is_a_clear_error():
     with pytest.raises(ConfigError, match="no RAM is left for its cache.*tiers.ram_budget_mb"):
         plan_tiers(TiersConfig(ram_budget_mb=1, ssd_dir="/unused", tables={"hot": TierTableConfig("ram")}), TABLES, OPT, ACCESS)
+
+
+def test_training_reports_the_predicted_hit_rate_beside_the_measured_one(tmp_path):
+    from recscale.train.config import load_config
+    from recscale.train.loop import train
+
+    cfg = load_config(None, [
+        "data.source=synthetic", "data.num_samples=9600", "data.eval_samples=128", "data.pooling_factors=[1, 2]",
+        "data.zipf_alpha=0.9", "data.num_workers=0", "model.table_rows=[60000, 8000]", "model.embedding_dim=8",
+        "model.bottom_mlp=[16, 8]", "train.batch_size=96", "train.progress=false", "train.threads=1",
+        "tiers.ram_budget_mb=1", f"tiers.ssd_dir={tmp_path}", "tiers.io_threads=2",
+    ])
+    out = train(cfg, log=lambda _: None)
+    assert out["steps"] == 100
+    assert 0 < out["cache_hit_rate"] < 1
+    assert abs(out["predicted_cache_hit_rate"] - out["cache_hit_rate"]) <= 0.02, out
