@@ -152,9 +152,12 @@ def _plan(args: argparse.Namespace) -> int:
     if cfg.tiers.enabled():
         from recscale.train.tier_plan import config_tables, plan_tiers, table_access
 
-        tier_tables, optimizer = config_tables(cfg)
+        from recscale.train.datasets import build_data
+
+        tier_data = None if cfg.data.source == "synthetic" else build_data(cfg)
+        tier_tables, optimizer = config_tables(cfg, tier_data)
         tier_plan = plan_tiers(cfg.tiers, tier_tables, optimizer,
-                               table_access(cfg, tier_tables) if cfg.tiers.ram_budget_mb else None)
+                               table_access(cfg, tier_tables, tier_data) if cfg.tiers.ram_budget_mb else None)
         print(f"tiers (one process; RAM budget {cfg.tiers.ram_budget_mb} MiB):\n{tier_plan.table_text()}")
     if args.out:
         # The plan, and under "planner" how it was searched (deterministic: the same inputs

@@ -161,3 +161,20 @@ def test_training_reports_the_predicted_hit_rate_beside_the_measured_one(tmp_pat
     assert out["steps"] == 100
     assert 0 < out["cache_hit_rate"] < 1
     assert abs(out["predicted_cache_hit_rate"] - out["cache_hit_rate"]) <= 0.02, out
+
+
+def test_recscale_plan_shows_each_tables_tier_cache_and_predicted_hit_rate(tmp_path, capsys):
+    from recscale.cli import main
+
+    assert main(["plan", "--world-size", "1", "--search-steps", "10", "--set", "model.table_rows=[200000, 300]",
+                 "--set", "data.pooling_factors=[1, 4]", "--set", "train.batch_size=512",
+                 "--set", "tiers.ram_budget_mb=2", "--set", f"tiers.ssd_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    tier = out[out.index("tiers (one process; RAM budget 2 MiB)"):].splitlines()
+    assert tier[1].split()[:3] == ["table", "tier", "cache"]
+    rows = {line.split()[0]: line.split() for line in tier[3:5]}
+    assert rows["t_s0"][1] == "ssd" and 0 < int(rows["t_s0"][2].replace(",", "")) < 200_000
+    assert 0 < float(rows["t_s0"][5]) < 1
+    # One batch looks up nearly every row it ever looks up: they all fit, in RAM or in its cache.
+    assert rows["t_s1"][1] == "ram" or float(rows["t_s1"][5]) == 1.0
+    assert "predicted hit rate" in tier[5]
