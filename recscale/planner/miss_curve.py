@@ -36,6 +36,7 @@ training summary measures), 0 the steady state (what the planner sizes caches on
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -205,15 +206,21 @@ class RowAccess:
         return float((w * hit).sum() / w.sum())
 
 
-def _grouped(prob_desc: np.ndarray, ids_per_batch: float) -> RowAccess:
-    """Row probabilities (descending) in groups: the hottest one per group, then geometric."""
+def _grouped(prob_desc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, probability of each) groups of row probabilities (descending): the hottest rows
+    one per group, then geometric; rows never looked up (probability 0) in a group of their own."""
+    zeros = int((prob_desc <= 0).sum())
+    prob_desc = prob_desc[: prob_desc.size - zeros]
     n = prob_desc.size
     edges = np.unique(np.concatenate([np.arange(min(n, HOT_ROWS) + 1),
                                       np.round(np.geomspace(max(min(n, HOT_ROWS), 1), max(n, 1), GROUPS))])).astype(np.int64)
     edges = edges[edges <= n]
     sums = np.add.reduceat(prob_desc, edges[:-1]) if n else np.zeros(0)
     rows = np.diff(edges).astype(np.float64)
-    return RowAccess(rows, sums / np.maximum(rows, 1), ids_per_batch)
+    prob = sums / np.maximum(rows, 1)
+    if zeros:
+        rows, prob = np.append(rows, float(zeros)), np.append(prob, 0.0)
+    return rows, prob
 
 
 def zipf_access(num_rows: int, alpha: float, ids_per_batch: float, scatter: bool = True) -> RowAccess:
@@ -222,6 +229,12 @@ def zipf_access(num_rows: int, alpha: float, ids_per_batch: float, scatter: bool
     table has at most ``EXACT_ROWS`` rows; otherwise ranks are rows (a bijection)."""
     if num_rows <= 0:
         raise ValueError(f"num_rows: expected > 0, got {num_rows}")
+    rows, prob = _zipf_groups(int(num_rows), float(alpha), bool(scatter))
+    return RowAccess(rows, prob, ids_per_batch)
+
+
+@functools.lru_cache(maxsize=64)  # tables of one shape share it; a large one takes a second
+def _zipf_groups(num_rows: int, alpha: float, scatter: bool) -> tuple[np.ndarray, np.ndarray]:
     const = zipf_constant(num_rows, alpha)
 
     def cdf(x: np.ndarray) -> np.ndarray:  # P(rank < x - 1): the generator's inverse CDF, inverted
@@ -235,12 +248,12 @@ def zipf_access(num_rows: int, alpha: float, ids_per_batch: float, scatter: bool
         p[-1] += max(0.0, 1.0 - float(cdf(np.array([num_rows + 1.0]))[0]))
         if scatter:
             p = np.bincount(scatter_ranks(np.arange(num_rows), num_rows, _SCATTER_SALT), weights=p, minlength=num_rows)
-        return _grouped(np.sort(p)[::-1], ids_per_batch)
+        return _grouped(np.sort(p)[::-1])
     # Larger tables: groups of consecutive ranks, their probability from the CDF directly.
     edges = np.unique(np.concatenate([np.arange(HOT_ROWS + 1), np.round(np.geomspace(HOT_ROWS, num_rows, GROUPS))])).astype(np.float64)
     mass = np.diff(cdf(edges + 1.0))
     rows = np.diff(edges)
-    return RowAccess(rows, mass / rows, ids_per_batch)
+    return rows, mass / rows
 
 
 def segments_access(segments: list[tuple[float, float]], num_rows: int, ids_per_batch: float) -> RowAccess:
