@@ -3,7 +3,8 @@
 Prints, on Zipf-like multi-hot ids:
 
   * the cache hit rate of ``lru``, ``lfu``, ``lookahead`` and offline Belady (every future
-    batch known) at caches of 5, 10, 25 and 50% of the rows, for each Zipf exponent;
+    batch known) at caches of 5, 10, 25 and 50% of the rows, for each Zipf exponent, and the
+    planner's predicted ``lru`` and ``lookahead`` hit rates (``recscale.planner.miss_curve``);
   * training throughput (embedding operator, forward + fused backward) with the tier as a
     share of the all-in-RAM run, and ``io_stall_fraction`` with and without prefetch;
   * this disk's random-read rate of one row record at queue depth 1 and 32, and the step time
@@ -42,6 +43,7 @@ from recscale.embedding import RowWiseAdagrad, TableBatchedEmbeddingBags, TableC
 from recscale.embedding.tier_file import RowFile  # noqa: E402
 from recscale.embedding.tier_hooks import announce_batch, begin_batch, close_tiers, tier_stats  # noqa: E402
 from recscale.embedding.tiered import TierSettings, tiered_storage_factory  # noqa: E402
+from recscale.planner.miss_curve import zipf_access  # noqa: E402
 from recscale.sparse import JaggedBatch  # noqa: E402
 
 SHARES = (0.05, 0.10, 0.25, 0.50)
@@ -164,14 +166,18 @@ def hit_rates(table: TableConfig, sim_steps: int, batch: int, pooling: int, wind
         trace = make_batches([table], sim_steps, batch, pooling, alpha, seed=2)
         uniq = [np.unique(b.values.numpy()) for b in trace]
         low = max(u.size for u in uniq)
+        curve = zipf_access(table.num_rows, alpha, batch * pooling, scatter=False)  # zipf_ids: a bijection
         for share in SHARES:
             cache = max(low, int(share * table.num_rows))
             row = {"belady": belady_hit_rate(uniq, cache)}
             for policy in ("lru", "lfu", "lookahead"):
                 row[policy] = policy_hit_rate(table, trace, cache, policy, window, ssd_dir)
+            for policy in ("lru", "lookahead"):  # the planner's miss-ratio curves, same run length
+                row[f"predicted_{policy}"] = curve.hit_rate(policy, cache, sim_steps, window)
             result["hit_rate"][f"zipf{alpha}_cache{share:.2f}"] = {"cache_rows": cache, **row}
-            hit_rows.append([f"{alpha}", f"{share:.0%}", f"{cache:,}"] + [f"{row[k]:.3f}" for k in ("lru", "lfu", "lookahead", "belady")])
-    print(format_table(["zipf", "cache", "rows", "lru", "lfu", "lookahead", "belady"], hit_rows))
+            hit_rows.append([f"{alpha}", f"{share:.0%}", f"{cache:,}"] + [f"{row[k]:.3f}" for k in (
+                "lru", "lfu", "lookahead", "belady", "predicted_lru", "predicted_lookahead")])
+    print(format_table(["zipf", "cache", "rows", "lru", "lfu", "lookahead", "belady", "pred lru", "pred lookahead"], hit_rows))
     print()
 
 

@@ -149,6 +149,16 @@ def _plan(args: argparse.Namespace) -> int:
         except PlanError as e:
             lines.append(f"  {method:28s} does not fit ({str(e)[:80]})")
     print("baselines (table-wise; predicted slowest rank):\n" + "\n".join(lines))
+    if cfg.tiers.enabled():
+        from recscale.train.tier_plan import config_tables, plan_tiers, table_access
+
+        from recscale.train.datasets import build_data
+
+        tier_data = None if cfg.data.source == "synthetic" else build_data(cfg)
+        tier_tables, optimizer = config_tables(cfg, tier_data)
+        tier_plan = plan_tiers(cfg.tiers, tier_tables, optimizer,
+                               table_access(cfg, tier_tables, tier_data) if cfg.tiers.ram_budget_mb else None)
+        print(f"tiers (one process; RAM budget {cfg.tiers.ram_budget_mb} MiB):\n{tier_plan.table_text()}")
     if args.out:
         # The plan, and under "planner" how it was searched (deterministic: the same inputs
         # write the same bytes unless the time limit cut the search, which it then says).

@@ -49,6 +49,10 @@ class FeatureLoad:
             done_ids, done_share = k, share
         return out
 
+    def id_segments(self) -> list[tuple[float, float]]:
+        """The modelled id distribution as (ids, probability of each) pieces, hottest first."""
+        return self._segments()
+
     def unique_fraction(self, global_batch: int) -> float:
         """Expected distinct ids / ids of one global batch (1: no id repeats)."""
         n = global_batch * self.pooling

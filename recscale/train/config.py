@@ -209,7 +209,8 @@ class DistConfig:
 @dataclass
 class TierTableConfig:
     placement: Literal["ram", "ssd"] = "ssd"
-    # Rows of this table's RAM cache (0: a share of tiers.ram_budget_mb, by table size).
+    # Rows of this table's RAM cache (0: sized by the planner on the table's miss-ratio curve
+    # within tiers.ram_budget_mb).
     cache_rows: int = 0
 
 

@@ -30,6 +30,7 @@ from recscale.train.progress import ProgressBar, TrainState
 from recscale.train.process_tuning import ProcessTuning, tune_process
 from recscale.train.replay import Replay, check_world_size
 from recscale.train.summary import comm_per_step, run_info, runs_native_kernels
+from recscale.train.tier_plan import predicted_tier_summary
 from recscale.train.tiers import stale_tier_files, tier_summary
 
 
@@ -172,6 +173,7 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], repla
         **ckpt_summary,
         **run_info(cfg, choice, reproducible, kernel_native),
         **tier_summary(model.embeddings, state.step, state.train_seconds),
+        **predicted_tier_summary(cfg, model.embeddings, data, state.steps_this_process),
     }
     close_tiers(model.embeddings)  # every row written back: the tier files are complete
     return summary

@@ -137,7 +137,7 @@ def build_model(
         check_one_process_inputs(cfg, tables)
     # To be sharded, the tables are only described here (meta device): no rank holds them all.
     # Tables on the SSD tier run in one process only: tier_factory refuses them on several ranks.
-    tiers = tier_factory(cfg, tables, optimizer, groups.world_size if sharded and groups else 1)
+    tiers = tier_factory(cfg, tables, optimizer, groups.world_size if sharded and groups else 1, data)
     embeddings = TableBatchedEmbeddingBags(tables, optimizer, seed=cfg.train.seed,
                                            device="meta" if sharded else device, kernel=cfg.model.embedding_kernel,
                                            storage_factory=tiers)

@@ -13,69 +13,32 @@ from recscale.embedding import SparseOptimizer, TableConfig
 from recscale.embedding.tier_file import HEADER_BYTES
 from recscale.embedding.tier_hooks import tier_stats
 from recscale.embedding.tiered import StorageFactory, TierSettings, tiered_storage_factory
+from recscale.planner.miss_curve import RowAccess
 from recscale.train.config import Config, ConfigError, TiersConfig
+from recscale.train.datasets import DataSplits
+from recscale.train.tier_plan import plan_tiers, row_bytes, table_access
 
-_ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
-
-
-def row_bytes(table: TableConfig, optimizer: SparseOptimizer) -> int:
-    """RAM one row takes: its weights plus its optimizer state."""
-    return table.dim * _ELEMENT_BYTES[table.dtype] + 4 * sum(optimizer.state_columns(table.dim).values())
+__all__ = ["row_bytes", "tier_factory", "tier_placement", "tier_summary"]
 
 
-def tier_placement(tiers: TiersConfig, tables: list[TableConfig], optimizer: SparseOptimizer) -> dict[str, tuple[str, int]]:
-    """Table -> ("ram", 0) or ("ssd", cache rows).
-
-    Listed tables keep their placement. With a budget, unlisted tables move to the SSD tier,
-    largest first, until the RAM-placed ones fit; what the budget leaves after them and the
-    explicit caches is shared among the SSD tables without ``cache_rows``, by table size."""
-    names = {t.name for t in tables}
-    for name in tiers.tables:
-        if name not in names:
-            raise ConfigError(f"config key 'tiers.tables.{name}': no such table; tables are {', '.join(sorted(names))}")
-    budget = tiers.ram_budget_mb * 2**20
-    size = {t.name: t.num_rows * row_bytes(t, optimizer) for t in tables}
-    place = {t.name: tiers.tables[t.name].placement if t.name in tiers.tables else "ram" for t in tables}
-    if budget:
-        in_ram = sum(size[t.name] for t in tables if place[t.name] == "ram")
-        for t in sorted((t for t in tables if t.name not in tiers.tables), key=lambda t: (-size[t.name], t.name)):
-            if in_ram <= budget:
-                break
-            place[t.name] = "ssd"
-            in_ram -= size[t.name]
-    out: dict[str, tuple[str, int]] = {}
-    left = budget - sum(size[t.name] for t in tables if place[t.name] == "ram")
-    shared = []
-    for t in tables:
-        if place[t.name] == "ram":
-            out[t.name] = ("ram", 0)
-            continue
-        rows = tiers.tables[t.name].cache_rows if t.name in tiers.tables else 0
-        if rows:
-            out[t.name] = ("ssd", min(rows, t.num_rows))
-            left -= out[t.name][1] * row_bytes(t, optimizer)
-        else:
-            shared.append(t)
-    total = sum(t.num_rows for t in shared)
-    for t in shared:
-        rows = min(t.num_rows, int(max(left, 0) * t.num_rows / total) // row_bytes(t, optimizer)) if budget else 0
-        if rows < 1:
-            raise ConfigError(
-                f"table '{t.name}' is on the SSD tier but no RAM is left for its cache; raise tiers.ram_budget_mb "
-                f"or set tiers.tables.{t.name}.cache_rows"
-            )
-        out[t.name] = ("ssd", rows)
-    return out
+def tier_placement(tiers: TiersConfig, tables: list[TableConfig], optimizer: SparseOptimizer,
+                   access: dict[str, RowAccess] | None = None) -> dict[str, tuple[str, int]]:
+    """Table -> ("ram", 0) or ("ssd", cache rows), chosen on each table's miss-ratio curve
+    (``access``: its id distribution; uniform without one) within ``tiers.ram_budget_mb``;
+    listed tables keep their placement and cache (``recscale.train.tier_plan``)."""
+    return plan_tiers(tiers, tables, optimizer, access).placement()
 
 
-def tier_factory(cfg: Config, tables: list[TableConfig], optimizer: SparseOptimizer, world_size: int) -> StorageFactory | None:
-    """The storage factory for ``TableBatchedEmbeddingBags``, None when no table is tiered."""
+def tier_factory(cfg: Config, tables: list[TableConfig], optimizer: SparseOptimizer, world_size: int,
+                 data: DataSplits | None = None) -> StorageFactory | None:
+    """The storage factory for ``TableBatchedEmbeddingBags``, None when no table is tiered
+    (``data``: the job's data, whose id statistics size the caches; opened here when None)."""
     tiers = cfg.tiers
     if not tiers.enabled():
         return None
     if world_size > 1:
         raise ConfigError("config section [tiers]: the SSD tier runs in one process only so far; unset it for several ranks")
-    placement = tier_placement(tiers, tables, optimizer)
+    placement = tier_placement(tiers, tables, optimizer, table_access(cfg, tables, data) if tiers.ram_budget_mb else None)
     if all(p == "ram" for p, _ in placement.values()):
         return None
     settings = TierSettings(tiers.ssd_dir, tiers.policy, tiers.lookahead_batches, tiers.io_threads)
