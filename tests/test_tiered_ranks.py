@@ -131,7 +131,7 @@ def _check(results: list[dict], steps: int, optimizers: list[str], policies: lis
             assert summary["prefetched_rows"] == sum(s.prefetched_rows for s in st) > 0
 
 
-STEPS = 200
+STEPS = 30
 
 
 @pytest.mark.parametrize("sharding, files", [

@@ -151,6 +151,7 @@ class TieredRowStorage(RowStorage):
         self._cache = DenseRowStorage(weight, state_columns)
         self._dirty = torch.zeros(total, dtype=torch.bool)
         self._map = torch.full((self.num_rows,), -1, dtype=torch.int32)  # group row -> slot
+        self._ram_row = torch.full((total,), -1, dtype=torch.int64)  # slot -> group row, RAM tables
         self.segments: list[_Segment] = []
         slot = 0
         for t, off in zip(tables, offsets):
@@ -158,6 +159,7 @@ class TieredRowStorage(RowStorage):
             if where == "ram":
                 weight[slot : slot + t.num_rows] = first_rows(t, 0, t.num_rows)
                 self._map[off : off + t.num_rows] = torch.arange(slot, slot + t.num_rows, dtype=torch.int32)
+                self._ram_row[slot : slot + t.num_rows] = torch.arange(off, off + t.num_rows)
                 slot += t.num_rows
                 continue
             o = shards.get(t.name)
@@ -216,6 +218,15 @@ class TieredRowStorage(RowStorage):
         if torch.is_grad_enabled():
             self._dirty[slots] = True
         return slots.view(rows.shape)
+
+    def rows_of_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """The group rows held at cached ``slots`` (for updates that need rows, not slots: the
+        whole-row statistic of a column shard)."""
+        rows = self._ram_row[slots]
+        for seg in self.segments:
+            inside = (slots >= seg.base) & (slots < seg.base + seg.slots)
+            rows[inside] = seg.row_of_slot[slots[inside] - seg.base] + seg.row_start
+        return rows
 
     # ------------------------------------------------------------------ cache
     def _serve(self, seg: _Segment, rows: torch.Tensor, stats: TierStats) -> None:
