@@ -79,16 +79,16 @@ def _run(overrides: list[str], steps: int) -> dict:
     return out
 
 
-def _variants(rank: int, world: int, sharding: list[str], optimizers: list[str], policies: list[str], ssd_dir: str,
-              steps: int) -> dict:
+def _variants(rank: int, world: int, sharding: list[str], runs: list[tuple[str, str]], ssd_dir: str, steps: int) -> dict:
+    """Each optimizer all in RAM, then on the tier with each of its policies."""
     out = {}
-    for name in optimizers:
+    for name, policy in runs:
         opt = [f"embedding_optimizer.name={name}"]
-        out[(name, "ram")] = _run(sharding + opt, steps)
-        for policy in policies:
-            d = Path(ssd_dir) / f"{name}-{policy}"  # shared by the ranks
-            d.mkdir(exist_ok=True)
-            out[(name, policy)] = _run(sharding + opt + _tiers(str(d), policy), steps)
+        if (name, "ram") not in out:
+            out[(name, "ram")] = _run(sharding + opt, steps)
+        d = Path(ssd_dir) / f"{name}-{policy}"  # shared by the ranks
+        d.mkdir(exist_ok=True)
+        out[(name, policy)] = _run(sharding + opt + _tiers(str(d), policy), steps)
     return out
 
 
@@ -107,43 +107,43 @@ def _assert_bitwise(a: dict, b: dict, what: str) -> None:
     assert a["eval"] == b["eval"], what
 
 
-def _check(results: list[dict], steps: int, optimizers: list[str], policies: list[str], files: set[str]) -> None:
-    for name in optimizers:
+def _check(results: list[dict], steps: int, runs: list[tuple[str, str]], files: set[str]) -> None:
+    for name, policy in runs:
         ram = [r[(name, "ram")] for r in results]
         assert ram[0]["steps"] == steps and not ram[0]["files"]
-        for policy in policies:
-            tier = [r[(name, policy)] for r in results]
-            for rank in range(2):
-                _assert_bitwise(tier[rank], ram[rank], f"{name}/{policy} rank {rank}")
-            # Each rank's shards have their own files: none shared, named by table, shard and rank.
-            mine = [set(t["files"]) for t in tier]
-            assert not (mine[0] & mine[1])
-            assert mine[0] | mine[1] == files
-            for rank, names in enumerate(mine):
-                assert all(f".r{rank}." in n for n in names)
-            # The summary is the job's: hit rate over every rank's lookups, MiB per step summed.
-            st = [t["stats"] for t in tier if t["stats"] is not None]
-            lookups, hits = sum(s.lookups for s in st), sum(s.hits for s in st)
-            summary = tier[0]["summary"]
-            assert summary == tier[1]["summary"]
-            assert summary["cache_hit_rate"] == hits / lookups and 0 < hits < lookups
-            assert summary["ssd_read_mb_per_step"] == sum(s.read_bytes for s in st) / 2**20 / steps > 0
-            assert summary["prefetched_rows"] == sum(s.prefetched_rows for s in st) > 0
+        tier = [r[(name, policy)] for r in results]
+        for rank in range(2):
+            _assert_bitwise(tier[rank], ram[rank], f"{name}/{policy} rank {rank}")
+        # Each rank's shards have their own files: none shared, named by table, shard and rank.
+        mine = [set(t["files"]) for t in tier]
+        assert not (mine[0] & mine[1])
+        assert mine[0] | mine[1] == files
+        for rank, names in enumerate(mine):
+            assert all(f".r{rank}." in n for n in names)
+        # The summary is the job's: hit rate over every rank's lookups, MiB per step summed.
+        st = [t["stats"] for t in tier if t["stats"] is not None]
+        lookups, hits = sum(s.lookups for s in st), sum(s.hits for s in st)
+        summary = tier[0]["summary"]
+        assert summary == tier[1]["summary"]
+        assert summary["cache_hit_rate"] == hits / lookups and 0 < hits < lookups
+        assert summary["ssd_read_mb_per_step"] == sum(s.read_bytes for s in st) / 2**20 / steps > 0
+        assert summary["prefetched_rows"] == sum(s.prefetched_rows for s in st) > 0
 
 
-STEPS = 30
+STEPS = 200
 
 
-@pytest.mark.parametrize("sharding, files", [
-    ("table_wise", {"t_s0.s0.r1.0.tier", "t_s1.s0.r0.0.tier"}),
-    ("row_wise", {"t_s0.s0.r0.0.tier", "t_s0.s1.r1.150.tier", "t_s1.s0.r0.0.tier", "t_s1.s1.r1.450.tier"}),
+# Between them the two tests cover each of SGD and row-wise Adagrad with each of lookahead and lru.
+@pytest.mark.parametrize("sharding, runs, files", [
+    ("table_wise", [("sgd", "lookahead"), ("rowwise_adagrad", "lru")], {"t_s0.s0.r1.0.tier", "t_s1.s0.r0.0.tier"}),
+    ("row_wise", [("sgd", "lru"), ("rowwise_adagrad", "lookahead")],
+     {"t_s0.s0.r0.0.tier", "t_s0.s1.r1.150.tier", "t_s1.s0.r0.0.tier", "t_s1.s1.r1.450.tier"}),
 ])
-def test_two_ranks_on_the_tier_equal_two_ranks_in_ram(tmp_path, sharding, files):
-    """SGD and row-wise Adagrad, lookahead and lru, 200 steps: bitwise the all-in-RAM run."""
-    optimizers, policies = ["sgd", "rowwise_adagrad"], ["lookahead", "lru"]
-    results = run_ranks(_variants, 2, [f"sharding.default={sharding}", "data.num_samples=6432"], optimizers, policies,
+def test_two_ranks_on_the_tier_equal_two_ranks_in_ram(tmp_path, sharding, runs, files):
+    """Bitwise the same 2-rank run all in RAM: weights, optimizer state, evaluation metrics."""
+    results = run_ranks(_variants, 2, [f"sharding.default={sharding}", f"data.num_samples={STEPS * 16}"], runs,
                         str(tmp_path), STEPS, timeout_s=300)
-    _check(results, STEPS, optimizers, policies, files)
+    _check(results, STEPS, runs, files)
 
 
 def test_column_and_table_row_shards_on_the_tier_equal_ram(tmp_path):
@@ -151,11 +151,10 @@ def test_column_and_table_row_shards_on_the_tier_equal_ram(tmp_path):
     table-row-wise tables, with a data-parallel one left in RAM; Adam too; lfu; fewer steps."""
     sharding = ["sharding.default=table_wise",
                 'sharding.tables={ t_s0 = { type = "column_wise", shards = 2 }, t_s1 = { type = "table_row_wise" }, '
-                't_s2 = { type = "data_parallel" } }', "data.num_samples=1600"]
-    optimizers, policies = ["adam", "rowwise_adagrad"], ["lfu"]
-    results = run_ranks(_variants, 2, sharding, optimizers, policies, str(tmp_path), 50, timeout_s=300)
-    _check(results, 50, optimizers, policies,
-           {"t_s0.s0.r0.0.tier", "t_s0.s1.r1.0.tier", "t_s1.s0.r0.0.tier", "t_s1.s1.r1.450.tier"})
+                't_s2 = { type = "data_parallel" } }', "data.num_samples=640"]
+    runs = [("adam", "lfu"), ("rowwise_adagrad", "lfu")]
+    results = run_ranks(_variants, 2, sharding, runs, str(tmp_path), 40, timeout_s=300)
+    _check(results, 40, runs, {"t_s0.s0.r0.0.tier", "t_s0.s1.r1.0.tier", "t_s1.s0.r0.0.tier", "t_s1.s1.r1.450.tier"})
 
 
 def _train_both(rank: int, world: int, ssd_dir: str) -> tuple[dict, dict]:
