@@ -148,13 +148,14 @@ def test_two_ranks_on_the_tier_equal_two_ranks_in_ram(tmp_path, sharding, runs, 
 
 def test_column_and_table_row_shards_on_the_tier_equal_ram(tmp_path):
     """Column-wise (row-wise Adagrad: its row statistic summed over the column shards) and
-    table-row-wise tables, with a data-parallel one left in RAM; Adam too; lfu; fewer steps."""
+    table-row-wise tables, with a data-parallel one left in RAM; fp16 rows (the torch kernels);
+    Adam and Adagrad too; fewer steps."""
     sharding = ["sharding.default=table_wise",
                 'sharding.tables={ t_s0 = { type = "column_wise", shards = 2 }, t_s1 = { type = "table_row_wise" }, '
-                't_s2 = { type = "data_parallel" } }', "data.num_samples=640"]
-    runs = [("adam", "lfu"), ("rowwise_adagrad", "lfu")]
-    results = run_ranks(_variants, 2, sharding, runs, str(tmp_path), 40, timeout_s=300)
-    _check(results, 40, runs, {"t_s0.s0.r0.0.tier", "t_s0.s1.r1.0.tier", "t_s1.s0.r0.0.tier", "t_s1.s1.r1.450.tier"})
+                't_s2 = { type = "data_parallel" } }', "data.num_samples=480", "model.embedding_dtype=fp16"]
+    runs = [("rowwise_adagrad", "lfu"), ("adam", "lookahead"), ("adagrad", "lru")]
+    results = run_ranks(_variants, 2, sharding, runs, str(tmp_path), 30, timeout_s=300)
+    _check(results, 30, runs, {"t_s0.s0.r0.0.tier", "t_s0.s1.r1.0.tier", "t_s1.s0.r0.0.tier", "t_s1.s1.r1.450.tier"})
 
 
 def _train_both(rank: int, world: int, ssd_dir: str) -> tuple[dict, dict]:
