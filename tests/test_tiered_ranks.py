@@ -45,9 +45,10 @@ def _tiers(ssd_dir: str, policy: str) -> list[str]:
             f"tiers.tables={CACHES}"]
 
 
-def _run(overrides: list[str], steps: int) -> dict:
+def _run(overrides: list[str], steps: int, watch: list | None = None) -> dict:
     """Train ``steps`` steps as ``recscale train`` does; every table and its state (whole),
-    the dense parameters, evaluation metrics, the tier's counters and this rank's files."""
+    the dense parameters, evaluation metrics, the tier's counters and this rank's files.
+    ``watch``: gets the tier's events (announce, begin, training lookup) in order."""
     cfg = load_config(None, BASE + overrides)
     groups = init_process_groups(env_topology(), 60.0, device=torch.device("cpu"))
     seed_everything(cfg.train.seed)
@@ -57,6 +58,8 @@ def _run(overrides: list[str], steps: int) -> dict:
     params = model.dense_parameters()
     opt = build_dense_optimizer(cfg, params)
     sync = DenseGradSync(params, groups.dense, "fp32", 1.0, stats)
+    if watch is not None:
+        _watch(model.embeddings, watch)
     done = 0
     with closing(TrainPipeline(data.train_loader(), model.embeddings, groups.device, cfg.train.pipeline,
                                cfg.tiers.lookahead_batches)) as pipe:
@@ -77,6 +80,55 @@ def _run(overrides: list[str], steps: int) -> dict:
     out["summary"] = tier_summary(emb, done, 1.0, groups.dense) if cfg.tiers.enabled() else {}
     close_tiers(emb)
     return out
+
+
+def _watch(emb, events: list) -> None:
+    """Record the first tiered group's announced rows, batch starts and training lookups."""
+    _, st = tiered_storages(emb)[0]
+    announce, begin, slots_for = st.announce, st.begin_batch, st.slots_for
+
+    def on_announce(rows):
+        events.append(("announce", torch.unique(rows)))
+        announce(rows)
+
+    def on_begin():
+        events.append(("begin", None))
+        begin()
+
+    def on_lookup(rows):
+        if torch.is_grad_enabled():
+            events.append(("lookup", torch.unique(rows)))
+        return slots_for(rows)
+
+    st.announce, st.begin_batch, st.slots_for = on_announce, on_begin, on_lookup
+
+
+def _schedules(rank: int, world: int, ssd_dir: str) -> dict[int, list]:
+    out = {}
+    for lookahead in (1, 3):
+        d = Path(ssd_dir) / f"k{lookahead}"  # shared by the ranks
+        d.mkdir(exist_ok=True)
+        over = ["sharding.default=row_wise", "data.num_samples=192", "embedding_optimizer.name=sgd"]
+        out[lookahead] = []
+        _run(over + _tiers(str(d), "lookahead") + [f"tiers.lookahead_batches={lookahead}"], 12, out[lookahead])
+    return out
+
+
+def test_each_rank_announces_the_ids_it_receives_k_batches_ahead(tmp_path):
+    """Before batch i trains, batches i..i+k are announced, each with exactly the rows this
+    rank's shard then looks up (the ids after the input all-to-all, not the rank's own batch)."""
+    for by_lookahead in run_ranks(_schedules, 2, str(tmp_path), timeout_s=120):
+        for lookahead, events in by_lookahead.items():
+            announced = [rows for kind, rows in events if kind == "announce"]
+            looked_up = [rows for kind, rows in events if kind == "lookup"]
+            assert len(announced) == len(looked_up) == 12
+            assert all(torch.equal(a, b) for a, b in zip(announced, looked_up))
+            seen, begun = 0, 0
+            for kind, _ in events:
+                seen += kind == "announce"
+                begun += kind == "begin"
+                if kind == "begin":
+                    assert seen == min(begun + lookahead, 12), (lookahead, begun, seen)
 
 
 def _variants(rank: int, world: int, sharding: list[str], runs: list[tuple[str, str]], ssd_dir: str, steps: int) -> dict:

@@ -472,9 +472,7 @@ class TieredStorageFactory:
                  shards: dict[str, TierShard] | None = None, pool: ThreadPoolExecutor | None = None) -> None:
         self.placement, self.settings, self.seed = placement, settings, seed
         self.shards = shards or {}
-        if pool is None and settings.io_threads:
-            pool = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="recscale-tier")
-        self.pool = pool
+        self.pool = pool  # made with the first tiered group: a rank without one starts no threads
 
     def for_shards(self, shards: dict[str, TierShard]) -> TieredStorageFactory:
         """The factory for an operator whose tables are the shards named in ``shards``."""
@@ -489,6 +487,8 @@ class TieredStorageFactory:
         full = {t.name: self._place(t) for t in tables}
         if not any(where == "ssd" for where, _ in full.values()):
             return None
+        if self.pool is None and self.settings.io_threads:
+            self.pool = ThreadPoolExecutor(self.settings.io_threads, thread_name_prefix="recscale-tier")
         return TieredRowStorage(tables, offsets, dim, dtype, state_columns, full, self.settings, self.seed, self.pool,
                                 self.shards)
 
