@@ -210,17 +210,18 @@ def test_column_and_table_row_shards_on_the_tier_equal_ram(tmp_path):
     _check(results, 30, runs, {"t_s0.s0.r0.0.tier", "t_s0.s1.r1.0.tier", "t_s1.s0.r0.0.tier", "t_s1.s1.r1.450.tier"})
 
 
-def _train_both(rank: int, world: int, ssd_dir: str) -> tuple[dict, dict]:
-    over = BASE + ["sharding.default=row_wise", "data.num_samples=320", "train.eval_every_steps=10"]
-    ram = train(load_config(None, over), log=lambda _: None)
-    tier = train(load_config(None, over + _tiers(ssd_dir, "lookahead")), log=lambda _: None)
-    return ram, tier
+def _train(rank: int, world: int, overrides: list[str]) -> dict:
+    return train(load_config(None, BASE + overrides), log=lambda _: None)
 
 
 def test_recscale_train_on_two_ranks_reports_the_jobs_tier_figures(tmp_path):
     """The training loop at 2 ranks: the same metrics as in RAM, the figures reduced over ranks
     (so both ranks report the same), each rank's files closed under their own names."""
-    results = run_ranks(_train_both, 2, str(tmp_path), timeout_s=180)
+    over = ["sharding.default=row_wise", "data.num_samples=320", "train.eval_every_steps=10"]
+    # One run per process start: each runs ``recscale train`` as a job would.
+    rams = run_ranks(_train, 2, over, timeout_s=120)
+    tiers = run_ranks(_train, 2, over + _tiers(str(tmp_path), "lookahead"), timeout_s=120)
+    results = list(zip(rams, tiers))
     for ram, tier in results:
         assert tier["steps"] == ram["steps"] == 20
         for k in ("eval_auc", "eval_logloss", "eval_ne", "train_logloss"):
