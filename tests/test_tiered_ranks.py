@@ -131,7 +131,8 @@ def test_each_rank_announces_the_ids_it_receives_k_batches_ahead(tmp_path):
                     assert seen == min(begun + lookahead, 12), (lookahead, begun, seen)
 
 
-def _variants(rank: int, world: int, sharding: list[str], runs: list[tuple[str, str]], ssd_dir: str, steps: int) -> dict:
+def _variants(rank: int, world: int, sharding: list[str], runs: list[tuple[str, str]], ssd_dir: str,
+              steps: int) -> dict:
     """Each optimizer all in RAM, then on the tier with each of its policies."""
     out = {}
     for name, policy in runs:
@@ -230,7 +231,8 @@ def test_recscale_train_on_two_ranks_reports_the_jobs_tier_figures(tmp_path):
         assert 0 < tier["cache_hit_rate"] < 1 and tier["ssd_write_mb_per_step"] > 0
         assert 0 <= tier["io_stall_fraction"] < 1 and tier["prefetched_rows"] > 0
         assert "cache_hit_rate" not in ram
-    figures = ("cache_hit_rate", "ssd_read_mb_per_step", "ssd_write_mb_per_step", "io_stall_fraction", "prefetched_rows")
+    figures = ("cache_hit_rate", "ssd_read_mb_per_step", "ssd_write_mb_per_step", "io_stall_fraction",
+               "prefetched_rows")
     assert [results[0][1][k] for k in figures] == [results[1][1][k] for k in figures]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "t_s0.s0.r0.0.tier", "t_s0.s1.r1.150.tier", "t_s1.s0.r0.0.tier", "t_s1.s1.r1.450.tier"]
@@ -244,6 +246,7 @@ def test_a_data_parallel_table_stays_in_ram(tmp_path):
         tier_factory(cfg, tables, SGD(), world_size=2, replicated={"t_rep"})
     # With a budget the largest table would go first; replicated, it stays and the other goes.
     cfg = load_config(None, BASE + [f"tiers.ssd_dir={tmp_path}", "tiers.ram_budget_mb=2"])
-    assert tier_factory(cfg, tables, SGD(), world_size=1).placement == {"t_rep": ("ssd", (2 * 2**20 - 30_000 * 32) // 32), "t_sh": ("ram", 0)}
+    alone = tier_factory(cfg, tables, SGD(), world_size=1).placement
+    assert alone == {"t_rep": ("ssd", (2 * 2**20 - 30_000 * 32) // 32), "t_sh": ("ram", 0)}
     placed = tier_factory(cfg, tables, SGD(), world_size=2, replicated={"t_rep"}).placement
     assert placed == {"t_rep": ("ram", 0), "t_sh": ("ssd", (2 * 2**20 - 40_000 * 32) // 32)}

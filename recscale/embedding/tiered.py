@@ -493,6 +493,7 @@ class TieredStorageFactory:
                                 self.shards)
 
 
-def tiered_storage_factory(placement: dict[str, tuple[Placement, int]], settings: TierSettings, seed: int) -> TieredStorageFactory:
+def tiered_storage_factory(placement: dict[str, tuple[Placement, int]], settings: TierSettings,
+                           seed: int) -> TieredStorageFactory:
     """The ``TieredStorageFactory`` of whole tables (see there)."""
     return TieredStorageFactory(placement, settings, seed)

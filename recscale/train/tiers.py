@@ -123,7 +123,8 @@ def tier_summary(embeddings: torch.nn.Module, steps: int, train_seconds: float, 
     elif st is None:
         return {}
     else:
-        lookups, hits, read, written, prefetched = st.lookups, st.hits, st.read_bytes, st.write_bytes, st.prefetched_rows
+        lookups, hits, read, written = st.lookups, st.hits, st.read_bytes, st.write_bytes
+        prefetched = st.prefetched_rows
     steps = max(steps, 1)
     return {
         "cache_hit_rate": hits / max(lookups, 1),
