@@ -250,3 +250,26 @@ def test_a_data_parallel_table_stays_in_ram(tmp_path):
     assert alone == {"t_rep": ("ssd", (2 * 2**20 - 30_000 * 32) // 32), "t_sh": ("ram", 0)}
     placed = tier_factory(cfg, tables, SGD(), world_size=2, replicated={"t_rep"}).placement
     assert placed == {"t_rep": ("ram", 0), "t_sh": ("ssd", (2 * 2**20 - 40_000 * 32) // 32)}
+
+
+def test_a_shard_on_the_tier_starts_from_the_whole_tables_rows_and_names_it_in_errors(tmp_path):
+    """A row-and-column shard's file holds the rectangle of the whole table's initial rows, and
+    a cache too small for a batch names the table's config key and the shard's file."""
+    from recscale.embedding import TableBatchedEmbeddingBags
+    from recscale.embedding.table_batched import init_rows
+    from recscale.embedding.tier_file import TierError
+    from recscale.embedding.tiered import TierSettings, TierShard, tiered_storage_factory
+    from recscale.sparse import JaggedBatch
+
+    whole = TableConfig("t_big", 1000, 8, ("big",))
+    part = TableConfig("t_big#1", 300, 4, ("big#1",))
+    factory = tiered_storage_factory({"t_big": ("ssd", 5)}, TierSettings(str(tmp_path), "lru", 2, 0), seed=3)
+    factory = factory.for_shards({part.name: TierShard(whole, 600, 4, "t_big.s1.r1")})
+    tbe = TableBatchedEmbeddingBags([part], SGD(), seed=3, storage_factory=factory)
+    assert torch.equal(tbe.table_weight(part.name), init_rows(whole, 3, 600, 300, 4, 4))
+    assert [p.name for p in tmp_path.iterdir()] == ["t_big.s1.r1.600.tier"]
+    batch = JaggedBatch(("big#1",), torch.arange(6), torch.ones(6, dtype=torch.int64))
+    msg = r"table 't_big' \(its shard t_big.s1.r1\): .* tiers.tables.t_big.cache_rows >= 6"
+    with pytest.raises(TierError, match=msg):
+        tbe(batch)
+    close_tiers(tbe)
