@@ -71,12 +71,6 @@ def test_bad_tier_settings_are_one_line_errors(tmp_path):
     cfg = load_config(None, BASE + [f"tiers.ssd_dir={tmp_path}", 'tiers.tables={ t_s1 = { placement = "ssd" } }'])
     with pytest.raises(ConfigError, match="no RAM is left for its cache"):
         train(cfg, log=lambda _: None)
-    from recscale.embedding import SGD, TableConfig
-    from recscale.train.tiers import tier_factory
-
-    cfg = load_config(None, BASE + [f"tiers.ssd_dir={tmp_path}", "tiers.ram_budget_mb=1"])
-    with pytest.raises(ConfigError, match="one process only"):
-        tier_factory(cfg, [TableConfig("t_s0", 10, 8)], SGD(), world_size=2)
 
 
 def test_cli_reports_a_cache_smaller_than_a_batch_in_one_line(tmp_path, capsys):

@@ -310,7 +310,7 @@ class TableBatchedEmbeddingBags(nn.Module):
         g.step += 1
         row_mean_sq = None
         if self._needs_row_stat(g):
-            row_mean_sq = self.row_stat_fn(g, unique, summed)
+            row_mean_sq = self._row_stat(g, unique, summed)
         if mod is not None and step_args is not None:
             state = g.storage.state_tensors()
             states = [state[name] for name in self.optimizer.state_columns(g.dim)]
@@ -321,6 +321,20 @@ class TableBatchedEmbeddingBags(nn.Module):
         self.optimizer.apply(g.storage, unique, summed, g.step, row_mean_sq)
         if g.touched is not None:
             g.touched.index_fill_(0, unique, 1)
+
+    def _row_stat(self, g: TableGroup, unique: torch.Tensor, summed: torch.Tensor) -> torch.Tensor:
+        """``row_stat_fn`` of the unique rows; a storage that updates cache slots (the SSD tier)
+        has them turned into ascending group rows first, the statistic put back in slot order."""
+        rows_of = getattr(g.storage, "rows_of_slots", None)
+        assert self.row_stat_fn is not None
+        if rows_of is None:
+            return self.row_stat_fn(g, unique, summed)
+        rows = rows_of(unique)
+        order = torch.argsort(rows)
+        stat = self.row_stat_fn(g, rows[order], summed[order])
+        out = torch.empty_like(stat)
+        out[order] = stat
+        return out
 
     def _needs_row_stat(self, g: TableGroup) -> bool:
         return (

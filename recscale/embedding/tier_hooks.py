@@ -8,8 +8,24 @@ import torch
 from recscale.embedding.tiered import TieredRowStorage, TierStats, segment_span
 
 
+def _operator(module: torch.nn.Module) -> torch.nn.Module:
+    """The table-batched operator that holds ``module``'s rows here: the module itself, or a
+    sharded collection's operator over this rank's shards (its ``local``)."""
+    local = getattr(module, "local", None)
+    return local if isinstance(getattr(local, "groups", None), list) else module
+
+
+def uses_tiers(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has tables on the SSD tier on any rank (a sharded collection says
+    so in ``tiered``: the same answer on every rank, so every rank pipelines alike)."""
+    flag = getattr(module, "tiered", None)
+    return bool(flag) if flag is not None else bool(tiered_storages(module))
+
+
 def tiered_storages(module: torch.nn.Module) -> list[tuple[object, TieredRowStorage]]:
-    """(group, storage) of every tiered group of a ``TableBatchedEmbeddingBags``."""
+    """(group, storage) of every tiered group of a ``TableBatchedEmbeddingBags`` (of this
+    rank's shards, for a sharded collection)."""
+    module = _operator(module)
     groups = module.groups if isinstance(getattr(module, "groups", None), list) else []
     return [(g, g.storage) for g in groups if isinstance(getattr(g, "storage", None), TieredRowStorage)]
 
@@ -21,7 +37,8 @@ def _group_rows(g, batch) -> torch.Tensor:
 
 
 def announce_batch(module: torch.nn.Module, batch) -> None:
-    """Tell each tiered group of ``module`` the rows a future ``JaggedBatch`` looks up."""
+    """Tell each tiered group of ``module`` the rows a future ``JaggedBatch`` looks up (for a
+    sharded collection: the ids this rank received for its shards)."""
     for g, st in tiered_storages(module):
         st.announce(_group_rows(g, batch))
 

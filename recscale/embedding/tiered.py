@@ -51,6 +51,18 @@ class TierSettings:
     io_threads: int = 8
 
 
+@dataclass(frozen=True)
+class TierShard:
+    """Where a rank's shard table comes from: the whole table, the shard's first row and
+    column in it, and the name its tier file goes by (table, shard and rank: two ranks never
+    share a file). Its rows start as the whole table's would (``init_rows`` of the rectangle)."""
+
+    table: TableConfig
+    row_offset: int
+    col_offset: int
+    file_name: str
+
+
 @dataclass
 class TierStats:
     """Counters since the start (or ``reset``): unique-row lookups, those served by the cache,
@@ -113,9 +125,21 @@ class TieredRowStorage(RowStorage):
     def __init__(
         self, tables: Sequence[TableConfig], offsets: Sequence[int], dim: int, dtype: torch.dtype,
         state_columns: dict[str, int], placement: dict[str, tuple[Placement, int]], settings: TierSettings,
-        seed: int, pool: ThreadPoolExecutor | None = None,
+        seed: int, pool: ThreadPoolExecutor | None = None, shards: dict[str, TierShard] | None = None,
     ) -> None:
+        """``shards``: for the shard tables of a sharded collection, their origin (initial rows,
+        file name, the table named in errors); other tables are whole tables."""
         from recscale.embedding.table_batched import init_rows  # the in-RAM run's initial rows
+
+        shards = shards or {}
+
+        def first_rows(t: TableConfig, start: int, n: int) -> torch.Tensor:
+            o = shards.get(t.name)
+            if o is None:
+                return init_rows(t, seed, start, n)
+            return init_rows(o.table, seed, o.row_offset + start, n, o.col_offset, t.dim)
+
+        self._config_name = {t.name: shards[t.name].table.name if t.name in shards else t.name for t in tables}
 
         self.num_rows = sum(t.num_rows for t in tables)
         self.dim, self.dtype = dim, dtype
@@ -133,15 +157,17 @@ class TieredRowStorage(RowStorage):
         for t, off in zip(tables, offsets):
             where, cache_rows = placement[t.name]
             if where == "ram":
-                weight[slot : slot + t.num_rows] = init_rows(t, seed)
+                weight[slot : slot + t.num_rows] = first_rows(t, 0, t.num_rows)
                 self._map[off : off + t.num_rows] = torch.arange(slot, slot + t.num_rows, dtype=torch.int32)
                 self._fixed_slot_rows[slot : slot + t.num_rows] = torch.arange(off, off + t.num_rows)
                 slot += t.num_rows
                 continue
-            meta = TierFileMeta(t.name, t.num_rows, 0, dim, _DTYPE_NAMES[dtype], tuple(state_columns.items()), seed)
+            o = shards.get(t.name)
+            meta = TierFileMeta(o.file_name if o else t.name, t.num_rows, o.row_offset if o else 0, dim,
+                                _DTYPE_NAMES[dtype], tuple(state_columns.items()), seed)
 
             def init(start: int, n: int, t: TableConfig = t) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-                return init_rows(t, seed, start, n), {k: torch.zeros(n, c) for k, c in state_columns.items()}
+                return first_rows(t, start, n), {k: torch.zeros(n, c) for k, c in state_columns.items()}
 
             self.segments.append(_Segment(
                 t, off, slot, cache_rows, RowFile.create(settings.ssd_dir, meta, init),
@@ -198,15 +224,26 @@ class TieredRowStorage(RowStorage):
             self._dirty[slots] = True
         return slots.view(rows.shape)
 
+    def rows_of_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """The group rows held at cached ``slots`` (for updates that need rows, not slots: the
+        whole-row statistic of a column shard)."""
+        rows = self._fixed_slot_rows[slots]
+        for seg in self.segments:
+            inside = (slots >= seg.base) & (slots < seg.base + seg.slots)
+            rows[inside] = seg.row_of_slot[slots[inside] - seg.base] + seg.row_start
+        return rows
+
     # ------------------------------------------------------------------ cache
     def _serve(self, seg: _Segment, rows: torch.Tensor, stats: TierStats) -> None:
         """Make the unique table rows ``rows`` resident (pinned for this call); ``stats`` counts
         the lookups and the wait (training lookups only: evaluation is not the step)."""
         n = rows.numel()
         if n > seg.slots:
+            name = self._config_name[seg.table.name]
+            where = "" if name == seg.table.name else f" (its shard {seg.file.meta.table})"
             raise TierError(
-                f"table '{seg.table.name}': a batch looks up {n} distinct rows but its cache holds "
-                f"{seg.slots}; set tiers.tables.{seg.table.name}.cache_rows >= {n} (or a larger "
+                f"table '{name}'{where}: a batch looks up {n} distinct rows but its cache holds "
+                f"{seg.slots}; set tiers.tables.{name}.cache_rows >= {n} (or a larger "
                 "tiers.ram_budget_mb), or place the table in RAM"
             )
         slots = self._map[rows + seg.row_start].to(torch.int64)
@@ -513,16 +550,40 @@ def segment_span(sorted_rows: torch.Tensor, seg: _Segment) -> tuple[int, int]:
 StorageFactory = Callable[[list[TableConfig], list[int], int, torch.dtype, dict[str, int]], RowStorage | None]
 
 
-def tiered_storage_factory(placement: dict[str, tuple[Placement, int]], settings: TierSettings, seed: int) -> StorageFactory:
+class TieredStorageFactory:
     """For ``TableBatchedEmbeddingBags(storage_factory=...)``: a ``TieredRowStorage`` for each
     group with an SSD-placed table (tables missing from ``placement`` stay in RAM), None
-    (dense storage) for the others. The groups share one pool of ``io_threads`` readers."""
-    pool = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="recscale-tier") if settings.io_threads else None
+    (dense storage) for the others. The groups share one pool of ``io_threads`` readers.
 
-    def make(tables, offsets, dim, dtype, state_columns):
-        if not any(placement.get(t.name, ("ram", 0))[0] == "ssd" for t in tables):
+    ``for_shards`` gives the factory of one rank's shard tables: each shard of an SSD-placed
+    table gets its own file and a cache of the table's ``cache_rows``, at most its own rows."""
+
+    def __init__(self, placement: dict[str, tuple[Placement, int]], settings: TierSettings, seed: int,
+                 shards: dict[str, TierShard] | None = None, pool: ThreadPoolExecutor | None = None) -> None:
+        self.placement, self.settings, self.seed = placement, settings, seed
+        self.shards = shards or {}
+        self.pool = pool  # made with the first tiered group: a rank without one starts no threads
+
+    def for_shards(self, shards: dict[str, TierShard]) -> TieredStorageFactory:
+        """The factory for an operator whose tables are the shards named in ``shards``."""
+        return TieredStorageFactory(self.placement, self.settings, self.seed, shards, self.pool)
+
+    def _place(self, t: TableConfig) -> tuple[Placement, int]:
+        o = self.shards.get(t.name)
+        where, rows = self.placement.get(o.table.name if o else t.name, ("ram", 0))
+        return where, min(rows, t.num_rows)
+
+    def __call__(self, tables, offsets, dim, dtype, state_columns) -> RowStorage | None:
+        full = {t.name: self._place(t) for t in tables}
+        if not any(where == "ssd" for where, _ in full.values()):
             return None
-        full = {t.name: placement.get(t.name, ("ram", 0)) for t in tables}
-        return TieredRowStorage(tables, offsets, dim, dtype, state_columns, full, settings, seed, pool)
+        if self.pool is None and self.settings.io_threads:
+            self.pool = ThreadPoolExecutor(self.settings.io_threads, thread_name_prefix="recscale-tier")
+        return TieredRowStorage(tables, offsets, dim, dtype, state_columns, full, self.settings, self.seed, self.pool,
+                                self.shards)
 
-    return make
+
+def tiered_storage_factory(placement: dict[str, tuple[Placement, int]], settings: TierSettings,
+                           seed: int) -> TieredStorageFactory:
+    """The ``TieredStorageFactory`` of whole tables (see there)."""
+    return TieredStorageFactory(placement, settings, seed)

@@ -31,6 +31,7 @@ from recscale.comm.process_group import ProcessGroups
 from recscale.embedding import SparseOptimizer, TableBatchedEmbeddingBags, TableConfig
 from recscale.embedding.module import EmbeddingInput
 from recscale.embedding.table_batched import init_rows
+from recscale.embedding.tiered import TieredStorageFactory, TierShard
 from recscale.sharding.assemble import assemble
 from recscale.sharding.context import CommPrecision, ShardingContext, StepContext, shard_table_name
 from recscale.sharding.input_dist import InputDist
@@ -67,7 +68,9 @@ class PendingOutput:
 class ShardedEmbeddingCollection(nn.Module):
     """``hierarchical=False`` keeps table-row-wise outputs on the flat path on several hosts
     too (same results up to summation order; for comparisons); ``dp_reduction`` forces how
-    data-parallel replicas combine gradients (``gather`` or ``dense``; same bits either way)."""
+    data-parallel replicas combine gradients (``gather`` or ``dense``; same bits either way).
+    ``storage_factory`` puts this rank's shards of SSD-placed tables on the tier, each shard in
+    a file of its own named by table, shard and rank (replicated tables stay in RAM)."""
 
     def __init__(
         self,
@@ -81,6 +84,7 @@ class ShardedEmbeddingCollection(nn.Module):
         kernel: str = "auto",
         hierarchical: bool = True,
         dp_reduction: Reduction = "auto",
+        storage_factory: TieredStorageFactory | None = None,
     ) -> None:
         super().__init__()
         plan.validate(tables)
@@ -114,10 +118,19 @@ class ShardedEmbeddingCollection(nn.Module):
             return init_rows(t, seed, s.row_offset, s.num_rows, s.col_offset, s.num_cols)
 
         mine = ctx.shard_tables[self.rank]
+        # Whether any rank has tiered shards: the same on every rank, so all pipeline alike.
+        self.tiered = storage_factory is not None
+        if storage_factory is not None:
+            storage_factory = storage_factory.for_shards({
+                t.name: TierShard(origin, s.row_offset, s.col_offset,
+                                  f"{origin.name}.s{t.name.rsplit('#', 1)[1]}.r{self.rank}")
+                for t in mine for origin, s in [ctx.shard_origin[t.name]]
+            })
         self.local = (
             TableBatchedEmbeddingBags(
                 mine, optimizer, seed, ctx.device, init_fn=shard_init,
                 row_stat_fn=row_stat_fns[0] if row_stat_fns else None, kernel=kernel, row_stat_tables=ctx.apart_tables,
+                storage_factory=storage_factory,
             )
             if mine
             else None

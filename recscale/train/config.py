@@ -216,10 +216,10 @@ class TierTableConfig:
 
 @dataclass
 class TiersConfig:
-    # RAM for embedding rows in MiB: tables that do not fit go to the SSD tier behind a cache
-    # (0: every table in RAM, no tier).
+    # RAM for embedding rows in MiB, per rank: tables that do not fit go to the SSD tier behind
+    # a cache (0: every table in RAM, no tier).
     ram_budget_mb: int = 0
-    # Directory of the tier files (one per table); must exist and be writable.
+    # Directory of the tier files (one per table shard and rank); must exist and be writable.
     ssd_dir: str = ""
     # Which cached rows make room: "lookahead" keeps rows the next batches need.
     policy: Literal["lru", "lfu", "lookahead"] = "lookahead"

@@ -43,7 +43,8 @@ SECTION_NOTES: dict[str, str] = {
     "dist": "Process groups and transports between ranks.",
     "checkpoint": "Check-N-Run checkpoints; see [checkpointing.md](checkpointing.md).",
     "tiers": "Tables larger than memory: a RAM cache of hot rows over a file per table on an SSD; "
-             "see [tiers.md](tiers.md). Off by default.",
+             "see [tiers.md](tiers.md). Off by default. On several ranks each rank's shard of a "
+             "tiered table has its own file and cache, and the budget and cache sizes apply per rank.",
 }
 
 MEANINGS: dict[str, str] = {
@@ -110,8 +111,8 @@ MEANINGS: dict[str, str] = {
                     "and `cache_rows = 100000`; tables not listed go to the SSD tier only when "
                     "`ram_budget_mb` cannot hold them",
     "tiers.tables.NAME.placement": "`ram`: the whole table in memory; `ssd`: its file behind a cache",
-    "tiers.tables.NAME.cache_rows": "rows of this table's RAM cache (0: a share of `ram_budget_mb`, "
-                                    "by table size)",
+    "tiers.tables.NAME.cache_rows": "rows of this table's RAM cache, on each rank holding a shard of it "
+                                    "(at most the shard's rows; 0: a share of `ram_budget_mb`, by table size)",
     "dist.shared_memory": "on CPU, when every rank runs on one x86 host, embedding exchanges copy "
                           "through `/dev/shm` instead of gloo's TCP loopback; "
                           "`RECSCALE_SHARED_MEMORY=0` also turns it off",

@@ -172,7 +172,8 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], repla
         "evals": state.evals,
         **ckpt_summary,
         **run_info(cfg, choice, reproducible, kernel_native),
-        **tier_summary(model.embeddings, state.step, state.train_seconds),
+        **tier_summary(model.embeddings, state.step, state.train_seconds,
+                       groups.dense if world > 1 and cfg.tiers.enabled() else None),
         **predicted_tier_summary(cfg, model.embeddings, data, state.steps_this_process),
     }
     close_tiers(model.embeddings)  # every row written back: the tier files are complete

@@ -20,6 +20,7 @@ from recscale.sharding.collection import CommPrecision
 from recscale.sharding.default_plan import TableSharding, default_plan
 from recscale.sharding.plan import PlanError, ShardingPlan
 from recscale.sharding.shard import shard
+from recscale.sharding.types import SHARDING_TYPES
 from recscale.train.config import Config, ConfigError
 from recscale.train.datasets import DataSplits
 from recscale.train.replay import Replay
@@ -135,9 +136,9 @@ def build_model(
         from recscale.train.planning import check_one_process_inputs
 
         check_one_process_inputs(cfg, tables)
-    # To be sharded, the tables are only described here (meta device): no rank holds them all.
-    # Tables on the SSD tier run in one process only: tier_factory refuses them on several ranks.
-    tiers = tier_factory(cfg, tables, optimizer, groups.world_size if sharded and groups else 1, data)
+    # To be sharded, the tables are only described here (meta device): no rank holds them all;
+    # each rank's shards get their tier storage when sharded, below.
+    tiers = None if sharded else tier_factory(cfg, tables, optimizer, 1, data=data)
     embeddings = TableBatchedEmbeddingBags(tables, optimizer, seed=cfg.train.seed,
                                            device="meta" if sharded else device, kernel=cfg.model.embedding_kernel,
                                            storage_factory=tiers)
@@ -148,7 +149,9 @@ def build_model(
         plan = plan or build_plan(cfg, tables, groups, data)
         all_gather_object_check(plan.digest(), groups.dense, "sharding plans")
         precision = CommPrecision(cfg.comm.forward, cfg.comm.backward, cfg.comm.loss_scale)
-        model = shard(model, plan, groups, precision, stats)
+        replicated = {tp.table for tp in plan.tables if SHARDING_TYPES[tp.sharding_type].replicated}
+        tiers = tier_factory(cfg, tables, optimizer, groups.world_size, replicated, data)
+        model = shard(model, plan, groups, precision, stats, storage_factory=tiers)
     if cfg.model.mlp_precision == "bf16" and device.type == "cpu" and not cpu_multiplies_bf16():
         warnings.warn(
             "model.mlp_precision = 'bf16' on a CPU without AVX-512 BF16 or AMX: its bf16 matmuls are emulated "

@@ -8,6 +8,12 @@ is handed to the training step; so the id exchange runs in the background during
 forward and backward. Every rank runs the same program, so the collectives start in the same
 order everywhere. The results are bitwise those of the unpipelined loop: the same tensors meet
 the same operators, only earlier.
+
+With tables on the SSD tier and ``lookahead`` k, the rows batches i+1..i+k look up are
+announced to the tier (and read in the background) before batch i trains. A rank looks up the
+ids it receives from the input all-to-all, so on several ranks the pipeline runs one batch
+further ahead: batches i+1..i+k have arrived and are announced while batch i+k+1's ids still
+travel during batch i, so the id exchange keeps its overlap and the tier its k batches.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch.nn.functional as F
 from recscale.comm.dense_sync import DenseGradSync
 from recscale.data import Batch
 from recscale.embedding.module import EmbeddingInput, EmbeddingModule
-from recscale.embedding.tier_hooks import announce_batch, begin_batch, forget_announced, tiered_storages
+from recscale.embedding.tier_hooks import announce_batch, begin_batch, forget_announced, uses_tiers
 from recscale.model import DLRM
 
 Prepared = tuple[Batch, EmbeddingInput]  # the batch and its ids as the model's embeddings take them (maybe in flight)
@@ -42,16 +48,25 @@ class TrainPipeline:
         self._embeddings = embeddings
         self._device = device
         self._enabled = enabled
-        self._tiered = enabled and lookahead > 0 and bool(tiered_storages(embeddings))
-        self._depth = max(1, lookahead) if self._tiered else 1
+        self._tiered = enabled and lookahead > 0 and uses_tiers(embeddings)
+        self._lookahead = max(1, lookahead) if self._tiered else 1
+        # Ids that travel are announced once they arrive: one batch more ahead keeps one in flight.
+        self._travels = self._tiered and getattr(embeddings, "world", 1) > 1
+        self._depth = self._lookahead + int(self._travels)
         self._ahead: deque[Prepared] = deque()
+        self._announced = 0  # leading batches of ``_ahead`` already announced to the tier
 
     def _prepare(self, batch: Batch) -> Prepared:
         batch = batch.to(self._device, non_blocking=True)
         self._embeddings.validate(batch.sparse)
-        if self._tiered:  # its missing rows start loading now, while earlier batches train
-            announce_batch(self._embeddings, batch.sparse)
         return batch, self._embeddings.start_input_dist(batch.sparse)
+
+    def _announce(self) -> None:
+        """Announce the batch about to train and the ``lookahead`` after it, in order; their
+        missing rows start loading now, while earlier batches train."""
+        while self._announced < min(len(self._ahead), self._lookahead + 1):
+            announce_batch(self._embeddings, self._ahead[self._announced][1].wait())
+            self._announced += 1
 
     def __iter__(self) -> Iterator[Prepared]:
         it = iter(self._batches)
@@ -69,7 +84,9 @@ class TrainPipeline:
 
     def _next(self) -> Prepared:
         if self._tiered:
+            self._announce()
             begin_batch(self._embeddings)
+            self._announced -= 1
         return self._ahead.popleft()
 
     def close(self) -> None:
