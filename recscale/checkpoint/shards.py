@@ -55,6 +55,7 @@ class LocalShard:
         w, state = self.module.table_weight(self.local_name), self.module.table_state(self.local_name)
         if local is None:
             return w.clone(), {k: v.clone() for k, v in state.items()}
+        local = local.to(w.device)
         return w.index_select(0, local), {k: v.index_select(0, local) for k, v in state.items()}
 
     @property
