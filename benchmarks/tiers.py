@@ -146,7 +146,7 @@ def random_read_rate(path_dir: str, rows: int, dim: int, reads: int, depth: int)
         for r in picks[k::depth]:
             f.read(np.array([r]), bufs[k])
             # Drop the page again, so every read goes to the device, not the page cache.
-            os.posix_fadvise(f.fd, 4096 + int(r) * f.record_bytes, f.record_bytes, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(f.fd, int(f.offsets(np.array([r]))[0]), f.record_bytes, os.POSIX_FADV_DONTNEED)
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(depth) as pool:

@@ -78,7 +78,8 @@ def tier_factory(cfg: Config, tables: list[TableConfig], optimizer: SparseOptimi
     placement = tier_placement(tiers, tables, optimizer)
     if all(p == "ram" for p, _ in placement.values()):
         return None
-    settings = TierSettings(tiers.ssd_dir, tiers.policy, tiers.lookahead_batches, tiers.io_threads)
+    settings = TierSettings(tiers.ssd_dir, tiers.policy, tiers.lookahead_batches, tiers.io_threads,
+                            min(tiers.prefetch_batches, tiers.lookahead_batches))
     return tiered_storage_factory(placement, settings, cfg.train.seed)
 
 
