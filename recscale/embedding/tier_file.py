@@ -342,13 +342,14 @@ class RowFile:
         free slots of blocks whose content ``known`` holds (read, not written since) first,
         each such block then written whole; the rest into other free slots. Old slots are
         freed. Training thread; run the job with ``write_job`` (nothing in flight on this file)."""
-        images: dict[int, tuple[BlockRead, int]] = {}
-        for plan in known:
-            valid = np.flatnonzero(plan.gens == self.block_gen[plan.blocks])
-            for i in valid.tolist():
-                images.setdefault(int(plan.blocks[i]), (plan, i))
-        per = self.per_block
-        blocks = np.fromiter(sorted(images), dtype=np.int64, count=len(images))
+        per, rec, bb = self.per_block, self.record_bytes, self.block_bytes
+        # Each valid block once, from the first plan holding it: (block, plan, position).
+        parts = [(p.blocks[v], np.full(v.size, k), v) for k, p in enumerate(known)
+                 for v in [np.flatnonzero(p.gens == self.block_gen[p.blocks])]]
+        blk_all = np.concatenate([b for b, _, _ in parts]) if parts else np.empty(0, np.int64)
+        blocks, first = np.unique(blk_all, return_index=True)
+        owner = np.concatenate([k for _, k, _ in parts])[first] if parts else first
+        pos = np.concatenate([v for _, _, v in parts])[first] if parts else first
         cand = (blocks[:, None] * per + np.arange(per)).reshape(-1)
         cand = cand[self.free[cand]][: rows.size]
         slots = cand
@@ -358,15 +359,18 @@ class RowFile:
             slots = np.concatenate([cand, other])
         self._assign(rows, slots)
         job = WriteJob([], [])
-        rec = self.record_bytes
-        for blk, sel in _group(slots[: cand.size] // per, np.arange(cand.size)):
-            plan, i = images[blk]
-            for j in sel.tolist():
-                at = int(slots[j] % per) * rec
-                plan.images[i, at : at + rec] = data[j]
-            self.block_gen[blk] += 1
-            plan.gens[i] = self.block_gen[blk]  # the patched image is the block's content again
-            job.blocks.append((HEADER_BYTES + blk * self.block_bytes, plan.images[i]))
+        at = np.searchsorted(blocks, cand // per)  # each placed row's block among ``blocks``
+        used = np.unique(at)
+        self.block_gen[blocks[used]] += 1
+        for k in np.unique(owner[used]).tolist():
+            plan = known[k]
+            mine = owner[at] == k
+            i = pos[at[mine]]
+            idx = i[:, None] * bb + (cand[mine] % per)[:, None] * rec + np.arange(rec)
+            plan.images.reshape(-1)[idx] = data[: cand.size][mine]
+            blk_i = pos[used[owner[used] == k]]
+            plan.gens[blk_i] = self.block_gen[plan.blocks[blk_i]]  # patched: the blocks' content again
+            job.blocks += [(HEADER_BYTES + int(plan.blocks[j]) * bb, plan.images[j]) for j in blk_i.tolist()]
         loose = slots[cand.size :]
         self.block_gen[np.unique(loose // per)] += 1
         job.records = [(int(o), data[cand.size + j]) for j, o in enumerate(self.offsets(loose).tolist())]
