@@ -40,7 +40,9 @@ from _common import environment, format_table, set_threads, write_json, zipf_ids
 
 from recscale.embedding import RowWiseAdagrad, TableBatchedEmbeddingBags, TableConfig  # noqa: E402
 from recscale.embedding.tier_file import RowFile  # noqa: E402
-from recscale.embedding.tier_hooks import announce_batch, begin_batch, close_tiers, tier_stats, tiered_storages  # noqa: E402
+from recscale.embedding.tier_hooks import (  # noqa: E402
+    announce_batch, begin_batch, close_tiers, tier_stats, tiered_storages,
+)
 from recscale.embedding.tiered import TierSettings, tiered_storage_factory  # noqa: E402
 from recscale.sparse import JaggedBatch  # noqa: E402
 
@@ -192,9 +194,11 @@ def throughput(tables: list[TableConfig], steps: int, batch: int, pooling: int, 
     for name, k in (("tier, prefetch", prefetch), ("tier, no prefetch", 0)):
         settings = TierSettings(ssd_dir, "lookahead", window, 8, k)
         rate, stall, misses, rereads = train_rate(tables, batches, place, settings, window, warm)
-        result["throughput"][name] = {"prefetch_batches": k, "samples_per_s": rate, "share_of_ram": rate / ram_rate, "io_stall_fraction": stall,
+        result["throughput"][name] = {"prefetch_batches": k, "samples_per_s": rate, "share_of_ram": rate / ram_rate,
+                                      "io_stall_fraction": stall,
                                       "missed_rows_per_step": misses, "write_back_page_rereads": rereads}
-        tp_rows.append([f"{name} ({k}, window {window})" if k else name, f"{rate:,.0f}", f"{rate / ram_rate:.2f}", f"{stall:.3f}", f"{misses:,.0f}"])
+        label = f"{name} ({k}, window {window})" if k else name
+        tp_rows.append([label, f"{rate:,.0f}", f"{rate / ram_rate:.2f}", f"{stall:.3f}", f"{misses:,.0f}"])
     print(format_table(["run (25% cache, zipf 1.05)", "samples/s", "share", "io_stall_fraction", "missed rows/step"], tp_rows))
     print()
 

@@ -43,7 +43,8 @@ def _belady(trace: list[torch.Tensor], cache: int) -> float:
 def _hit_rate(tmp_path, trace, cache: int, policy: str, window: int, prefetch: int | None) -> float:
     t = TableConfig("t", 600, 4, ("f",))
     settings = TierSettings(str(tmp_path), policy, window, 0, prefetch)
-    m = TableBatchedEmbeddingBags([t], SGD(), storage_factory=tiered_storage_factory({"t": ("ssd", cache)}, settings, 0))
+    factory = tiered_storage_factory({"t": ("ssd", cache)}, settings, 0)
+    m = TableBatchedEmbeddingBags([t], SGD(), storage_factory=factory)
     st = m.groups[0].storage
     ahead = 0
     for i in range(len(trace)):

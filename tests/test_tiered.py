@@ -325,7 +325,8 @@ def test_write_backs_write_whole_blocks_and_never_reread_a_page(tmp_path, monkey
     t = TableConfig("t", 3000, dim, ("f",))
     batches = _batches([t], 40, batch_size=24, max_len=6, seed=3)
     cache = max(_max_unique([t], batches)["t"], 150)
-    factory = tiered_storage_factory({"t": ("ssd", cache)}, TierSettings(str(tmp_path), "lookahead", 4, io_threads, 2), seed=5)
+    settings = TierSettings(str(tmp_path), "lookahead", 4, io_threads, 2)  # window 4, prefetch 2
+    factory = tiered_storage_factory({"t": ("ssd", cache)}, settings, seed=5)
     tier = TableBatchedEmbeddingBags([t], RowWiseAdagrad(lr=0.1), seed=5, storage_factory=factory)
     ram = TableBatchedEmbeddingBags([t], RowWiseAdagrad(lr=0.1), seed=5)
     f = tier.groups[0].storage.segments[0].file

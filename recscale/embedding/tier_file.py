@@ -240,7 +240,8 @@ class RowFile:
         if self.fd < 0:
             return
         if bool((self.loc < 0).any()):
-            raise TierError(f"table '{self.meta.table}': closing the tier file with rows still only in the cache; write them back first")
+            raise TierError(f"table '{self.meta.table}': closing the tier file with rows still only in the cache; "
+                            "write them back first")
         _pwrite_all(self.fd, memoryview(self.loc).cast("B"), self.meta.map_offset)
         os.fdatasync(self.fd)
         os.pwrite(self.fd, self.meta.header(clean=True), 0)
@@ -258,7 +259,8 @@ class RowFile:
     def _slots(self, rows: np.ndarray) -> np.ndarray:
         slots = self.loc[rows]
         if slots.size and int(slots.min()) < 0:
-            raise TierError(f"table '{self.meta.table}': a row read from the tier file lives in the cache (an internal error)")
+            raise TierError(f"table '{self.meta.table}': a row read from the tier file lives in the cache "
+                            "(an internal error)")
         return slots
 
     def release(self, rows: np.ndarray) -> None:

@@ -7,16 +7,17 @@ of a lookup (evicting by the table's policy, writing dirty victims back first) a
 slots, so both the torch and the native kernels pool and update cache slots exactly as they
 would the whole table: results are bitwise those of the all-in-RAM run.
 
-Prefetch: ``announce`` gives the rows of a future batch; rows neither cached nor already on
-their way are read by background threads into a staging buffer, with the write-back generation
-of each row at the time the read was issued. Only the training thread changes the cache.
-Victims go into free slots of whole blocks whose content an admission just read
-(``tier_file``), so a write-back never makes the kernel re-read a page. A write-back runs in the background while the batch trains; every read of the file (a prefetch,
+Prefetch: ``announce`` gives the rows of a future batch; once it is within the prefetch depth,
+its rows neither cached nor already on their way are read by background threads into a staging
+buffer, with the write-back generation of each row at the time the read was issued. Only the
+training thread changes the cache. Victims go into free slots of whole blocks whose content an
+admission just read (``tier_file``), so a write-back never makes the kernel re-read a page. A
+write-back runs in the background while the batch trains; every read of the file (a prefetch,
 on its reader thread; an admission; a whole-table read) and the next write-back first wait for
-it, so a read issued later sees the written record (an admission reads only uncached rows, never the victims being
-written, so it need not wait for its own write-back). A staged
-copy is installed only if its row has not been written back since its read was issued,
-otherwise it is dropped and the row read again. A row that the current batch updates is
+it, so a read issued later sees the written record (an admission reads only uncached rows,
+never the victims being written, so it need not wait for its own write-back). A staged copy is
+installed only if its row has not been written back since its read was issued, otherwise it is
+dropped and the row read again. A row that the current batch updates is
 cached (pinned) for that batch, so the next batch finds it in the cache, never a stale copy.
 """
 
