@@ -41,7 +41,9 @@ from _common import environment, format_table, set_threads, write_json, zipf_ids
 
 from recscale.embedding import RowWiseAdagrad, TableBatchedEmbeddingBags, TableConfig  # noqa: E402
 from recscale.embedding.tier_file import RowFile  # noqa: E402
-from recscale.embedding.tier_hooks import announce_batch, begin_batch, close_tiers, tier_stats  # noqa: E402
+from recscale.embedding.tier_hooks import (  # noqa: E402
+    announce_batch, begin_batch, close_tiers, tier_stats, tiered_storages,
+)
 from recscale.embedding.tiered import TierSettings, tiered_storage_factory  # noqa: E402
 from recscale.planner.miss_curve import zipf_access  # noqa: E402
 from recscale.sparse import JaggedBatch  # noqa: E402
@@ -106,9 +108,9 @@ def policy_hit_rate(table: TableConfig, batches: list[JaggedBatch], cache: int, 
     return stats.hits / max(stats.lookups, 1)
 
 
-def train_rate(tables, batches, placement, settings, lookahead: int, warmup: int) -> tuple[float, float, float]:
-    """(samples/s, io_stall_fraction, missed rows per step) of forward + fused backward over
-    ``batches``."""
+def train_rate(tables, batches, placement, settings, lookahead: int, warmup: int) -> tuple[float, float, float, int]:
+    """(samples/s, io_stall_fraction, missed rows per step, blocks a write-back had to re-read)
+    of forward + fused backward over ``batches``."""
     fac = tiered_storage_factory(placement, settings, seed=0) if placement else None
     m = TableBatchedEmbeddingBags(tables, RowWiseAdagrad(lr=0.01), storage_factory=fac)
     stall0, miss0, t0 = 0.0, 0, 0.0
@@ -128,10 +130,11 @@ def train_rate(tables, batches, placement, settings, lookahead: int, warmup: int
     st = tier_stats(m)
     stall = (st.stall_seconds - stall0) if st else 0.0
     misses = (st.lookups - st.hits - miss0) if st else 0
+    rereads = sum(seg.file.rereads for _, s in tiered_storages(m) for seg in s.segments)
     if placement:
         close_tiers(m)
     samples = (len(batches) - warmup) * batches[0].batch_size
-    return samples / seconds, stall / seconds, misses / (len(batches) - warmup)
+    return samples / seconds, stall / seconds, misses / (len(batches) - warmup), rereads
 
 
 def random_read_rate(path_dir: str, rows: int, dim: int, reads: int, depth: int) -> float:
@@ -148,7 +151,7 @@ def random_read_rate(path_dir: str, rows: int, dim: int, reads: int, depth: int)
         for r in picks[k::depth]:
             f.read(np.array([r]), bufs[k])
             # Drop the page again, so every read goes to the device, not the page cache.
-            os.posix_fadvise(f.fd, 4096 + int(r) * f.record_bytes, f.record_bytes, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(f.fd, int(f.offsets(np.array([r]))[0]), f.record_bytes, os.POSIX_FADV_DONTNEED)
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(depth) as pool:
@@ -181,22 +184,27 @@ def hit_rates(table: TableConfig, sim_steps: int, batch: int, pooling: int, wind
     print()
 
 
-def throughput(tables: list[TableConfig], steps: int, batch: int, pooling: int, ssd_dir: str, result: dict) -> None:
-    """Training throughput at a 25% cache, Zipf 1.05: all in RAM, the tier with and without prefetch."""
+def throughput(tables: list[TableConfig], steps: int, batch: int, pooling: int, ssd_dir: str, window: int, prefetch: int,
+               result: dict) -> None:
+    """Training throughput at a 25% cache, Zipf 1.05: all in RAM, the tier with and without
+    prefetch (``window`` batches announced to eviction either way)."""
     batches = make_batches(tables, steps, batch, pooling, 1.05, seed=3)
     rows = tables[0].num_rows
     low = max(int(torch.unique(b.select((t.features[0],)).values).numel()) for b in batches for t in tables)
     cache = max(low, rows // 4)
     place = {t.name: ("ssd", cache) for t in tables}
     warm = max(2, steps // 6)
-    ram_rate, _, _ = train_rate(tables, batches, None, None, 0, warm)
+    ram_rate, _, _, _ = train_rate(tables, batches, None, None, 0, warm)
     tp_rows = [["all in RAM", f"{ram_rate:,.0f}", "1.00", "-", "-"]]
     result["throughput"]["ram"] = {"samples_per_s": ram_rate}
-    for name, k in (("tier, prefetch (lookahead 2)", 2), ("tier, no prefetch", 0)):
-        rate, stall, misses = train_rate(tables, batches, place, TierSettings(ssd_dir, "lookahead", k, 8), k, warm)
-        result["throughput"][name] = {"samples_per_s": rate, "share_of_ram": rate / ram_rate, "io_stall_fraction": stall,
-                                      "missed_rows_per_step": misses}
-        tp_rows.append([name, f"{rate:,.0f}", f"{rate / ram_rate:.2f}", f"{stall:.3f}", f"{misses:,.0f}"])
+    for name, k in (("tier, prefetch", prefetch), ("tier, no prefetch", 0)):
+        settings = TierSettings(ssd_dir, "lookahead", window, 8, k)
+        rate, stall, misses, rereads = train_rate(tables, batches, place, settings, window, warm)
+        result["throughput"][name] = {"prefetch_batches": k, "samples_per_s": rate, "share_of_ram": rate / ram_rate,
+                                      "io_stall_fraction": stall,
+                                      "missed_rows_per_step": misses, "write_back_page_rereads": rereads}
+        label = f"{name} ({k}, window {window})" if k else name
+        tp_rows.append([label, f"{rate:,.0f}", f"{rate / ram_rate:.2f}", f"{stall:.3f}", f"{misses:,.0f}"])
     print(format_table(["run (25% cache, zipf 1.05)", "samples/s", "share", "io_stall_fraction", "missed rows/step"], tp_rows))
     print()
 
@@ -210,7 +218,7 @@ def disk(ssd_dir: str, rows: int, dim: int, reads: int, result: dict) -> None:
     result["disk"] = {"reads_per_s_qd1": qd1, "reads_per_s_qd32": qd32, "reads_per_s_batched": batched}
     shown = [["random record reads/s, queue depth 1", f"{qd1:,.0f}"], ["random record reads/s, queue depth 32", f"{qd32:,.0f}"],
              ["random record reads/s, batched (pages requested ahead)", f"{batched:,.0f}"]]
-    tier = result["throughput"].get("tier, prefetch (lookahead 2)")
+    tier = result["throughput"].get("tier, prefetch")
     if tier:  # the misses the prefetching run measured bound its step time at this read rate
         miss_rows = tier["missed_rows_per_step"]
         bound_rate = result["batch"] / (miss_rows / best) if miss_rows else float("inf")
@@ -249,7 +257,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small tables, seconds")
     ap.add_argument("--ssd-dir", default="", help="directory of the tier files (default: a temporary one)")
-    ap.add_argument("--window", type=int, default=4, help="lookahead window (batches) of the hit-rate runs")
+    ap.add_argument("--window", type=int, default=16, help="lookahead window (batches announced to eviction)")
+    ap.add_argument("--prefetch", type=int, default=2, help="batches read ahead in the throughput run")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default="", help="also write the figures here")
     ap.add_argument("--tables", type=int, default=None, help="number of tables (default 8; --quick 2)")
@@ -273,13 +282,13 @@ def main() -> None:
         ap.error(f"--parts: expected a comma list of hits, train, disk; got {args.parts!r}")
     ssd_dir = args.ssd_dir or tempfile.mkdtemp(prefix="recscale-tiers-")
     tables = [TableConfig(f"t{i}", rows, dim, (f"f{i}",)) for i in range(n_tables)]
-    result: dict = {"environment": environment(), "threads": threads, "window": args.window, "rows": rows, "tables": n_tables, "dim": dim,
+    result: dict = {"environment": environment(), "threads": threads, "window": args.window, "prefetch": args.prefetch, "rows": rows, "tables": n_tables, "dim": dim,
                     "batch": batch, "pooling": pooling, "hit_rate": {}, "throughput": {}}
 
     if "hits" in parts:
         hit_rates(tables[0], sim_steps, batch, pooling, args.window, ssd_dir, result)
     if "train" in parts:
-        throughput(tables, steps, batch, pooling, ssd_dir, result)
+        throughput(tables, steps, batch, pooling, ssd_dir, args.window, args.prefetch, result)
     if "disk" in parts:
         disk(ssd_dir, rows, dim, 1_000 if args.quick else 50_000, result)
     if args.json:

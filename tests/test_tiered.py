@@ -122,8 +122,8 @@ def test_tiered_equals_ram_bitwise(tmp_path_factory, rows, dim, pooling, dtype, 
 
 
 def _slow_in_background(monkeypatch, method: str, seconds: float) -> None:
-    """``RowFile.<method>`` takes ``seconds`` off the main thread: prefetches (``read``) or
-    write-backs (``write``) are still in flight when the next batch needs their rows."""
+    """``RowFile.<method>`` takes ``seconds`` off the main thread: prefetches (``read_blocks``)
+    or write-backs (``write_job``) are still in flight when the next batch needs their rows."""
     real = getattr(RowFile, method)
 
     def slow(self, *args):
@@ -140,7 +140,7 @@ def test_row_updated_by_one_batch_and_needed_by_the_next_is_never_stale(tmp_path
     share; batch 2 needs a row that batch 1 evicts after batch 0 updated it (its write-back,
     slowly, still running when the row is read again). Every copy the next batch sees must
     carry the update: the run equals the in-RAM one bitwise."""
-    _slow_in_background(monkeypatch, "read" if slow == "reads" else "write", 0.02)
+    _slow_in_background(monkeypatch, "read_blocks" if slow == "reads" else "write_job", 0.02)
     t = TableConfig("t", 10, 4, ("f",))
     ids = [[[0, 1]], [[1, 2]], [[0, 3]], [[1, 0]], [[2, 3]], [[0, 1]]]
     batches = [JaggedBatch.from_lists({"f": b}) for b in ids]
@@ -306,6 +306,42 @@ def test_batched_record_io_round_trips_with_page_drops(tmp_path, monkeypatch):
             f.drop_pages()
             assert np.array_equal(got, want)
         f.close()
+
+
+@pytest.mark.parametrize("dim,io_threads", [(16, 2), (5, 0), (1030, 2)])
+def test_write_backs_write_whole_blocks_and_never_reread_a_page(tmp_path, monkeypatch, dim, io_threads):
+    """Every write during training covers whole blocks whose content was read for the rows the
+    batch admits: the kernel never reads a page to complete a write. Records of 68 and 24
+    bytes (many to a page, the page's tail unused) and of 4124 bytes (two pages each)."""
+    from recscale.embedding import tier_file
+
+    writes: list[tuple[int, int]] = []
+    real = tier_file._pwrite_all
+
+    def counted(fd, view, off):
+        writes.append((off, view.nbytes))
+        real(fd, view, off)
+
+    t = TableConfig("t", 3000, dim, ("f",))
+    batches = _batches([t], 40, batch_size=24, max_len=6, seed=3)
+    cache = max(_max_unique([t], batches)["t"], 150)
+    settings = TierSettings(str(tmp_path), "lookahead", 4, io_threads, 2)  # window 4, prefetch 2
+    factory = tiered_storage_factory({"t": ("ssd", cache)}, settings, seed=5)
+    tier = TableBatchedEmbeddingBags([t], RowWiseAdagrad(lr=0.1), seed=5, storage_factory=factory)
+    ram = TableBatchedEmbeddingBags([t], RowWiseAdagrad(lr=0.1), seed=5)
+    f = tier.groups[0].storage.segments[0].file
+    monkeypatch.setattr(tier_file, "_pwrite_all", counted)
+    readout = torch.randn(dim, generator=torch.Generator().manual_seed(1))
+    _train(ram, batches, 0, readout)
+    _train(tier, batches, 4, readout)
+    tier.groups[0].storage._wait_writes(tier.groups[0].storage.segments[0])
+    assert f.rereads == 0
+    assert len(writes) > 20  # victims were written back
+    bb = f.block_bytes
+    assert all((off - tier_file.HEADER_BYTES) % bb == 0 and n % bb == 0 for off, n in writes), writes[:5]
+    monkeypatch.setattr(tier_file, "_pwrite_all", real)
+    _assert_same_tables(ram, tier, [t])
+    close_tiers(tier)
 
 
 def test_two_tiered_groups_share_one_reader_pool(tmp_path):

@@ -1,22 +1,29 @@
 """The file behind a tiered table shard: one fixed-size record per row, weights and state.
 
 Layout: a 4096-byte header (JSON naming the table, its rows, dim, dtype, state columns, seed
-and whether the file was closed cleanly), then ``num_rows`` records of ``record_bytes`` each:
-the row's weights in the storage dtype followed by each optimizer state row in float32. A row
-is one read and one write.
+and whether the file was closed cleanly), then blocks of ``block_bytes`` (a page, or the pages
+one larger record needs) holding ``per_block`` record slots each, then the row-to-slot map. A
+record is the row's weights in the storage dtype followed by each optimizer state row in
+float32; no record straddles a block.
+
+Rows move between slots. A row admitted to the RAM cache gives up its slot; a row written back
+goes to a free slot of a block whose whole content is known because it was just read (the
+reads that admit rows read whole blocks), and that block is written whole. So a write-back is
+never a read-modify-write of a page: the device reads each block once, for the rows it admits,
+and the kernel never has to read a page to complete a partial write. Slots are free while
+their rows are cached, so the blocks a batch reads hold slots for its victims (a block's
+generation says whether a copy read earlier is still its content). The map is written at
+``close``; a file not closed cleanly is refused.
 
 The page cache is kept from becoming a second, unbounded cache with ``posix_fadvise`` rather
-than ``O_DIRECT``: direct I/O needs block-aligned records (a 768-byte row would be padded to
-4 KiB) and fails on tmpfs. The file is opened ``POSIX_FADV_RANDOM`` (no read-ahead); every page
-a read or write touches is counted, and once ``FLUSH_BYTES`` of pages have been touched the file
-is flushed (``fdatasync``) and all its pages dropped (``DONTNEED``), so the page cache holds at
-most that much of the file plus the I/O in flight.
+than ``O_DIRECT``: direct I/O fails on tmpfs. The file is opened ``POSIX_FADV_RANDOM`` (no
+read-ahead); every page a read or write touches is counted, and once ``FLUSH_BYTES`` of pages
+have been touched the file is flushed (``fdatasync``) and all its pages dropped (``DONTNEED``),
+so the page cache holds at most that much of the file plus the I/O in flight.
 
-Queue depth: before reading or writing a set of records, ``prefetch_pages`` asks the kernel for
-all their pages at once (``POSIX_FADV_WILLNEED``, asynchronous), so the device sees the whole
-set in flight instead of one read per thread. A write-back needs this most: a record smaller
-than a page is a read-modify-write of its page, and buffered writes to one file hold its inode
-lock, so without the pages already cached the writes would run one device read at a time.
+Queue depth: before reading a set of blocks, ``prefetch_pages`` asks the kernel for all of them
+at once (``POSIX_FADV_WILLNEED``, asynchronous), so the device sees the whole set in flight
+instead of one read per thread.
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ import numpy as np
 import torch
 
 HEADER_BYTES = 4096
-FORMAT = "recscale-tier-1"
+FORMAT = "recscale-tier-2"
+PAGE = 4096
 FLUSH_BYTES = 64 << 20
 # Reads of fewer rows run on the calling thread: a pool round trip costs more than they do.
 INLINE_ROWS = 32
@@ -66,6 +74,26 @@ class TierFileMeta:
     def record_bytes(self) -> int:
         return self.weight_bytes + 4 * sum(c for _, c in self.state)
 
+    @property
+    def per_block(self) -> int:
+        return max(1, PAGE // self.record_bytes)
+
+    @property
+    def block_bytes(self) -> int:
+        return -(-self.record_bytes // PAGE) * PAGE if self.record_bytes > PAGE else PAGE
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.num_rows // self.per_block)
+
+    @property
+    def map_offset(self) -> int:
+        return HEADER_BYTES + self.num_blocks * self.block_bytes
+
+    @property
+    def file_bytes(self) -> int:
+        return self.map_offset + 8 * self.num_rows
+
     def header(self, clean: bool) -> bytes:
         body = {"format": FORMAT, **asdict(self), "record_bytes": self.record_bytes, "clean": clean}
         raw = json.dumps(body, sort_keys=True).encode()
@@ -79,12 +107,42 @@ def _check_dir(table: str, ssd_dir: Path) -> None:
         raise TierError(f"table '{table}': tiers.ssd_dir '{ssd_dir}' is not writable; choose a writable directory")
 
 
+@dataclass
+class BlockRead:
+    """Whole blocks read for some rows: planned on the training thread (``RowFile.plan``), run on
+    any thread (``RowFile.read_blocks``). ``gens`` are the blocks' generations at planning: an
+    image whose block was written since is not its content any more."""
+
+    rows: np.ndarray
+    slots: np.ndarray
+    blocks: np.ndarray  # ascending, unique
+    gens: np.ndarray
+    images: np.ndarray  # [blocks, block_bytes]
+    where: np.ndarray  # per row, its block's position in ``blocks``
+
+
+@dataclass
+class WriteJob:
+    """Writes of one write-back: whole blocks (offset, image), and records into blocks whose
+    content was not known (each such block costs the device a read first: ``RowFile.rereads``)."""
+
+    blocks: list
+    records: list
+
+
 class RowFile:
     """Reads and writes whole records of one table shard's tier file."""
 
-    def __init__(self, path: Path, meta: TierFileMeta, fd: int) -> None:
+    def __init__(self, path: Path, meta: TierFileMeta, fd: int, loc: np.ndarray | None = None) -> None:
         self.path, self.meta, self.fd = path, meta, fd
         self.record_bytes = meta.record_bytes
+        self.per_block, self.block_bytes = meta.per_block, meta.block_bytes
+        slots = meta.num_blocks * meta.per_block
+        self.loc = np.arange(meta.num_rows, dtype=np.int64) if loc is None else loc  # row -> slot, -1 cached
+        self.free = np.ones(slots, dtype=bool)
+        self.free[self.loc[self.loc >= 0]] = False
+        self.block_gen = np.zeros(meta.num_blocks, dtype=np.int64)  # writes of each block so far
+        self.rereads = 0  # blocks written without their content known (the kernel reads them)
         self._touched = 0
         self._lock = threading.Lock()
 
@@ -99,7 +157,7 @@ class RowFile:
         _check_dir(meta.table, ssd_dir)
         path = ssd_dir / f"{meta.table}.{meta.row_offset}.tier"
         tmp = path.with_suffix(".tier.tmp")
-        size = HEADER_BYTES + meta.num_rows * meta.record_bytes
+        size = meta.file_bytes
         try:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         except PermissionError:
@@ -116,11 +174,18 @@ class RowFile:
                     f"file needs {size / 2**20:,.0f} MiB; free space, choose another ssd_dir or place the table in RAM"
                 ) from None
             os.pwrite(fd, meta.header(clean=False), 0)
+            per = meta.per_block
+            chunk_rows = max(per, chunk_rows // per * per)
             for start in range(0, meta.num_rows, chunk_rows):
                 n = min(chunk_rows, meta.num_rows - start)
                 w, state = init(start, n)
-                data = encode(meta, w, state).numpy()
-                off = HEADER_BYTES + start * meta.record_bytes
+                recs = encode(meta, w, state).numpy()
+                nb = -(-n // per)
+                packed = np.zeros((nb * per, meta.record_bytes), dtype=np.uint8)
+                packed[:n] = recs
+                data = np.zeros((nb, meta.block_bytes), dtype=np.uint8)
+                data[:, : per * meta.record_bytes] = packed.reshape(nb, -1)
+                off = HEADER_BYTES + start // per * meta.block_bytes
                 _pwrite_all(fd, memoryview(data).cast("B"), off)
                 os.fdatasync(fd)
                 os.posix_fadvise(fd, off, data.nbytes, os.POSIX_FADV_DONTNEED)
@@ -159,18 +224,25 @@ class RowFile:
                     f"table '{meta.table}': tier file '{path}' was not closed cleanly (its rows mix several "
                     "steps); delete it and resume from a checkpoint"
                 )
+            loc = np.empty(meta.num_rows, dtype=np.int64)
+            _pread_all(fd, memoryview(loc).cast("B"), meta.map_offset, meta.table, path)
             os.pwrite(fd, meta.header(clean=False), 0)
             os.fdatasync(fd)
         except BaseException:
             os.close(fd)
             raise
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        return cls(path, meta, fd)
+        return cls(path, meta, fd, loc)
 
     def close(self) -> None:
-        """Mark the file clean (every row current) and close it; call after writing back."""
+        """Write the row-to-slot map, mark the file clean (every row current) and close it; call
+        after writing every cached row back."""
         if self.fd < 0:
             return
+        if bool((self.loc < 0).any()):
+            raise TierError(f"table '{self.meta.table}': closing the tier file with rows still only in the cache; "
+                            "write them back first")
+        _pwrite_all(self.fd, memoryview(self.loc).cast("B"), self.meta.map_offset)
         os.fdatasync(self.fd)
         os.pwrite(self.fd, self.meta.header(clean=True), 0)
         os.fdatasync(self.fd)
@@ -178,73 +250,187 @@ class RowFile:
         os.close(self.fd)
         self.fd = -1
 
+    # ------------------------------------------------------------------ slots
+    def offsets(self, slots: np.ndarray) -> np.ndarray:
+        """File offsets of record ``slots``."""
+        slots = slots.astype(np.int64)
+        return HEADER_BYTES + slots // self.per_block * self.block_bytes + slots % self.per_block * self.record_bytes
+
+    def _slots(self, rows: np.ndarray) -> np.ndarray:
+        slots = self.loc[rows]
+        if slots.size and int(slots.min()) < 0:
+            raise TierError(f"table '{self.meta.table}': a row read from the tier file lives in the cache "
+                            "(an internal error)")
+        return slots
+
+    def release(self, rows: np.ndarray) -> None:
+        """``rows`` now live in the cache (their records already read): their slots are free."""
+        slots = self.loc[rows]
+        self.free[slots[slots >= 0]] = True
+        self.loc[rows] = -1
+
     # ------------------------------------------------------------------ rows
     def read(self, rows: np.ndarray, out: np.ndarray, advise: bool = True) -> None:
-        """Records of ``rows`` (ascending) into ``out`` ``[n, record_bytes]``; runs of adjacent
-        rows are one read each, all their pages requested first (``advise``)."""
-        rec = self.record_bytes
+        """Records of ``rows`` into ``out`` ``[n, record_bytes]``; records in adjacent slots are
+        one read each, all their pages requested first (``advise``)."""
+        slots = self._slots(rows)
+        order = np.argsort(slots, kind="stable")
+        slots = slots[order]
         if advise and rows.size > INLINE_ROWS:
-            self.prefetch_pages(rows)
-        for a, b in _runs(rows):
-            off = HEADER_BYTES + int(rows[a]) * rec
-            view = memoryview(out[a:b]).cast("B")
-            got = 0
-            while got < view.nbytes:
-                n = os.preadv(self.fd, [view[got:]], off + got)
-                if n <= 0:
-                    raise TierError(f"table '{self.meta.table}': tier file '{self.path}' is shorter than its header says; delete it")
-                got += n
-        self._count(rows)
+            self._advise(slots // self.per_block)
+        buf = out if np.array_equal(order, np.arange(order.size)) else np.empty_like(out)
+        offs = self.offsets(slots)
+        for a, b in _runs(slots):
+            if (b - a) > 1 and offs[b - 1] - offs[a] != (b - a - 1) * self.record_bytes:  # crosses a block edge
+                for i in range(a, b):
+                    _pread_all(self.fd, memoryview(buf[i : i + 1]).cast("B"), int(offs[i]), self.meta.table, self.path)
+                continue
+            _pread_all(self.fd, memoryview(buf[a:b]).cast("B"), int(offs[a]), self.meta.table, self.path)
+        if buf is not out:
+            out[order] = buf
+        self._count_blocks(np.unique(slots // self.per_block))
 
     def read_async(self, rows: np.ndarray, out: np.ndarray, pool: Executor | None, advise: bool = True) -> list:
-        """Start reading ``rows`` into ``out`` on ``pool`` in chunks; the futures to wait for.
-        ``advise=False``: the caller has already requested their pages."""
+        """Start reading ``rows`` into ``out`` on ``pool`` in chunks; the futures to wait for."""
         if pool is None or rows.size <= INLINE_ROWS:
             self.read(rows, out, advise)
             return []
         if advise:
-            self.prefetch_pages(rows)
+            self._advise(np.unique(self._slots(rows) // self.per_block))
         chunk = max(INLINE_ROWS, rows.size // 16)
         return [pool.submit(self.read, rows[i : i + chunk], out[i : i + chunk], False) for i in range(0, rows.size, chunk)]
 
-    def write(self, rows: np.ndarray, data: np.ndarray, advise: bool = True) -> None:
-        """Records of ``rows`` (ascending) from ``data``; the pages they partly cover are
-        requested first (``advise``), all at once."""
-        rec = self.record_bytes
-        if advise and rows.size > INLINE_ROWS:
-            self.prefetch_pages(rows)
-        for a, b in _runs(rows):
-            _pwrite_all(self.fd, memoryview(data[a:b]).cast("B"), HEADER_BYTES + int(rows[a]) * rec)
-        self._count(rows)
+    def read_all(self, out: np.ndarray, chunk_blocks: int = 4096) -> None:
+        """Every row's record into ``out`` ``[num_rows, record_bytes]`` in one sequential pass;
+        rows living in the cache get zeros."""
+        per, rec, bb = self.per_block, self.record_bytes, self.block_bytes
+        flat = np.empty(self.meta.num_blocks * per, dtype=np.int64)  # slot -> row
+        flat[:] = -1
+        live = self.loc >= 0
+        flat[self.loc[live]] = np.flatnonzero(live)
+        out[~live] = 0
+        for start in range(0, self.meta.num_blocks, chunk_blocks):
+            nb = min(chunk_blocks, self.meta.num_blocks - start)
+            buf = np.empty((nb, bb), dtype=np.uint8)
+            _pread_all(self.fd, memoryview(buf).cast("B"), HEADER_BYTES + start * bb, self.meta.table, self.path)
+            recs = buf[:, : per * rec].reshape(nb * per, rec)
+            rows = flat[start * per : (start + nb) * per]
+            have = rows >= 0
+            out[rows[have]] = recs[have]
+            self._count_blocks(np.arange(nb))
 
-    def write_async(self, rows: np.ndarray, data: np.ndarray, pool: Executor | None, background: bool = False) -> list:
-        """Start writing ``rows`` from ``data`` on ``pool`` in chunks; the futures to wait for.
-        ``background``: even a few rows go to the pool, and each chunk requests its own pages
-        there, so the calling thread spends nothing on them."""
-        if pool is None or (rows.size <= INLINE_ROWS and not background):
+    def plan(self, rows: np.ndarray) -> BlockRead:
+        """The whole-block read of ``rows`` (training thread: slots and generations as of now)."""
+        slots = self._slots(rows)
+        blocks, where = np.unique(slots // self.per_block, return_inverse=True)
+        return BlockRead(rows, slots, blocks, self.block_gen[blocks].copy(),
+                         np.empty((blocks.size, self.block_bytes), dtype=np.uint8), where.reshape(-1))
+
+    def read_blocks(self, plan: BlockRead, out: np.ndarray, advise: bool = True) -> None:
+        """Run ``plan``: its blocks into ``plan.images`` (adjacent blocks one read each, all
+        requested first), its rows' records into ``out`` ``[n, record_bytes]``."""
+        if advise and plan.blocks.size > 1:
+            self._advise(plan.blocks)
+        for a, b in _runs(plan.blocks):
+            off = HEADER_BYTES + int(plan.blocks[a]) * self.block_bytes
+            _pread_all(self.fd, memoryview(plan.images[a:b]).cast("B"), off, self.meta.table, self.path)
+        pos = (plan.slots % self.per_block) * self.record_bytes
+        idx = plan.where[:, None] * self.block_bytes + pos[:, None] + np.arange(self.record_bytes)
+        out[:] = plan.images.reshape(-1)[idx]
+        self._count_blocks(plan.blocks)
+
+    def place(self, rows: np.ndarray, data: np.ndarray, known: list[BlockRead]) -> WriteJob:
+        """Give ``rows`` (cached, to be written back) new slots and their records ``data``:
+        free slots of blocks whose content ``known`` holds (read, not written since) first,
+        each such block then written whole; the rest into other free slots. Old slots are
+        freed. Training thread; run the job with ``write_job`` (nothing in flight on this file)."""
+        per, rec, bb = self.per_block, self.record_bytes, self.block_bytes
+        # Each valid block once, from the first plan holding it: (block, plan, position).
+        parts = [(p.blocks[v], np.full(v.size, k), v) for k, p in enumerate(known)
+                 for v in [np.flatnonzero(p.gens == self.block_gen[p.blocks])]]
+        blk_all = np.concatenate([b for b, _, _ in parts]) if parts else np.empty(0, np.int64)
+        blocks, first = np.unique(blk_all, return_index=True)
+        owner = np.concatenate([k for _, k, _ in parts])[first] if parts else first
+        pos = np.concatenate([v for _, _, v in parts])[first] if parts else first
+        cand = (blocks[:, None] * per + np.arange(per)).reshape(-1)
+        cand = cand[self.free[cand]][: rows.size]
+        slots = cand
+        if cand.size < rows.size:  # not enough room in known blocks: write into others
+            other = np.flatnonzero(self.free)
+            other = other[~np.isin(other, cand)][: rows.size - cand.size]
+            slots = np.concatenate([cand, other])
+        self._assign(rows, slots)
+        job = WriteJob([], [])
+        at = np.searchsorted(blocks, cand // per)  # each placed row's block among ``blocks``
+        used = np.unique(at)
+        self.block_gen[blocks[used]] += 1
+        for k in np.unique(owner[used]).tolist():
+            plan = known[k]
+            mine = owner[at] == k
+            i = pos[at[mine]]
+            idx = i[:, None] * bb + (cand[mine] % per)[:, None] * rec + np.arange(rec)
+            plan.images.reshape(-1)[idx] = data[: cand.size][mine]
+            blk_i = pos[used[owner[used] == k]]
+            plan.gens[blk_i] = self.block_gen[plan.blocks[blk_i]]  # patched: the blocks' content again
+            job.blocks += [(HEADER_BYTES + int(plan.blocks[j]) * bb, plan.images[j]) for j in blk_i.tolist()]
+        loose = slots[cand.size :]
+        self.block_gen[np.unique(loose // per)] += 1
+        job.records = [(int(o), data[cand.size + j]) for j, o in enumerate(self.offsets(loose).tolist())]
+        with self._lock:
+            self.rereads += int(np.unique(loose // per).size)
+        return job
+
+    def _assign(self, rows: np.ndarray, slots: np.ndarray) -> None:
+        old = self.loc[rows]
+        self.free[slots] = False
+        self.loc[rows] = slots
+        self.free[old[old >= 0]] = True
+
+    def write_job(self, job: WriteJob) -> None:
+        """Write ``job``'s blocks whole and its loose records."""
+        for off, image in job.blocks:
+            _pwrite_all(self.fd, memoryview(image).cast("B"), off)
+        for off, rec in job.records:
+            _pwrite_all(self.fd, memoryview(np.ascontiguousarray(rec)).cast("B"), off)
+        with self._lock:
+            self._touched += (len(job.blocks) * self.block_bytes + len(job.records) * PAGE)
+
+    def write(self, rows: np.ndarray, data: np.ndarray, advise: bool = True) -> None:
+        """Records of ``rows`` from ``data`` in place; a row living in the cache first gets a
+        free slot. Each record is a partial write of its block (the kernel reads the block)."""
+        cached = self.loc[rows] < 0
+        if bool(cached.any()):
+            self._assign(rows[cached], np.flatnonzero(self.free)[: int(cached.sum())])
+        slots = self.loc[rows]
+        for i, off in enumerate(self.offsets(slots).tolist()):
+            _pwrite_all(self.fd, memoryview(np.ascontiguousarray(data[i])).cast("B"), off)
+        blocks = np.unique(slots // self.per_block)
+        self.block_gen[blocks] += 1
+        self._count_blocks(blocks)
+
+    def write_async(self, rows: np.ndarray, data: np.ndarray, pool: Executor | None) -> list:
+        """Start writing ``rows`` from ``data`` in place on ``pool`` in chunks; the futures."""
+        cached = self.loc[rows] < 0
+        if bool(cached.any()):
+            self._assign(rows[cached], np.flatnonzero(self.free)[: int(cached.sum())])
+        if pool is None or rows.size <= INLINE_ROWS:
             self.write(rows, data)
             return []
-        if rows.size <= INLINE_ROWS:
-            return [pool.submit(self.write, rows, data)]
-        if not background:
-            self.prefetch_pages(rows)
         chunk = max(INLINE_ROWS, rows.size // 16)
-        return [pool.submit(self.write, rows[i : i + chunk], data[i : i + chunk], background) for i in range(0, rows.size, chunk)]
+        return [pool.submit(self.write, rows[i : i + chunk], data[i : i + chunk]) for i in range(0, rows.size, chunk)]
 
     def prefetch_pages(self, rows: np.ndarray) -> None:
-        """Ask the kernel to read the pages of ``rows`` (ascending) now, all in flight at once;
-        a later read or sub-page write of them then waits on these reads, not its own."""
-        rec = self.record_bytes
-        for a, b in _runs(rows):
-            off = HEADER_BYTES + int(rows[a]) * rec
-            os.posix_fadvise(self.fd, off, (b - a) * rec, os.POSIX_FADV_WILLNEED)
+        """Ask the kernel to read the blocks of ``rows`` now, all in flight at once."""
+        self._advise(np.unique(self._slots(rows) // self.per_block))
 
-    def _count(self, rows: np.ndarray) -> None:
-        """Count the pages the records of ``rows`` span (a record may straddle two)."""
-        off = HEADER_BYTES + rows.astype(np.int64) * self.record_bytes
-        pages = int(((off + self.record_bytes - 1) // 4096 - off // 4096 + 1).sum())
+    def _advise(self, blocks: np.ndarray) -> None:
+        bb = self.block_bytes
+        for a, b in _runs(blocks):
+            os.posix_fadvise(self.fd, HEADER_BYTES + int(blocks[a]) * bb, (b - a) * bb, os.POSIX_FADV_WILLNEED)
+
+    def _count_blocks(self, blocks: np.ndarray) -> None:
         with self._lock:
-            self._touched += pages * 4096
+            self._touched += int(blocks.size) * self.block_bytes
 
     def drop_pages(self, force: bool = False) -> None:
         """Flush and drop the file's pages once ``FLUSH_BYTES`` of them may be cached (call
@@ -254,6 +440,25 @@ class RowFile:
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
             with self._lock:
                 self._touched = 0
+
+
+def _group(keys: np.ndarray, idx: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """(key, positions) for each distinct key of ``keys``, ascending."""
+    if keys.size == 0:
+        return []
+    order = np.argsort(keys, kind="stable")
+    k = keys[order]
+    edges = [0, *(np.flatnonzero(np.diff(k)) + 1).tolist(), k.size]
+    return [(int(k[a]), idx[order[a:b]]) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def _pread_all(fd: int, view: memoryview, off: int, table: str, path: Path) -> None:
+    got = 0
+    while got < view.nbytes:
+        n = os.preadv(fd, [view[got:]], off + got)
+        if n <= 0:
+            raise TierError(f"table '{table}': tier file '{path}' is shorter than its header says; delete it")
+        got += n
 
 
 def _pwrite_all(fd: int, view: memoryview, off: int) -> None:

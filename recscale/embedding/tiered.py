@@ -7,15 +7,17 @@ of a lookup (evicting by the table's policy, writing dirty victims back first) a
 slots, so both the torch and the native kernels pool and update cache slots exactly as they
 would the whole table: results are bitwise those of the all-in-RAM run.
 
-Prefetch: ``announce`` gives the rows of a future batch; rows neither cached nor already on
-their way are read by background threads into a staging buffer, with the write-back generation
-of each row at the time the read was issued. Only the training thread changes the cache. A
+Prefetch: ``announce`` gives the rows of a future batch; once it is within the prefetch depth,
+its rows neither cached nor already on their way are read by background threads into a staging
+buffer, with the write-back generation of each row at the time the read was issued. Only the
+training thread changes the cache. Victims go into free slots of whole blocks whose content an
+admission just read (``tier_file``), so a write-back never makes the kernel re-read a page. A
 write-back runs in the background while the batch trains; every read of the file (a prefetch,
 on its reader thread; an admission; a whole-table read) and the next write-back first wait for
-it, so a read issued later sees the written record (an admission reads only uncached rows, never the victims being
-written, so it need not wait for its own write-back). A staged
-copy is installed only if its row has not been written back since its read was issued,
-otherwise it is dropped and the row read again. A row that the current batch updates is
+it, so a read issued later sees the written record (an admission reads only uncached rows,
+never the victims being written, so it need not wait for its own write-back). A staged copy is
+installed only if its row has not been written back since its read was issued, otherwise it is
+dropped and the row read again. A row that the current batch updates is
 cached (pinned) for that batch, so the next batch finds it in the cache, never a stale copy.
 """
 
@@ -34,7 +36,7 @@ import torch
 from recscale.embedding.config import TableConfig
 from recscale.embedding.eviction import EvictionPolicy
 from recscale.embedding.storage import DenseRowStorage, RowStorage
-from recscale.embedding.tier_file import RowFile, TierError, TierFileMeta, decode, encode
+from recscale.embedding.tier_file import BlockRead, RowFile, TierError, TierFileMeta, decode, encode
 from recscale.sparse import SparseInputError
 
 Placement = Literal["ram", "ssd"]
@@ -43,12 +45,15 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "b
 
 @dataclass(frozen=True)
 class TierSettings:
-    """How the SSD tier runs: where its files live, the policy and the prefetch depth."""
+    """How the SSD tier runs: where its files live, the policy, how far ahead batches are
+    announced (``lookahead_batches``: what eviction knows) and how many of them have their
+    missing rows read ahead (``prefetch_batches``; None: every announced batch)."""
 
     ssd_dir: str
     policy: str = "lookahead"
     lookahead_batches: int = 2
     io_threads: int = 8
+    prefetch_batches: int | None = None
 
 
 @dataclass(frozen=True)
@@ -83,13 +88,15 @@ class TierStats:
 
 @dataclass
 class _Read:
-    """A prefetch in flight: rows, their generations at issue, the buffer the threads fill."""
+    """A prefetch in flight: rows, their generations at issue, the buffer the threads fill and
+    the whole blocks they read (where write-backs may then go without reading them again)."""
 
     seq: int
     rows: torch.Tensor
     gens: torch.Tensor
     out: np.ndarray
     futures: list
+    plan: BlockRead | None = None
 
     def wait(self) -> None:
         for f in self.futures:
@@ -114,6 +121,7 @@ class _Segment:
     used: int = 0
     reads: dict[int, _Read] = field(default_factory=dict)
     writes: list = field(default_factory=list)  # futures of the last write-back, still running
+    recent: list = field(default_factory=list)  # block reads of the last admission (patched: current)
     next_read: int = 0
 
 
@@ -184,6 +192,7 @@ class TieredRowStorage(RowStorage):
         self._row_flags: torch.Tensor | None = None
         self._seq = 0  # batches begun
         self._announced = 0
+        self._issued = 0  # announced batches whose missing rows have been requested
         self._window: deque[torch.Tensor] = deque()  # unique group rows of announced batches
 
     # ------------------------------------------------------------------ RowStorage
@@ -263,6 +272,7 @@ class TieredRowStorage(RowStorage):
         self._wait_writes(seg)
         n, free = missing.numel(), seg.slots - seg.used
         target = torch.arange(seg.used, seg.used + min(n, free), dtype=torch.int64)
+        victims = None
         if n > free:
             evictable = torch.zeros(seg.slots, dtype=torch.bool)
             evictable[: seg.used] = True
@@ -272,14 +282,19 @@ class TieredRowStorage(RowStorage):
                 next_use = self._next_use(seg)
                 uses = seg.uses[seg.row_of_slot.clamp(min=0)]
             victims = seg.policy.victims(n - free, evictable, next_use, uses)
-            # The pages of the rows to read go in flight with those the write-back rewrites.
-            seg.file.prefetch_pages(missing[seg.stage_key[missing] < 0].numpy())
-            self._write_back(seg, victims)
+        seg.used = min(seg.slots, seg.used + n)
+        records, known = self._fetch(seg, missing)
+        seg.file.release(missing.numpy())  # now cached: their slots take the victims
+        if victims is not None:
+            # The victims go into free slots of blocks whose content is known (just read, or
+            # written whole by the last write-back), each block written whole.
+            self._write_back(seg, victims, known + seg.recent)
+            # A victim's changed flag moves to its row before the slot takes another row.
             self._fold_flags(victims + seg.base, seg.row_of_slot[victims] + seg.row_start)
             self._map[seg.row_of_slot[victims] + seg.row_start] = -1
             target = torch.cat([target, victims])
-        seg.used = min(seg.slots, seg.used + n)
-        w, state = decode(seg.file.meta, self._fetch(seg, missing, advise=n <= free), self.dtype)
+        seg.recent = known
+        w, state = decode(seg.file.meta, records, self.dtype)
         cache_slots = target + seg.base
         self._cache.scatter(cache_slots, w, state)
         self._dirty[cache_slots] = False
@@ -288,20 +303,27 @@ class TieredRowStorage(RowStorage):
         seg.policy.admitted(target)
         seg.file.drop_pages()
 
-    def _write_back(self, seg: _Segment, victims: torch.Tensor) -> None:
+    def _write_back(self, seg: _Segment, victims: torch.Tensor, known: list[BlockRead]) -> None:
+        """Write the victims that are dirty or have no slot in the file (every row admitted since
+        the last flush gave its slot up), into the blocks ``known`` holds where there is room."""
         cache_slots = victims + seg.base
-        dirty = self._dirty[cache_slots]
-        if not bool(dirty.any()):
+        rows = seg.row_of_slot[victims]
+        write = self._dirty[cache_slots] | torch.from_numpy(seg.file.loc[rows.clamp(min=0).numpy()] < 0)
+        if not bool(write.any()):
             return
-        cache_slots = cache_slots[dirty]
-        rows = seg.row_of_slot[cache_slots - seg.base]
+        cache_slots = cache_slots[write]
+        rows = rows[write]
         order = torch.argsort(rows)
         rows, cache_slots = rows[order], cache_slots[order]
         w = self._cache.weight.index_select(0, cache_slots)  # storage dtype, not float32
         state = {k: v.index_select(0, cache_slots) for k, v in self._cache.state_tensors().items()}
         seg.gen[rows] += 1  # before the write: a read issued earlier is now known stale
         self._wait_writes(seg)
-        seg.writes = seg.file.write_async(rows.numpy(), encode(seg.file.meta, w, state).numpy(), self.pool, background=True)
+        job = seg.file.place(rows.numpy(), encode(seg.file.meta, w, state).numpy(), known)
+        if self.pool is None:
+            seg.file.write_job(job)
+        else:
+            seg.writes = [self.pool.submit(seg.file.write_job, job)]
         self.stats.write_bytes += rows.numel() * seg.file.record_bytes
         self._dirty[cache_slots] = False
 
@@ -314,18 +336,21 @@ class TieredRowStorage(RowStorage):
             seg.writes = []
             self.stats.stall_seconds += time.perf_counter() - t0
 
-    def _fetch(self, seg: _Segment, rows: torch.Tensor, advise: bool = True) -> torch.Tensor:
+    def _fetch(self, seg: _Segment, rows: torch.Tensor) -> tuple[torch.Tensor, list[BlockRead]]:
         """``[n, record_bytes]`` records of ``rows`` (ascending): from valid staged copies, the
-        rest read now (their pages requested first unless ``advise`` is False: done already)."""
+        rest read now; and the whole-block reads they came from."""
         out = torch.empty(rows.numel(), seg.file.record_bytes, dtype=torch.uint8)
         key = seg.stage_key[rows]
         need = key < 0
         staged = (~need).nonzero().view(-1)
+        known: list[BlockRead] = []
         if staged.numel():
             ids = key[staged] >> 32
             for rid in torch.unique(ids).tolist():
                 read = seg.reads[rid]
                 read.wait()
+                if read.plan is not None:
+                    known.append(read.plan)
                 at = staged[ids == rid]
                 pos = key[at] & 0xFFFFFFFF
                 valid = read.gens[pos] == seg.gen[rows[at]]
@@ -337,11 +362,12 @@ class TieredRowStorage(RowStorage):
         idx = need.nonzero().view(-1)
         if idx.numel():
             buf = np.empty((idx.numel(), seg.file.record_bytes), dtype=np.uint8)
-            for f in seg.file.read_async(rows[idx].numpy(), buf, self.pool, advise):
-                f.result()
+            plan = seg.file.plan(rows[idx].numpy())
+            seg.file.read_blocks(plan, buf)
+            known.append(plan)
             out[idx] = torch.from_numpy(buf)
         self.stats.read_bytes += rows.numel() * seg.file.record_bytes
-        return out
+        return out, known
 
     def _next_use(self, seg: _Segment) -> torch.Tensor:
         """Per cache slot, the first announced batch that needs its row (-1: none)."""
@@ -356,26 +382,38 @@ class TieredRowStorage(RowStorage):
     # ------------------------------------------------------------------ prefetch
     def announce(self, rows: torch.Tensor) -> None:
         """The group rows of the batch after the last announced one: remembered for the
-        lookahead policy, and its rows neither cached nor staged are read in the background."""
-        uniq = torch.unique(rows.reshape(-1))
-        self._window.append(uniq)
+        lookahead policy; once it is within ``prefetch_batches`` of the batch training, its rows
+        neither cached nor staged are read in the background."""
+        self._window.append(torch.unique(rows.reshape(-1)))
         self._announced += 1
-        for seg in self.segments:
-            lo, hi = segment_span(uniq, seg)
-            local = uniq[lo:hi] - seg.row_start
-            local = local[(self._map[local + seg.row_start] < 0) & (seg.stage_key[local] < 0)]
-            if local.numel() == 0:
-                continue
-            rid = seg.next_read
-            seg.next_read += 1
-            out = np.empty((local.numel(), seg.file.record_bytes), dtype=np.uint8)
-            read = _Read(self._announced, local, seg.gen[local].clone(), out, [])
-            if self.pool is None:  # no pool: write-backs ran inline, nothing is in flight
-                seg.file.read(local.numpy(), out)
-            else:  # the reader waits for the write-back in flight, not the training thread
-                read.futures = [self.pool.submit(_read_after, seg.writes, seg.file, local.numpy(), out)]
-            seg.reads[rid] = read
-            seg.stage_key[local] = (rid << 32) | torch.arange(local.numel(), dtype=torch.int64)
+        self._issue_reads()
+
+    def _issue_reads(self) -> None:
+        """Start the reads of the announced batches that have come within the prefetch depth.
+        Eviction may know batches further ahead than are read: announcing costs only the ids."""
+        depth = self.settings.prefetch_batches
+        while self._issued < self._announced and (depth is None or 0 < depth and self._issued < self._seq + 1 + depth):
+            self._issued += 1
+            uniq = self._window[self._issued - self._seq - 1]
+            for seg in self.segments:
+                self._prefetch(seg, uniq)
+
+    def _prefetch(self, seg: _Segment, uniq: torch.Tensor) -> None:
+        lo, hi = segment_span(uniq, seg)
+        local = uniq[lo:hi] - seg.row_start
+        local = local[(self._map[local + seg.row_start] < 0) & (seg.stage_key[local] < 0)]
+        if local.numel() == 0:
+            return
+        rid = seg.next_read
+        seg.next_read += 1
+        out = np.empty((local.numel(), seg.file.record_bytes), dtype=np.uint8)
+        read = _Read(self._issued, local, seg.gen[local].clone(), out, [], seg.file.plan(local.numpy()))
+        if self.pool is None:  # no pool: write-backs ran inline, nothing is in flight
+            seg.file.read_blocks(read.plan, out)
+        else:  # the reader waits for the write-back in flight, not the training thread
+            read.futures = [self.pool.submit(_read_after, seg.writes, seg.file, read.plan, out)]
+        seg.reads[rid] = read
+        seg.stage_key[local] = (rid << 32) | torch.arange(local.numel(), dtype=torch.int64)
 
     def begin_batch(self) -> None:
         """The next announced batch is about to run: it leaves the window, and staged copies of
@@ -383,18 +421,20 @@ class TieredRowStorage(RowStorage):
         if self._window:
             self._window.popleft()
         self._seq += 1
+        self._issued = max(self._issued, self._seq)  # a batch begun unread is not read now
         for seg in self.segments:
             for rid in [r for r, read in seg.reads.items() if read.seq < self._seq]:
                 read = seg.reads.pop(rid)
                 read.wait()
                 still = seg.stage_key[read.rows] >> 32 == rid
                 seg.stage_key[read.rows[still]] = -1
+        self._issue_reads()
 
     def forget_announced(self) -> None:
         """Batches announced but never to run (a pipeline stopped early) leave the window, and
         their staged copies are dropped."""
         self._window.clear()
-        self._announced = self._seq
+        self._announced = self._issued = self._seq
         for seg in self.segments:
             for rid, read in seg.reads.items():
                 read.wait()
@@ -412,7 +452,7 @@ class TieredRowStorage(RowStorage):
             return self.weight[slots].clone(), {k: v[slots].clone() for k, v in self.state_tensors().items()}
         self._wait_writes(seg)
         buf = np.empty((n, seg.file.record_bytes), dtype=np.uint8)
-        seg.file.read(np.arange(n, dtype=np.int64), buf)
+        seg.file.read_all(buf)  # rows living in the cache come back as zeros, overlaid below
         w, state = decode(seg.file.meta, torch.from_numpy(buf), self.dtype)
         cached = (seg.row_of_slot >= 0).nonzero().view(-1)
         rows, slots = seg.row_of_slot[cached], cached + seg.base
@@ -508,7 +548,7 @@ class TieredRowStorage(RowStorage):
     def flush(self) -> None:
         """Write every dirty cached row back (they stay cached, now clean)."""
         for seg in self.segments:
-            self._write_back(seg, torch.arange(seg.used, dtype=torch.int64))
+            self._write_back(seg, torch.arange(seg.used, dtype=torch.int64), [])
             self._wait_writes(seg)
 
     def close(self, shutdown_pool: bool = True) -> None:
@@ -533,12 +573,12 @@ class TieredRowStorage(RowStorage):
         return self.slots_for(values.to(torch.int64) + feature_offsets)
 
 
-def _read_after(writes: list, file: RowFile, rows: np.ndarray, out: np.ndarray) -> None:
+def _read_after(writes: list, file: RowFile, plan: BlockRead, out: np.ndarray) -> None:
     """Read once ``writes`` are done. They were submitted to the same FIFO pool earlier, so they
     have all started before this runs: waiting for them cannot starve the pool."""
     for f in writes:
         f.result()
-    file.read(rows, out)
+    file.read_blocks(plan, out)
 
 
 def segment_span(sorted_rows: torch.Tensor, seg: _Segment) -> tuple[int, int]:

@@ -223,8 +223,10 @@ class TiersConfig:
     ssd_dir: str = ""
     # Which cached rows make room: "lookahead" keeps rows the next batches need.
     policy: Literal["lru", "lfu", "lookahead"] = "lookahead"
-    # Batches whose rows are known (and prefetched) ahead of the one training.
-    lookahead_batches: int = 2
+    # Batches whose rows are announced ahead of the one training: what lookahead eviction knows.
+    lookahead_batches: int = 16
+    # Of those, batches whose missing rows are read ahead in the background (at most lookahead_batches).
+    prefetch_batches: int = 2
     # Threads reading rows from the tier files in the background.
     io_threads: int = 8
     tables: dict[str, TierTableConfig] = field(default_factory=dict)
@@ -233,7 +235,7 @@ class TiersConfig:
         return self.ram_budget_mb > 0 or any(t.placement == "ssd" for t in self.tables.values())
 
     def validate(self) -> None:
-        for key in ("ram_budget_mb", "lookahead_batches", "io_threads"):
+        for key in ("ram_budget_mb", "lookahead_batches", "prefetch_batches", "io_threads"):
             _non_negative(f"tiers.{key}", getattr(self, key))
         for name, t in self.tables.items():
             _non_negative(f"tiers.tables.{name}.cache_rows", t.cache_rows)

@@ -58,7 +58,8 @@ def tier_factory(cfg: Config, tables: list[TableConfig], optimizer: SparseOptimi
     placement = tier_placement(tiers, tables, optimizer, table_access(cfg, tables, data) if tiers.ram_budget_mb else None)
     if all(p == "ram" for p, _ in placement.values()):
         return None
-    settings = TierSettings(tiers.ssd_dir, tiers.policy, tiers.lookahead_batches, tiers.io_threads)
+    settings = TierSettings(tiers.ssd_dir, tiers.policy, tiers.lookahead_batches, tiers.io_threads,
+                            min(tiers.prefetch_batches, tiers.lookahead_batches))
     return tiered_storage_factory(placement, settings, cfg.train.seed)
 
 
