@@ -97,7 +97,8 @@ OPT = RowWiseAdagrad(lr=0.01)
 @functools.lru_cache(maxsize=None)
 def _seconds(name: str, rows: int, policy: str) -> float:
     a, t = ACCESS[name], next(t for t in TABLES if t.name == name)
-    return a.lookups_per_batch() * (1 - a.hit_rate(policy, rows)) * miss_seconds(row_bytes(t, OPT))
+    window = TiersConfig().lookahead_batches  # the planner's: the config's default
+    return a.lookups_per_batch() * (1 - a.hit_rate(policy, rows, 0, window)) * miss_seconds(row_bytes(t, OPT))
 
 
 def _predicted_seconds(placement: dict[str, tuple[str, int]], policy: str = "lookahead") -> float:
