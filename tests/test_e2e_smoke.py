@@ -40,8 +40,11 @@ def test_e2e_quick_runs_and_prints_the_table(tmp_path: Path) -> None:
             assert ((config, setup, "torchrec") in got) != skipped
         assert (config, "1proc", "recscale-sharded") in got
         assert (config, "2ranks", "recscale-sharded") not in got  # at 2 ranks recscale itself is sharded
+    # A CPU without fast bf16 matrix products (no AVX-512 BF16 or AMX) skips the bf16 systems, with a note.
+    bf16_skipped = any("bf16 systems skipped" in n for n in data["notes"])
     for setup in ("1proc", "2ranks"):
-        assert {("dcnv2", setup, "recscale-bf16"), ("dcnv2", setup, "plain-bf16")} <= got
+        pair = {("dcnv2", setup, "recscale-bf16"), ("dcnv2", setup, "plain-bf16")}
+        assert not (pair & got) if bf16_skipped else pair <= got
         assert ("criteo-dlrm", setup, "recscale-bf16") not in got
     for r in rows:
         assert r["samples_per_s"]["median"] > 0 and r["peak_rss_bytes"] > 0
