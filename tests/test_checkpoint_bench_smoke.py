@@ -74,21 +74,21 @@ def test_checkpoint_sensitivity_smoke(tmp_path):
 def test_checkpoint_accuracy_smoke(tmp_path):
     """The accuracy benchmark on the real Criteo 10k sample: a lossless restore at the middle ends
     exactly where the uninterrupted run does, and with the config's decaying rate an 8-bit one
-    ends near it (the bound would fail with a constant rate)."""
+    ends near it (the bound would fail with a constant rate). One restore point keeps it short;
+    the synthetic smoke below covers several."""
     import pytest
 
     if not CRITEO_10K.is_file():
         pytest.skip("../shared/data/criteo is not present")
     out = tmp_path / "acc.json"
     proc_utils.run([sys.executable, "benchmarks/checkpoint_accuracy.py", "--codecs", "none,uniform8",
-                    "--steps", "mid,120", "--json", str(out)],
+                    "--steps", "mid", "--json", str(out)],
                    check=True, cwd=ROOT, timeout=300, capture_output=True)
     d = json.loads(out.read_text())
     by = {(r["codec"], r["restore_step"]): r["logloss_rel_diff"] for r in d["results"]}
     mid = d["middle_step"]
-    assert by[("none", mid)] == 0.0 and by[("none", 120)] == 0.0
+    assert by[("none", mid)] == 0.0
     assert abs(by[("uniform8", mid)]) < 2e-4
-    assert abs(by[("uniform8", 120)]) < 2e-4
 
 
 def test_checkpoint_accuracy_synthetic_smoke(tmp_path):
