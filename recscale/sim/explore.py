@@ -24,7 +24,8 @@ from recscale.sharding.plan import ShardingPlan
 from recscale.sim import traffic
 from recscale.sim.api import NUM_DENSE, _DENSE_WIRE
 from recscale.sim.dense import DenseModel, buckets
-from recscale.sim.step import StepInputs, StepResult, _replica_pair_bytes, _volumes, gradient_links, simulate_step
+from recscale.sim.step import (StepInputs, StepResult, _volumes, gradient_links, replica_links,
+                                simulate_step)
 from recscale.sim.tiers import TieredCluster
 from recscale.sim.topology import ClusterTopology
 from recscale.train.config import Config
@@ -125,7 +126,7 @@ def pieces(specs: list[TableSpec], cfg: Config, topo: ClusterTopology, plan: Sha
     out = _link_s(topo, traffic.merge(traffic.all_to_all(topo, out_v, toward_dest=False), traffic.intra_host(topo, hier_v)))
     grad = _link_s(topo, gradient_links(topo, grad_v, hier_v, cw_v))
     ar = sum(_link_s(topo, traffic.ring_all_reduce(topo, p)) for p in buckets(d.top_params) + buckets(d.bottom_params))
-    rep = _link_s(topo, traffic.uniform(topo, _replica_pair_bytes(inp, topo)))
+    rep = _link_s(topo, replica_links(inp, topo))
     lat = collective_s(hw)
     if topo.hosts > 1:
         lat += topo.host_link_latency_s + sum(t.latency_s for t in topo.tiers if t.hosts_per_group < topo.hosts)

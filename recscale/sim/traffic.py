@@ -64,10 +64,21 @@ def uniform(topo: ClusterTopology, per_pair: float) -> dict[Link, float]:
 def ring_all_reduce(topo: ClusterTopology, nbytes: float) -> dict[Link, float]:
     """A ring all-reduce of ``nbytes`` per rank: each rank sends and receives 2 (W-1)/W of it
     to and from its ring neighbour; one ring edge leaves each host, and each group of a tier."""
+    return _ring(topo, 2 * (topo.world_size - 1) / topo.world_size * nbytes)
+
+
+def ring_all_gather(topo: ClusterTopology, part: float) -> dict[Link, float]:
+    """An all-gather of ``part`` bytes from every rank as gloo and NCCL run it, around the ring:
+    every ring edge carries W-1 parts, so a tier's uplink carries W-1 parts, not the group's
+    ranks times the others' (what sending each part straight to every rank would cost)."""
+    return _ring(topo, (topo.world_size - 1) * part)
+
+
+def _ring(topo: ClusterTopology, v: float) -> dict[Link, float]:
+    """``v`` bytes over every edge of the ring of ranks in order."""
     w = topo.world_size
     if w == 1:
         return {}
-    v = 2 * (w - 1) / w * nbytes
     r = topo.ranks_per_host
     links: dict[Link, float] = {}
     for s in range(w):
