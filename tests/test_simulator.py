@@ -105,7 +105,8 @@ def test_gathers_go_around_the_ring():
     cfg = small("model.table_rows=[5000, 300]", "data.pooling_factors=[2, 1]")
     specs = table_specs(cfg)
     tables = [TableConfig(t.name, t.rows, t.dim, (t.name[2:],)) for t in specs]
-    plan = default_plan(tables, Topology(8, 0, 2), "table_wise", {t.name: TableSharding("data_parallel") for t in specs})
+    replicated = {t.name: TableSharding("data_parallel") for t in specs}
+    plan = default_plan(tables, Topology(8, 0, 2), "table_wise", replicated)
     links = replica_links(StepInputs(specs, Workload(cfg.train.batch_size), plan, None, True), tiered)
     # gathered around the ring: the uplink carries what a host link does (straight: 16/12 of it)
     assert links[("tier0_out", 0)] == pytest.approx(links[("host_out", 0)]) and links[("host_out", 0)] > 0

@@ -305,8 +305,8 @@ def explore(cfg: Config, cluster: TieredCluster, time_budget_s: float = 120.0, t
             scored.append(b)
     scored.sort(key=lambda s: -s.result.samples_per_s)  # type: ignore[union-attr]
     plans = {k: v.plan for k, v in cache.items()}
-    return Exploration(cluster, scored, baselines, plans, len(ranked), analytic_seconds, time.perf_counter() - t0, notes,
-                       time_budget_s)
+    return Exploration(cluster, scored, baselines, plans, len(ranked), analytic_seconds, time.perf_counter() - t0,
+                       notes, time_budget_s)
 
 
 def _torchrec_note() -> str:
