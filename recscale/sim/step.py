@@ -173,7 +173,7 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
     # the ranks already take every core, or the rank loads in its own thread, it takes their time.
     crowded = inp.load_in_process or (bool(topo.shared_cores) and w >= topo.shared_cores)
     load_stream, load_s = ("compute", stretch * local * c.load_s_per_sample) if crowded else ("load", share * local * c.load_s_per_sample)
-    sim = Simulation(traffic.bandwidths(topo))
+    sim = Simulation(traffic.bandwidths(topo), traffic.link_ends(topo), topo.send_buffer_bytes)
     all_ranks = tuple(range(w))
     loads: dict[int, list[int]] = {}
     ids_op: dict[int, int] = {}
@@ -240,9 +240,9 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
     step = t1 - t0
     busy: list[dict[str, float]] = [{} for _ in range(w)]
     for op in sim.ops:
-        lo, hi = max(op.start, t0), min(op.end, t1)
-        if hi > lo:
-            for r in op.ranks:
+        for r in op.ranks:
+            lo, hi = max(op.start, t0), min(op.end_for(r), t1)
+            if hi > lo:
                 busy[r][op.category] = busy[r].get(op.category, 0.0) + hi - lo
     memory = [{"embeddings": rl.memory_bytes, "dense": params * 4.0 * 3} for rl in result.ranks]
     return StepResult(step, wl.batch_size / step if step > 0 else float("inf"), spent, [sim.ops[i] for i in path],

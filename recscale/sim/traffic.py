@@ -105,3 +105,33 @@ def merge(*parts: dict[Link, float]) -> dict[Link, float]:
         for k, v in p.items():
             out[k] = out.get(k, 0.0) + v
     return out
+
+
+def link_ends(topo: ClusterTopology):
+    """The ranks whose bytes each link carries and the ranks it carries them to, for
+    collectives that end per rank: a rank's own link into its host's fabric carries its bytes
+    to the host's other ranks (``intra_out``) or theirs to it (``intra_in``); a host's or a
+    group's link out carries its ranks' bytes to every rank outside, its link in the reverse."""
+    w, r = topo.world_size, topo.ranks_per_host
+    everyone = frozenset(range(w))
+    sizes = {"host": r}
+    for i, t in enumerate(topo.tiers):
+        sizes[f"tier{i}"] = t.hosts_per_group * r
+    cache: dict[Link, tuple[frozenset[int], frozenset[int]]] = {}
+
+    def ends(link: Link) -> tuple[frozenset[int], frozenset[int]]:
+        if link in cache:
+            return cache[link]
+        kind, index = link
+        prefix, direction = kind.rsplit("_", 1)
+        if prefix == "intra":
+            inside = frozenset(range(index // r * r, min(w, (index // r + 1) * r))) if topo.hosts > 1 else everyone
+            one, others = frozenset([index]), inside - {index}
+        else:
+            per = sizes[prefix]
+            one = frozenset(range(index * per, min(w, (index + 1) * per)))
+            others = everyone - one
+        cache[link] = (one, others) if direction == "out" else (others, one)
+        return cache[link]
+
+    return ends
