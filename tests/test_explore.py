@@ -121,3 +121,30 @@ def test_emulated_two_groups_candidates_are_runnable(tmp_path):
         assert cfg.sharding.plan == x["plan_file"] and cfg.train.batch_size == 512
         plan = ShardingPlan.load(x["plan_file"])
         assert plan.to_dict() == x["plan"] and plan.world_size == x["launch"]["world_size"]
+
+
+def test_use_all_ranks_fixes_the_world_size(tmp_path):
+    """With use_all_ranks every candidate runs on every rank; the search reports its budget."""
+    cfg = load_config(ROOT / "configs" / "synthetic.toml", SMALL)
+    cluster = cluster_from_dict(TIERS, "t")
+    free = explore(cfg, cluster, time_budget_s=60, top_k=4)
+    assert {s.candidate.placement for s in free.scored} > {s.candidate.placement for s in free.scored
+                                                          if s.candidate.placement.buildings == 2
+                                                          and s.candidate.placement.ranks_per_host == 2}
+    fixed = explore(cfg, cluster, time_budget_s=60, top_k=4, use_all_ranks=True)
+    assert {(s.candidate.placement.buildings, s.candidate.placement.ranks_per_host) for s in fixed.scored} == {(2, 2)}
+    assert fixed.analytic_count < free.analytic_count and fixed.time_budget_s == 60
+    assert fixed.within_budget == (fixed.seconds <= 60)
+    # the fixed search is the free one's candidates on every rank: its best is the free one's best there
+    best_full = max(s.result.samples_per_s for s in free.scored if s.candidate.placement.buildings == 2
+                    and s.candidate.placement.ranks_per_host == 2)
+    assert fixed.scored[0].result.samples_per_s >= best_full * (1 - 1e-9)
+    tiers = tmp_path / "t.json"
+    tiers.write_text(json.dumps(TIERS))
+    out = tmp_path / "x.json"
+    assert main(["explore", "--config", str(ROOT / "configs" / "synthetic.toml"), "--topology", str(tiers),
+                 "--time-budget", "60", "--top", "2", "--use-all-ranks", "--out", str(out)]
+                + [a for s in SMALL for a in ("--set", s)]) == 0
+    d = json.loads(out.read_text())
+    assert {x["launch"]["world_size"] for x in d["candidates"]} == {8}
+    assert isinstance(d["search"]["within_budget"], bool) and d["search"]["time_budget_s"] == 60

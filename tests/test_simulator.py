@@ -16,7 +16,7 @@ import pytest
 from recscale.cli import main
 from recscale.sim.api import simulate
 from recscale.sim.topology import load_topology, topology_from_dict
-from recscale.sim.traffic import all_to_all, ring_all_reduce
+from recscale.sim.traffic import all_to_all, ring_all_gather, ring_all_reduce
 from recscale.train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,6 +84,32 @@ def test_link_bytes_follow_placement():
                                  "tiers": [{"hosts_per_group": 2, "bandwidth_gbit": 10}]}, "test")
     links = all_to_all(tiered, [1.0] * 8)
     assert links[("tier0_out", 0)] == 4 * 4  # 4 ranks of building 0 send to 4 ranks elsewhere
+
+
+def test_gathers_go_around_the_ring():
+    """An all-gather (gloo's and NCCL's) passes every part along the ring: each edge, a tier's
+    uplink included, carries W-1 parts; the replicas' gradient exchange is priced that way."""
+    from recscale.comm.process_group import Topology
+    from recscale.embedding import TableConfig
+    from recscale.planner.cost_model import Workload
+    from recscale.sharding.default_plan import TableSharding, default_plan
+    from recscale.sim.step import StepInputs, replica_links
+    from recscale.train.planning import table_specs
+
+    tiered = topology_from_dict({"base": "zionex", "hosts": 4, "ranks_per_host": 2,
+                                 "tiers": [{"hosts_per_group": 2, "bandwidth_gbit": 10}]}, "test")
+    ring = ring_all_gather(tiered, 1.0)
+    assert ring[("tier0_out", 0)] == ring[("tier0_in", 1)] == 7  # not 4 x 4 as straight sends
+    assert ring[("host_out", 0)] == ring[("intra_out", 0)] == 7 and ("intra_out", 1) not in ring
+    assert ring_all_reduce(tiered, 8.0) == ring_all_gather(tiered, 2.0)  # reduce-scatter + all-gather of 8 parts
+    cfg = small("model.table_rows=[5000, 300]", "data.pooling_factors=[2, 1]")
+    specs = table_specs(cfg)
+    tables = [TableConfig(t.name, t.rows, t.dim, (t.name[2:],)) for t in specs]
+    replicated = {t.name: TableSharding("data_parallel") for t in specs}
+    plan = default_plan(tables, Topology(8, 0, 2), "table_wise", replicated)
+    links = replica_links(StepInputs(specs, Workload(cfg.train.batch_size), plan, None, True), tiered)
+    # gathered around the ring: the uplink carries what a host link does (straight: 16/12 of it)
+    assert links[("tier0_out", 0)] == pytest.approx(links[("host_out", 0)]) and links[("host_out", 0)] > 0
 
 
 def test_cli_writes_json_and_trace(tmp_path, capsys):

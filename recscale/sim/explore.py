@@ -24,7 +24,8 @@ from recscale.sharding.plan import ShardingPlan
 from recscale.sim import traffic
 from recscale.sim.api import NUM_DENSE, _DENSE_WIRE
 from recscale.sim.dense import DenseModel, buckets
-from recscale.sim.step import StepInputs, StepResult, _replica_pair_bytes, _volumes, gradient_links, simulate_step
+from recscale.sim.step import (StepInputs, StepResult, _volumes, gradient_links, replica_links,
+                                simulate_step)
 from recscale.sim.tiers import TieredCluster
 from recscale.sim.topology import ClusterTopology
 from recscale.train.config import Config
@@ -125,7 +126,7 @@ def pieces(specs: list[TableSpec], cfg: Config, topo: ClusterTopology, plan: Sha
     out = _link_s(topo, traffic.merge(traffic.all_to_all(topo, out_v, toward_dest=False), traffic.intra_host(topo, hier_v)))
     grad = _link_s(topo, gradient_links(topo, grad_v, hier_v, cw_v))
     ar = sum(_link_s(topo, traffic.ring_all_reduce(topo, p)) for p in buckets(d.top_params) + buckets(d.bottom_params))
-    rep = _link_s(topo, traffic.uniform(topo, _replica_pair_bytes(inp, topo)))
+    rep = _link_s(topo, replica_links(inp, topo))
     lat = collective_s(hw)
     if topo.hosts > 1:
         lat += topo.host_link_latency_s + sum(t.latency_s for t in topo.tiers if t.hosts_per_group < topo.hosts)
@@ -201,6 +202,12 @@ class Exploration:
     analytic_seconds: float
     seconds: float
     notes: list[str] = field(default_factory=list)
+    time_budget_s: float | None = None
+
+    @property
+    def within_budget(self) -> bool:
+        """Whether the search, full simulations included, finished inside its time budget."""
+        return self.time_budget_s is None or self.seconds <= self.time_budget_s
 
     @property
     def candidates_per_minute(self) -> float:
@@ -216,12 +223,19 @@ def _simulate(specs: list[TableSpec], cfg: Config, p: Pieces, c: Candidate) -> S
 
 
 def explore(cfg: Config, cluster: TieredCluster, time_budget_s: float = 120.0, top_k: int = 24,
-            max_auc_loss: float = 0.002) -> Exploration:
+            max_auc_loss: float = 0.002, use_all_ranks: bool = False) -> Exploration:
+    """Rank candidates for ``cfg`` on ``cluster`` within about ``time_budget_s``. With
+    ``use_all_ranks`` every candidate runs on every rank of the cluster (the world size is
+    fixed: what a job that has the whole cluster pays for searches over); otherwise fewer
+    buildings and fewer ranks per host are candidates too."""
     t0 = time.perf_counter()
     specs = table_specs(cfg)
     notes: list[str] = []
-    placements = [Placement(b, r) for b in range(cluster.buildings, 0, -1)
-                  for r in sorted({cluster.ranks_per_host, max(1, cluster.ranks_per_host // 2)}, reverse=True)]
+    if use_all_ranks:
+        placements = [Placement(cluster.buildings, cluster.ranks_per_host)]
+    else:
+        placements = [Placement(b, r) for b in range(cluster.buildings, 0, -1)
+                      for r in sorted({cluster.ranks_per_host, max(1, cluster.ranks_per_host // 2)}, reverse=True)]
     cache: dict[tuple[Placement, str], Pieces] = {}
     for pl in placements:
         sub = cluster.shrink(pl.buildings, pl.ranks_per_host)
@@ -291,7 +305,8 @@ def explore(cfg: Config, cluster: TieredCluster, time_budget_s: float = 120.0, t
             scored.append(b)
     scored.sort(key=lambda s: -s.result.samples_per_s)  # type: ignore[union-attr]
     plans = {k: v.plan for k, v in cache.items()}
-    return Exploration(cluster, scored, baselines, plans, len(ranked), analytic_seconds, time.perf_counter() - t0, notes)
+    return Exploration(cluster, scored, baselines, plans, len(ranked), analytic_seconds, time.perf_counter() - t0,
+                       notes, time_budget_s)
 
 
 def _torchrec_note() -> str:

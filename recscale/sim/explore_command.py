@@ -17,6 +17,9 @@ def add_parser(sub) -> None:
                    "best three of each placement (the time budget may stop it sooner)")
     s.add_argument("--max-auc-loss", type=float, default=0.002,
                    help="leave out wire precisions whose measured eval AUC loss exceeds this")
+    s.add_argument("--use-all-ranks", action="store_true",
+                   help="search only placements on every rank of the cluster (a fixed world size; by default "
+                        "fewer buildings or ranks per host are candidates too)")
     s.add_argument("--out", metavar="JSON", help="write ranked candidates and baselines")
     s.add_argument("--plans-dir", metavar="DIR",
                    help="write each candidate's plan JSON here; --out then gives each its train arguments and, "
@@ -44,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         cluster = load_cluster(args.topology)
     except TopologyError as e:
         raise ConfigError(str(e)) from None
-    e = explore(cfg, cluster, args.time_budget, args.top, args.max_auc_loss)
+    e = explore(cfg, cluster, args.time_budget, args.top, args.max_auc_loss, args.use_all_ranks)
     print(summary(e))
     if args.out:
         write_json(args.out, to_dict(e, RunSpec(args.config, tuple(args.set), args.plans_dir)))

@@ -92,7 +92,10 @@ def to_dict(e: Exploration, run: RunSpec | None = None) -> dict:
         "speedup_over_baselines_using_every_rank": gains(e, best_using_all(e)),
         "search": {"candidates_scored": e.analytic_count, "analytic_seconds": e.analytic_seconds,
                    "candidates_per_minute": e.candidates_per_minute, "simulated": len(e.scored),
-                   "seconds": e.seconds, "scorer": "analytic (cached per placement and plan) for all, "
+                   "seconds": e.seconds, "time_budget_s": e.time_budget_s, "within_budget": e.within_budget,
+                   "placements": sorted({(s.candidate.placement.buildings, s.candidate.placement.ranks_per_host)
+                                         for s in e.scored}, reverse=True),
+                   "scorer": "analytic (cached per placement and plan) for all, "
                                                    "full event simulation for the top ones and the baselines",
                    "notes": e.notes},
     }
@@ -100,6 +103,7 @@ def to_dict(e: Exploration, run: RunSpec | None = None) -> dict:
 
 def summary(e: Exploration, top: int = 5) -> str:
     lines = [f"explored {e.analytic_count:,} candidates on {e.cluster.name} in {e.seconds:.1f} s "
+             f"{'' if e.time_budget_s is None else f'(budget {e.time_budget_s:g} s) '}"
              f"({e.candidates_per_minute:,.0f} per minute scored analytically; {len(e.scored)} simulated)"]
     for i, s in enumerate(e.scored[:top]):
         lines.append(f"{i + 1:>2}. {s.result.samples_per_s:>14,.0f} samples/s  {_name(e, s)}")  # type: ignore[union-attr]

@@ -91,24 +91,31 @@ def _volumes(inp: StepInputs, topo: ClusterTopology) -> tuple[list[float], ...]:
 
 def gradient_links(topo: ClusterTopology, grad_v: list[float], hier_v: list[float], cw_v: list[float]) -> dict:
     """The backward's exchanges: gradients to the owners, the hierarchical shards' step inside
-    the host, and the column-wise owners' row statistics to every rank."""
-    return traffic.merge(traffic.all_to_all(topo, grad_v), traffic.intra_host(topo, hier_v),
-                         traffic.all_to_all(topo, cw_v, toward_dest=False))
+    the host, and the column-wise owners' row statistics to every rank (an all-gather around
+    the ring, every part padded to the largest)."""
+    cw = traffic.ring_all_gather(topo, max(cw_v)) if cw_v and max(cw_v) > 0 else {}
+    return traffic.merge(traffic.all_to_all(topo, grad_v), traffic.intra_host(topo, hier_v), cw)
 
 
-def _replica_pair_bytes(inp: StepInputs, topo: ClusterTopology) -> float:
-    """Bytes each rank sends each other rank to combine data-parallel tables' gradients."""
+def replica_links(inp: StepInputs, topo: ClusterTopology) -> dict:
+    """The bytes on each link that combine the data-parallel tables' gradients, as the runtime
+    sends them (``recscale/sharding/replica_gradients.py``): a gathered table's replicas each
+    all-gather their distinct rows' ids and gradients, around the ring; a densely reduced one
+    reduce-scatters its whole gradient (one slice to each rank straight) and all-gathers the
+    summed slices (around the ring)."""
     hw, wl, w = topo.hardware, inp.workload, topo.world_size
-    total = 0.0
+    gathered = dense_slice = 0.0
     for t in inp.tables:
         if inp.plan.table(t.name).sharding_type != "data_parallel" or w == 1:
             continue
         if dp_reduces_dense(t, hw, wl):
-            total += 2 * t.rows * (t.dim + 1) * 4.0 / w
+            dense_slice += t.rows * (t.dim + 1) * 4.0 / w
         else:
             ids = wl.batch_size * t.pooling
-            total += unique_rows(t.rows, t.unique_fraction, ids, ids / w) * (t.dim * 4 + 8)
-    return total
+            gathered += unique_rows(t.rows, t.unique_fraction, ids, ids / w) * (t.dim * 4 + 8)
+    if w == 1 or gathered + dense_slice == 0:
+        return {}
+    return traffic.merge(traffic.uniform(topo, dense_slice), traffic.ring_all_gather(topo, gathered + dense_slice))
 
 
 def contention_factor(topo: ClusterTopology) -> float:
@@ -166,7 +173,7 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
     # the ranks already take every core, or the rank loads in its own thread, it takes their time.
     crowded = inp.load_in_process or (bool(topo.shared_cores) and w >= topo.shared_cores)
     load_stream, load_s = ("compute", stretch * local * c.load_s_per_sample) if crowded else ("load", share * local * c.load_s_per_sample)
-    sim = Simulation(traffic.bandwidths(topo))
+    sim = Simulation(traffic.bandwidths(topo), traffic.link_ends(topo), topo.send_buffer_bytes)
     all_ranks = tuple(range(w))
     loads: dict[int, list[int]] = {}
     ids_op: dict[int, int] = {}
@@ -220,7 +227,7 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
                        lambda r: grad_dep if len(grad_dep) == 1 else [grad_dep[r]])
         tail = upd
         if dp_groups:
-            rep = collective("replica gradient exchange", "replica gradients", k, traffic.uniform(topo, _replica_pair_bytes(inp, topo)),
+            rep = collective("replica gradient exchange", "replica gradients", k, replica_links(inp, topo),
                              group_collectives(dp_groups) * collective_s(hw, replica=True), upd, cpu)
             tail = [rep] * w
         opt = per_rank("dense optimizer", "dense optimizer", k, optim, lambda r: [tail[r], *reduces, bottom_b[r]])
@@ -233,9 +240,9 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
     step = t1 - t0
     busy: list[dict[str, float]] = [{} for _ in range(w)]
     for op in sim.ops:
-        lo, hi = max(op.start, t0), min(op.end, t1)
-        if hi > lo:
-            for r in op.ranks:
+        for r in op.ranks:
+            lo, hi = max(op.start, t0), min(op.end_for(r), t1)
+            if hi > lo:
                 busy[r][op.category] = busy[r].get(op.category, 0.0) + hi - lo
     memory = [{"embeddings": rl.memory_bytes, "dense": params * 4.0 * 3} for rl in result.ranks]
     return StepResult(step, wl.batch_size / step if step > 0 else float("inf"), spent, [sim.ops[i] for i in path],

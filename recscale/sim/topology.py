@@ -74,6 +74,10 @@ class ClusterTopology:
     # Cores every rank of the cluster shares (emulated hosts on one machine); 0: each rank
     # has its own. More ranks than cores stretch every rank's compute by ranks / cores.
     shared_cores: int = 0
+    # Bytes a rank's sends may have in flight before a send holds it (TCP socket buffers, as
+    # Linux grows them up to 4 MiB; NCCL's channel buffers are of the same order): a
+    # collective's heavy direction drains while its senders go on.
+    send_buffer_bytes: float = 4 * 2**20
 
     @property
     def compute_stretch(self) -> float:
@@ -169,7 +173,7 @@ def _is_hardware_json(p: Path) -> bool:
 
 _KEYS = {"base", "hosts", "ranks_per_host", "cross_host_mbit", "cross_host_latency_ms", "intra_host_gbyte_s",
          "flops_per_s", "op_overhead_s", "load_s_per_sample", "tiers", "name", "checkpoint_gbyte_s",
-         "shared_cores", "value_s"}
+         "shared_cores", "value_s", "send_buffer_mib"}
 
 
 def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = None,
@@ -211,4 +215,6 @@ def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = No
     latency = _num(d, "cross_host_latency_ms", source, 0.0) / 1e3  # type: ignore[operator]
     ckpt = _num(d, "checkpoint_gbyte_s", source, 1.0, positive=True) * 1e9  # type: ignore[operator]
     cores = int(_num(d, "shared_cores", source, 0))  # type: ignore[arg-type]
-    return ClusterTopology(str(d.get("name", Path(source).stem)), hw, link, latency, compute, tuple(tiers), ckpt, cores)
+    buffer = _num(d, "send_buffer_mib", source, 4.0) * 2**20  # type: ignore[operator]
+    return ClusterTopology(str(d.get("name", Path(source).stem)), hw, link, latency, compute, tuple(tiers), ckpt, cores,
+                           buffer)

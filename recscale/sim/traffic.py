@@ -64,10 +64,21 @@ def uniform(topo: ClusterTopology, per_pair: float) -> dict[Link, float]:
 def ring_all_reduce(topo: ClusterTopology, nbytes: float) -> dict[Link, float]:
     """A ring all-reduce of ``nbytes`` per rank: each rank sends and receives 2 (W-1)/W of it
     to and from its ring neighbour; one ring edge leaves each host, and each group of a tier."""
+    return _ring(topo, 2 * (topo.world_size - 1) / topo.world_size * nbytes)
+
+
+def ring_all_gather(topo: ClusterTopology, part: float) -> dict[Link, float]:
+    """An all-gather of ``part`` bytes from every rank as gloo and NCCL run it, around the ring:
+    every ring edge carries W-1 parts, so a tier's uplink carries W-1 parts, not the group's
+    ranks times the others' (what sending each part straight to every rank would cost)."""
+    return _ring(topo, (topo.world_size - 1) * part)
+
+
+def _ring(topo: ClusterTopology, v: float) -> dict[Link, float]:
+    """``v`` bytes over every edge of the ring of ranks in order."""
     w = topo.world_size
     if w == 1:
         return {}
-    v = 2 * (w - 1) / w * nbytes
     r = topo.ranks_per_host
     links: dict[Link, float] = {}
     for s in range(w):
@@ -94,3 +105,33 @@ def merge(*parts: dict[Link, float]) -> dict[Link, float]:
         for k, v in p.items():
             out[k] = out.get(k, 0.0) + v
     return out
+
+
+def link_ends(topo: ClusterTopology):
+    """The ranks whose bytes each link carries and the ranks it carries them to, for
+    collectives that end per rank: a rank's own link into its host's fabric carries its bytes
+    to the host's other ranks (``intra_out``) or theirs to it (``intra_in``); a host's or a
+    group's link out carries its ranks' bytes to every rank outside, its link in the reverse."""
+    w, r = topo.world_size, topo.ranks_per_host
+    everyone = frozenset(range(w))
+    sizes = {"host": r}
+    for i, t in enumerate(topo.tiers):
+        sizes[f"tier{i}"] = t.hosts_per_group * r
+    cache: dict[Link, tuple[frozenset[int], frozenset[int]]] = {}
+
+    def ends(link: Link) -> tuple[frozenset[int], frozenset[int]]:
+        if link in cache:
+            return cache[link]
+        kind, index = link
+        prefix, direction = kind.rsplit("_", 1)
+        if prefix == "intra":
+            inside = frozenset(range(index // r * r, min(w, (index // r + 1) * r))) if topo.hosts > 1 else everyone
+            one, others = frozenset([index]), inside - {index}
+        else:
+            per = sizes[prefix]
+            one = frozenset(range(index * per, min(w, (index + 1) * per)))
+            others = everyone - one
+        cache[link] = (one, others) if direction == "out" else (others, one)
+        return cache[link]
+
+    return ends
