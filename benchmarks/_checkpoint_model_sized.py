@@ -14,7 +14,11 @@ spans so that both see the same machine. It reports:
   hour: a checkpoint is compared with the probes beside it, not one taken long before);
 - each checkpoint's kind, bytes (every row of a full checkpoint unless ``--skip-initial-rows``),
   stall (the in-memory snapshot), write rate (bytes / seconds its background write took)
-  against the mean of its adjacent probes, and where the writer's seconds went;
+  against the mean of its adjacent probes, and where the writer's seconds went (wall seconds in
+  encode, crc32, write calls, fsync, small files, commit; waits: the encoder for room
+  ``encode_ahead_wait`` = the writes are behind, the writes for chunks ``write_wait`` = the
+  encoding is; each thread's CPU seconds and ``runqueue`` seconds, runnable but waiting for a
+  CPU: the writer runs at nice 19, so a busy machine starves it);
 - the training slowdown: the time the spans with checkpoints took beyond what their steps take
   at the rate without checkpoints, per checkpoint, as a share of the checkpoint interval (what
   a run checkpointing every interval loses);

@@ -101,7 +101,8 @@ def test_checkpoints_written_streamed_or_buffered_are_the_same_and_restore_bitwi
     reports = m.finish()
     assert [r.kind for r in reports] == kinds and kinds[0] == "full"
     for r in reports:
-        assert {"encode_s", "crc_s", "write_s", "fsync_s", "small_files_s", "commit_s"} <= set(r.phases)
+        assert {"encode_s", "crc_s", "write_s", "fsync_s", "small_files_s", "commit_s", "write_thread_cpu_s",
+                "encode_thread_cpu_s"} <= set(r.phases)
         assert all(v >= 0 for v in r.phases.values())
     fresh = _model()
     restore_shards(storage, load_chain(storage, load_manifest(storage, reports[-1].name)), local_shards(fresh))

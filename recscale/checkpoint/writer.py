@@ -234,6 +234,25 @@ def _timed(items: Iterator, phases: dict, key: str) -> Iterator:
         yield x
 
 
+def thread_times() -> tuple[float, float | None]:
+    """The calling thread's (CPU seconds, seconds it was runnable but waiting for a CPU); the
+    second is None where the OS does not say (Linux: ``/proc/thread-self/schedstat``). A
+    background writer that waits long for a CPU is starved, not slow."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            run_ns, wait_ns = f.read().split()[:2]
+        return int(run_ns) / 1e9, int(wait_ns) / 1e9
+    except (OSError, ValueError):
+        return time.thread_time(), None
+
+
+def _add_thread_times(phases: dict, prefix: str, start: tuple[float, float | None]) -> None:
+    cpu, wait = thread_times()
+    phases[f"{prefix}_cpu_s"] = cpu - start[0]
+    if wait is not None and start[1] is not None:
+        phases[f"{prefix}_runqueue_s"] = wait - start[1]
+
+
 def lower_thread_priority() -> None:
     """Run the calling background thread at the lowest CPU priority (Linux: per thread), so
     quantizing and writing use spare cycles and take as little as possible from training."""
@@ -255,6 +274,7 @@ def _pipelined(items: Iterator, depth: int = 4, phases: dict | None = None) -> I
 
     def produce() -> None:
         lower_thread_priority()
+        start = thread_times()
         try:
             for it in items:
                 t = time.perf_counter()
@@ -262,6 +282,7 @@ def _pipelined(items: Iterator, depth: int = 4, phases: dict | None = None) -> I
                 ph["encode_ahead_wait_s"] += time.perf_counter() - t
         except BaseException as e:  # handed to the consumer
             q.put(e)
+        _add_thread_times(ph, "encode_thread", start)
         q.put(done)
 
     t = threading.Thread(target=produce, name="ckpt-quantize", daemon=True)
@@ -291,6 +312,7 @@ def write_rank(storage: Storage, job: WriteJob) -> WriteReport:
     rows = 0
     offset = 0
     phases: dict[str, float] = {"write_s": 0.0}
+    start = thread_times()
     with storage.open_write(f"{tmp}/{data_file}") as f:
         for chunk, parts in _pipelined(encode_chunks(job, data_file, phases), phases=phases):
             tw = time.perf_counter()
@@ -304,6 +326,7 @@ def write_rank(storage: Storage, job: WriteJob) -> WriteReport:
         faults.point("checkpoint", job.manifest.step)
         t_close = time.perf_counter()
     phases["fsync_s"] = time.perf_counter() - t_close  # the data file's closing fsync
+    _add_thread_times(phases, "write_thread", start)
     t_small = time.perf_counter()
     state_file = rank_file(job.rank, "state")
     storage.write_atomic(f"{tmp}/{state_file}", job.rank_state)
