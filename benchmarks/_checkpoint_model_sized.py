@@ -160,6 +160,7 @@ def run(args) -> dict:
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="recscale-ckpt-model-"))
     root.mkdir(parents=True, exist_ok=True)
     stream_window = 0 if args.write_mode == "buffered" else None
+    direct = args.write_mode == "direct"
     try:
         data = batches(args)
         model, opt = build(args)
@@ -167,10 +168,10 @@ def run(args) -> dict:
             _step(model, opt, b)
         settings = CheckpointSettings(dir=str(root / "ckpt"), policy="intermittent", quantization="none",
                                       keep_last=1, async_write=True, max_in_flight=1, at_end=False)
-        manager = CheckpointManager(settings, LocalStorage(root / "ckpt", stream_window), local_shards(model.embeddings),
+        manager = CheckpointManager(settings, LocalStorage(root / "ckpt", stream_window, direct), local_shards(model.embeddings),
                                     init_seed=0 if args.skip_initial_rows else None)
         # A chunk's write calls: its rows (fp32), then the row-wise Adagrad state (one column).
-        probes = Probes(args, LocalStorage(root, stream_window), manager,
+        probes = Probes(args, LocalStorage(root, stream_window, direct), manager,
                         (settings.chunk_rows * args.dim * 4, settings.chunk_rows * 4))
         interval, span = 60.0 * args.interval_min, 60.0 * args.interval_min / 2
         step, stalls, spans = 0, [], {"with": [0.0, 0], "without": [0.0, 0]}

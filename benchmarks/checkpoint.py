@@ -278,9 +278,10 @@ def main() -> int:
                     help="criteo-dlrm: a probe beside a full checkpoint writes at least this much (default 4)")
     ap.add_argument("--probe-differentials", action="store_true",
                     help="criteo-dlrm: probe the disk around differential checkpoints too (default: full ones)")
-    ap.add_argument("--write-mode", choices=["stream", "buffered"], default="stream",
-                    help="criteo-dlrm: stream (data files handed to the disk as written, the default) or buffered "
-                         "(page cache and one fsync at the end); the probes write the same way")
+    ap.add_argument("--write-mode", choices=["direct", "stream", "buffered"], default="direct",
+                    help="criteo-dlrm: direct (direct I/O where the file system takes it, the default), stream "
+                         "(page cache, handed to the disk as written) or buffered (page cache, one fsync at the "
+                         "end); the probes write the same way")
     ap.add_argument("--dir", help="criteo-dlrm: where to write (default a temporary folder)")
     ap.add_argument("--skip-initial-rows", action="store_true",
                     help="criteo-dlrm: full checkpoints leave out rows still at their initial values (the "

@@ -1,11 +1,15 @@
-"""Streaming data-file writes: the bytes on disk are exactly the bytes written, whatever the
-window and write sizes, with ``sync_file_range`` or without it (missing or failing); checkpoints
+"""Data-file writes (direct, streamed, buffered): the bytes on disk are exactly the bytes
+written, whatever the alignment, window and write sizes, with ``sync_file_range`` or direct
+I/O or without them (missing or failing); checkpoints
 written either way restore bitwise and are the same files; the writer reports where its
 seconds went, and ``next_kind`` names the kind ``save`` then writes."""
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -17,21 +21,65 @@ from recscale.checkpoint.manager import CheckpointManager
 from recscale.checkpoint.restore import load_chain, load_manifest, restore_shards
 from recscale.checkpoint.settings import CheckpointSettings
 from recscale.checkpoint.shards import local_shards
-from recscale.checkpoint.storage import LocalStorage, StreamingWriter
+from recscale.checkpoint.storage import DirectWriter, LocalStorage, StreamingWriter
 from recscale.embedding import RowWiseAdagrad, TableBatchedEmbeddingBags, TableConfig
 from recscale.sparse import JaggedBatch
 
 
-@settings(max_examples=25, deadline=None)
-@given(sizes=st.lists(st.integers(0, 5000), max_size=12), window=st.integers(1, 9000), stream=st.booleans())
-def test_streamed_file_holds_exactly_what_was_written(tmp_path_factory, sizes, window, stream):
+def _aligned(n: int) -> memoryview:
+    """``n`` random bytes at a page-aligned address (as direct I/O takes them)."""
+    m = mmap.mmap(-1, max(n, 1))
+    m.write(os.urandom(n))
+    return memoryview(m)[:n]
+
+
+@settings(max_examples=30, deadline=None)
+@given(sizes=st.lists(st.tuples(st.sampled_from([0, 1, 100, 4095, 4096, 8192, 12288, 20000]), st.booleans()),
+                      max_size=12),
+       window=st.integers(1, 9000), mode=st.sampled_from(["direct", "stream", "buffered"]),
+       stage=st.sampled_from([4096, 8192, 1 << 20]))
+def test_written_file_holds_exactly_what_was_written(tmp_path_factory, sizes, window, mode, stage):
+    """Every way of writing, aligned buffers or not, any sizes: the same bytes on disk."""
     root = tmp_path_factory.mktemp("s")
-    data = [os.urandom(n) for n in sizes]
-    with LocalStorage(root, stream_window=window if stream else 0).open_write("d/f.bin") as f:
-        for i, b in enumerate(data):
-            f.write(memoryview(b) if i % 2 else b)
-        assert f.tell() == sum(sizes)
-    assert (root / "d" / "f.bin").read_bytes() == b"".join(data)
+    data = [_aligned(n) if aligned else os.urandom(n) for n, aligned in sizes]
+    storage = LocalStorage(root, stream_window=window if mode == "stream" else 0, direct=mode == "direct")
+    with mock.patch.object(storage_mod, "DIRECT_STAGE", stage), storage.open_write("d/f.bin") as f:
+        for b in data:
+            f.write(b)
+        assert f.tell() == sum(n for n, _ in sizes)
+    assert (root / "d" / "f.bin").read_bytes() == b"".join(bytes(b) for b in data)
+
+
+def test_a_refused_direct_write_goes_on_through_the_page_cache(tmp_path, monkeypatch):
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no direct I/O on this platform")
+    real, refused = os.write, []
+
+    def write(fd, data):
+        if not refused:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data)
+
+    data = [_aligned(8192), os.urandom(5000), _aligned(4096)]
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    w = DirectWriter(fd, stage=4096)
+    monkeypatch.setattr(os, "write", write)
+    for b in data:
+        w.write(b)
+    w.close()
+    monkeypatch.setattr(os, "write", real)
+    w.release()
+    assert refused and not w.direct
+    assert (tmp_path / "f").read_bytes() == b"".join(bytes(b) for b in data)
+
+
+def test_a_file_system_without_direct_io_gets_page_cache_writes(tmp_path, monkeypatch):
+    monkeypatch.setattr(storage_mod, "_open_direct", lambda path: None)
+    with LocalStorage(tmp_path).open_write("f") as f:
+        assert isinstance(f, StreamingWriter)
+        f.write(b"abc")
+    assert (tmp_path / "f").read_bytes() == b"abc"
 
 
 def test_without_or_with_a_failing_sync_file_range_it_is_a_plain_file(tmp_path, monkeypatch):
@@ -84,12 +132,12 @@ def _train(emb: TableBatchedEmbeddingBags, step: int, hot: int) -> None:
     emb(JaggedBatch.from_dense_ids(["f0", "f1", "f2"], ids)).sum().backward()
 
 
-@pytest.mark.parametrize("window", [0, 1000, 1 << 20])
-def test_checkpoints_written_streamed_or_buffered_are_the_same_and_restore_bitwise(tmp_path, window):
+@pytest.mark.parametrize("window,direct", [(0, False), (1000, False), (1 << 20, False), (0, True)])
+def test_checkpoints_written_any_way_are_the_same_and_restore_bitwise(tmp_path, window, direct):
     emb = _model()
     s = CheckpointSettings(dir=str(tmp_path), policy="intermittent", chunk_rows=100, keep_last=0, at_end=False,
                            skip_initial_rows=False)
-    storage = LocalStorage(tmp_path, stream_window=window)
+    storage = LocalStorage(tmp_path, stream_window=window, direct=direct)
     m = CheckpointManager(s, storage, local_shards(emb), init_seed=0)
     kinds = []
     for step in range(1, 5):
@@ -113,7 +161,7 @@ def test_checkpoints_written_streamed_or_buffered_are_the_same_and_restore_bitwi
     # The data files do not depend on how they were written.
     digest = (tmp_path / reports[0].name / "rank00000.bin").read_bytes()
     again = tmp_path.parent / f"{tmp_path.name}-buffered"
-    m2_storage = LocalStorage(again, stream_window=0)
+    m2_storage = LocalStorage(again, stream_window=0, direct=False)
     emb2 = _model()
     m2 = CheckpointManager(CheckpointSettings(dir=str(again), policy="full", chunk_rows=100, at_end=False,
                                               skip_initial_rows=False), m2_storage, local_shards(emb2), init_seed=0)
