@@ -23,6 +23,9 @@ spans so that both see the same machine. It reports:
   at the rate without checkpoints, per checkpoint, as a share of the checkpoint interval (what
   a run checkpointing every interval loses);
 - resume: the last checkpoint restored onto a fresh model equals the trained model bit for bit.
+
+``--write-mode`` picks how data files (and the probes) are written: direct I/O (the default
+where the file system takes it), page cache streamed to the disk, or page cache with one fsync.
 """
 
 from __future__ import annotations
