@@ -269,9 +269,19 @@ def main() -> int:
     ap.add_argument("--model", choices=["synthetic", "criteo-dlrm"], default="synthetic",
                     help="criteo-dlrm: 26 x 1M x dim 64 with row-wise Adagrad, checkpointed every --interval-min "
                          "minutes for --duration-min minutes against the disk's sequential write rate")
-    ap.add_argument("--interval-min", type=float, default=5.0)
-    ap.add_argument("--duration-min", type=float, default=20.0)
-    ap.add_argument("--disk-probe-gb", type=float, default=2.0)
+    ap.add_argument("--interval-min", type=float, help="criteo-dlrm: minutes between checkpoints (default 5)")
+    ap.add_argument("--duration-min", type=float, help="criteo-dlrm: minutes of training (default 20)")
+    ap.add_argument("--disk-probe-gb", type=float, default=0.0,
+                    help="criteo-dlrm: size of every disk probe; 0 (default): as large as the checkpoint it is "
+                         "compared with")
+    ap.add_argument("--disk-probe-min-gb", type=float,
+                    help="criteo-dlrm: a probe beside a full checkpoint writes at least this much (default 4)")
+    ap.add_argument("--probe-differentials", action="store_true",
+                    help="criteo-dlrm: probe the disk around differential checkpoints too (default: full ones)")
+    ap.add_argument("--write-mode", choices=["direct", "stream", "buffered"], default="direct",
+                    help="criteo-dlrm: direct (direct I/O where the file system takes it, the default), stream "
+                         "(page cache, handed to the disk as written) or buffered (page cache, one fsync at the "
+                         "end); the probes write the same way")
     ap.add_argument("--dir", help="criteo-dlrm: where to write (default a temporary folder)")
     ap.add_argument("--skip-initial-rows", action="store_true",
                     help="criteo-dlrm: full checkpoints leave out rows still at their initial values (the "
@@ -374,7 +384,10 @@ def main() -> int:
 def _model_sized(args) -> int:
     import _checkpoint_model_sized
 
-    for k, v in dict(tables=26, rows=1_000_000, dim=64, batch=2048).items():
+    full = dict(tables=26, rows=1_000_000, dim=64, batch=2048, interval_min=5.0, duration_min=20.0, disk_probe_min_gb=4.0)
+    # --quick: seconds, for a smoke run (the same code paths at a few MB)
+    quick = dict(tables=4, rows=20_000, dim=64, batch=256, interval_min=0.05, duration_min=0.2, disk_probe_min_gb=0.0)
+    for k, v in (quick if args.quick else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     threads = set_threads(args.threads)

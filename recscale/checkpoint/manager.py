@@ -101,6 +101,16 @@ class CheckpointManager:
         return bool(s.interval_minutes) and time.monotonic() - self.last_time >= 60.0 * s.interval_minutes
 
     # ------------------------------------------------------------------ save
+    def next_kind(self) -> str:
+        """The kind ``save`` would write if called now (full, differential, incremental), without
+        writing anything; on several ranks every rank must call it, as ``save``."""
+        cand = self.policy.candidate_kind()
+        if self.tracker is None or cand == "full":
+            return self.policy.decide(1.0)
+        changed, total = self.tracker.changed_cells(cand)
+        changed, total = self.sum_over_ranks([float(changed), float(total)])
+        return self.policy.decide(changed / max(total, 1.0))
+
     @torch.no_grad()
     def save(self, step: int, rank_state: bytes, training: dict) -> float:
         """Snapshot now, write in the background; returns the stall in seconds."""

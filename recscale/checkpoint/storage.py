@@ -7,7 +7,12 @@ would write the manifest last and treat its presence as the commit).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno
+import fcntl
 import logging
+import mmap
 import os
 import shutil
 from abc import ABC, abstractmethod
@@ -62,10 +67,16 @@ class Storage(ABC):
 
 
 class LocalStorage(Storage):
-    """A directory on a local or shared (network) filesystem."""
+    """A directory on a local or shared (network) filesystem. Data files (``open_write``) are
+    written with ``direct`` I/O where the file system takes it (``DirectWriter``: no copy into
+    the page cache); else, or with ``direct=False``, through the page cache, handed to the disk
+    every ``stream_window`` bytes as they are written (``StreamingWriter``; 0: left to the
+    kernel, with one fsync at the end)."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], stream_window: int | None = None, direct: bool = True) -> None:
         self.root = Path(root)
+        self.stream_window = STREAM_WINDOW if stream_window is None else int(stream_window)
+        self.direct = direct and hasattr(os, "O_DIRECT")
 
     def _p(self, path: str) -> Path:
         return self.root / path if path else self.root
@@ -77,10 +88,19 @@ class LocalStorage(Storage):
     def open_write(self, path: str) -> Iterator[BinaryIO]:
         p = self._p(path)
         p.parent.mkdir(parents=True, exist_ok=True)
+        fd = _open_direct(p) if self.direct else None
+        if fd is not None:
+            direct = DirectWriter(fd)
+            try:
+                yield direct  # type: ignore[misc]
+                direct.close()
+            finally:
+                direct.release()
+            return
         with open(p, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
+            stream = StreamingWriter(f, self.stream_window or 1, stream=self.stream_window > 0)
+            yield stream  # type: ignore[misc]
+            stream.close()
 
     def write_atomic(self, path: str, data: bytes) -> None:
         p = self._p(path)
@@ -151,3 +171,206 @@ def _fsync_dir(path: Path) -> None:
         log.warning("checkpoint storage: fsync of folder %s failed, a crash now may undo its last rename: %s", path, e)
     finally:
         os.close(fd)
+
+
+# ---------------------------------------------------------------------- streaming writes
+# Linux sync_file_range flags (linux/fs.h).
+_WAIT_BEFORE, _WRITE, _WAIT_AFTER = 1, 2, 4
+
+
+def _load_sync_file_range():
+    """libc's ``sync_file_range`` (Linux), or None where there is none."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _load_sync_file_range()
+
+# Bytes handed to the disk at a time. Large enough for sequential requests, small enough that
+# the disk starts within a fraction of a second and little is dirty at any time.
+STREAM_WINDOW = 64 << 20
+
+
+class StreamingWriter:
+    """A file written front to back that keeps the disk busy from its first window on.
+
+    Left alone, the kernel starts writing a file's pages back only once a tenth or so of the
+    memory is dirty, then throttles the writer in bursts, and the closing fsync writes what is
+    left; a checkpoint of gigabytes spends seconds with an idle disk and the rest in stop-and-go.
+    Here each ``window`` written is handed to the disk at once (``sync_file_range``, Linux), the
+    window before it is waited for (so at most two windows are dirty: the writer goes at the
+    disk's pace), and written windows leave the page cache (a checkpoint is not read back soon;
+    the cache keeps what training reads). ``close`` still fsyncs: durability is that fsync's, as
+    before. Without ``sync_file_range`` (or where it fails) this is a plain buffered file."""
+
+    def __init__(self, f: BinaryIO, window: int = STREAM_WINDOW, stream: bool | None = None) -> None:
+        self.f = f
+        self.window = max(int(window), 1)
+        self.stream = _sync_file_range is not None if stream is None else (stream and _sync_file_range is not None)
+        self.written = 0  # bytes handed to f
+        self.started = 0  # bytes handed to the disk (sync_file_range WRITE issued)
+        self.done = 0  # bytes known written back and dropped from the cache
+
+    def write(self, data: bytes | memoryview) -> int:
+        n = self.f.write(data)
+        self.written += n
+        if self.stream and self.written - self.started >= self.window:
+            self._advance()
+        return n
+
+    def fileno(self) -> int:
+        return self.f.fileno()
+
+    def tell(self) -> int:
+        return self.written
+
+    def _advance(self) -> None:
+        self.f.flush()
+        fd = self.f.fileno()
+        # Wait for what was started before (the disk has had a window's time for it) ...
+        if self.started > self.done and not self._range(fd, self.done, self.started - self.done,
+                                                        _WAIT_BEFORE | _WRITE | _WAIT_AFTER):
+            return
+        if self.started > self.done:
+            _drop_cache(fd, self.done, self.started - self.done)
+            self.done = self.started
+        # ... then hand the new bytes to the disk without waiting.
+        if self._range(fd, self.started, self.written - self.started, _WRITE):
+            self.started = self.written
+
+    def _range(self, fd: int, offset: int, nbytes: int, flags: int) -> bool:
+        assert _sync_file_range is not None
+        if _sync_file_range(fd, offset, nbytes, flags) == 0:
+            return True
+        e = ctypes.get_errno()
+        log.info("checkpoint storage: sync_file_range unavailable (%s); plain buffered writes", os.strerror(e))
+        self.stream = False
+        return False
+
+    def close(self) -> None:
+        """Everything written is durable (fsync) once this returns."""
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        if self.stream and self.written > self.done:
+            _drop_cache(self.f.fileno(), self.done, self.written - self.done)
+
+
+def _drop_cache(fd: int, offset: int, nbytes: int) -> None:
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+
+
+# ---------------------------------------------------------------------- direct writes
+# Alignment of direct I/O (addresses, lengths, offsets): a multiple of every common logical
+# block size (512 B, 4 KiB).
+DIRECT_ALIGN = 4096
+# Staging for the bytes that are not aligned: copied here and written a full buffer at a time.
+DIRECT_STAGE = 8 << 20
+
+
+def _open_direct(path: Path) -> int | None:
+    """``path`` opened for writing with O_DIRECT, or None where the file system refuses it."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)  # type: ignore[attr-defined]
+    except OSError as e:
+        if e.errno != errno.EINVAL:  # EINVAL: no direct I/O here (tmpfs, some FUSE); anything else is real
+            raise
+        log.info("checkpoint storage: %s does not take direct I/O; writing through the page cache", path.parent)
+        return None
+
+
+def _address(mv: memoryview) -> int:
+    import numpy as np  # read-only buffers too (ctypes.from_buffer needs writable ones)
+
+    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data) if len(mv) else 0
+
+
+class DirectWriter:
+    """A file written front to back with direct I/O: the disk reads the bytes from the caller's
+    buffers, with no copy into the page cache and no write-back later. Against a buffered file
+    this takes a tenth of the CPU per byte, and a checkpoint writer runs on spare cycles.
+
+    Aligned parts (address and length multiples of ``DIRECT_ALIGN``, at an aligned file offset:
+    a lossless chunk's rows and state, as snapshots lie in memory) go to the disk as they are;
+    other bytes are copied into an aligned staging buffer written when full. ``close`` writes
+    the last partial block padded, truncates the file to its length and fsyncs: the file is
+    byte for byte what was written. Should the file system refuse a direct write (EINVAL), the
+    file goes on through the page cache from where it is."""
+
+    def __init__(self, fd: int, stage: int | None = None) -> None:
+        self.fd = fd
+        stage = DIRECT_STAGE if stage is None else stage
+        self.stage_size = max(DIRECT_ALIGN, stage // DIRECT_ALIGN * DIRECT_ALIGN)
+        self.stage = mmap.mmap(-1, self.stage_size)  # page-aligned
+        self.stage_view = memoryview(self.stage)
+        self.fill = 0  # bytes in the staging buffer
+        self.written = 0  # bytes accepted
+        self.direct = True
+
+    def write(self, data: bytes | memoryview) -> int:
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        while len(mv):
+            if self.fill == 0 and len(mv) >= DIRECT_ALIGN and _address(mv) % DIRECT_ALIGN == 0:
+                k = len(mv) // DIRECT_ALIGN * DIRECT_ALIGN
+                self._write_all(mv[:k])
+                mv = mv[k:]
+                continue
+            k = min(len(mv), self.stage_size - self.fill)
+            self.stage_view[self.fill : self.fill + k] = mv[:k]
+            self.fill += k
+            mv = mv[k:]
+            if self.fill == self.stage_size:
+                self._write_all(self.stage_view)
+                self.fill = 0
+        self.written += n
+        return n
+
+    def _write_all(self, mv: memoryview) -> None:
+        while len(mv):
+            try:
+                k = os.write(self.fd, mv)
+            except OSError as e:
+                if e.errno != errno.EINVAL or not self.direct:
+                    raise
+                self._stop_direct()
+                continue
+            mv = mv[k:]
+
+    def _stop_direct(self) -> None:
+        log.info("checkpoint storage: a direct write was refused; writing on through the page cache")
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)  # type: ignore[attr-defined]
+        self.direct = False
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def tell(self) -> int:
+        return self.written
+
+    def close(self) -> None:
+        """Everything written is durable (fsync) once this returns."""
+        if self.fill:
+            padded = (self.fill + DIRECT_ALIGN - 1) // DIRECT_ALIGN * DIRECT_ALIGN
+            self.stage_view[self.fill : padded] = bytes(padded - self.fill)
+            self._write_all(self.stage_view[:padded])
+            self.fill = 0
+            os.ftruncate(self.fd, self.written)
+        os.fsync(self.fd)
+
+    def release(self) -> None:
+        os.close(self.fd)
+        try:
+            self.stage_view.release()
+            self.stage.close()
+        except BufferError:  # a view still alive somewhere: the mapping goes with it
+            pass

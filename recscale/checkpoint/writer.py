@@ -79,6 +79,9 @@ class WriteReport:
     full_fp32_bytes: int
     committed: bool = False
     extra: dict = field(default_factory=dict)
+    # Where the background seconds went (``write_rank``): encode (rows out of the snapshot,
+    # encoding, crc32; its own thread), the writes, the closing fsync, the small files, commit.
+    phases: dict = field(default_factory=dict)
 
 
 def rank_file(rank: int, suffix: str) -> str:
@@ -172,16 +175,24 @@ def width_tags(job: WriteJob, blocks: list[_Block]) -> list[torch.Tensor]:
     return list(torch.split(tags, [blk.n for blk in blocks]))
 
 
-def encode_chunks(job: WriteJob, file: str) -> Iterator[tuple[Chunk, list[bytes | memoryview]]]:
+def encode_chunks(job: WriteJob, file: str, phases: dict | None = None
+                  ) -> Iterator[tuple[Chunk, list[bytes | memoryview]]]:
     """Each block encoded, as the parts its payload is made of in order (offsets filled later).
     ``mixed`` plans every block first: its widths are allocated over all of them; other codecs
-    encode each block as it is planned. Lossless parts are views of the snapshot, not copies."""
+    encode each block as it is planned. Lossless parts are views of the snapshot, not copies.
+    ``phases`` (optional) accumulates ``encode_s`` (planning, rows, encoding) and ``crc_s``."""
+    ph = phases if phases is not None else {}
+    ph.setdefault("encode_s", 0.0)
+    ph.setdefault("crc_s", 0.0)
+    t = time.perf_counter()
     blocks: Iterator[_Block] | list[_Block] = plan_blocks(job)
     tags: Iterator[torch.Tensor | None] = itertools.repeat(None)
     if job.weight_codec.method == "mixed":
         blocks = list(blocks)
         tags = iter(width_tags(job, blocks))
-    for blk, t in zip(blocks, tags):
+    ph["encode_s"] += time.perf_counter() - t
+    for blk, t in _timed(zip(blocks, tags), ph, "encode_s"):
+        t0 = time.perf_counter()
         sh, ids = blk.sh, blk.ids
         weight, state = blk.rows()
         w = job.weight_codec.encode(weight, t) if t is not None else job.weight_codec.encode_view(weight)
@@ -191,9 +202,13 @@ def encode_chunks(job: WriteJob, file: str) -> Iterator[tuple[Chunk, list[bytes 
             sb = job.state_codec.encode_view(st)
             parts.append(sb)
             state_meta.append((name, st.shape[1], len(sb)))
+        t1 = time.perf_counter()
         crc = 0
         for part in parts:
             crc = zlib.crc32(part, crc)
+        t2 = time.perf_counter()
+        ph["encode_s"] += t1 - t0
+        ph["crc_s"] += t2 - t1
         yield (
             Chunk(
                 table=sh.table, file=file, offset=0, length=sum(len(part) for part in parts), crc32=crc,
@@ -205,6 +220,39 @@ def encode_chunks(job: WriteJob, file: str) -> Iterator[tuple[Chunk, list[bytes 
         )
 
 
+def _timed(items: Iterator, phases: dict, key: str) -> Iterator:
+    """``items``, adding the seconds each ``next`` takes (planning the next block) to ``phases[key]``."""
+    it = iter(items)
+    while True:
+        t = time.perf_counter()
+        try:
+            x = next(it)
+        except StopIteration:
+            phases[key] += time.perf_counter() - t
+            return
+        phases[key] += time.perf_counter() - t
+        yield x
+
+
+def thread_times() -> tuple[float, float | None]:
+    """The calling thread's (CPU seconds, seconds it was runnable but waiting for a CPU); the
+    second is None where the OS does not say (Linux: ``/proc/thread-self/schedstat``). A
+    background writer that waits long for a CPU is starved, not slow."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            run_ns, wait_ns = f.read().split()[:2]
+        return int(run_ns) / 1e9, int(wait_ns) / 1e9
+    except (OSError, ValueError):
+        return time.thread_time(), None
+
+
+def _add_thread_times(phases: dict, prefix: str, start: tuple[float, float | None]) -> None:
+    cpu, wait = thread_times()
+    phases[f"{prefix}_cpu_s"] = cpu - start[0]
+    if wait is not None and start[1] is not None:
+        phases[f"{prefix}_runqueue_s"] = wait - start[1]
+
+
 def lower_thread_priority() -> None:
     """Run the calling background thread at the lowest CPU priority (Linux: per thread), so
     quantizing and writing use spare cycles and take as little as possible from training."""
@@ -214,24 +262,35 @@ def lower_thread_priority() -> None:
         pass
 
 
-def _pipelined(items: Iterator, depth: int = 4) -> Iterator:
-    """Run ``items`` (quantization) in a helper thread, ``depth`` ahead of the consumer (writes)."""
+def _pipelined(items: Iterator, depth: int = 4, phases: dict | None = None) -> Iterator:
+    """Run ``items`` (quantization) in a helper thread, ``depth`` ahead of the consumer (writes).
+    ``phases`` (optional) gets ``encode_ahead_wait_s``: the helper waiting for room (the writes
+    are behind), and ``write_wait_s``: the consumer waiting for an item (the encoding is)."""
     q: queue.Queue = queue.Queue(maxsize=depth)
     done = object()
+    ph = phases if phases is not None else {}
+    ph.setdefault("encode_ahead_wait_s", 0.0)
+    ph.setdefault("write_wait_s", 0.0)
 
     def produce() -> None:
         lower_thread_priority()
+        start = thread_times()
         try:
             for it in items:
+                t = time.perf_counter()
                 q.put(it)
+                ph["encode_ahead_wait_s"] += time.perf_counter() - t
         except BaseException as e:  # handed to the consumer
             q.put(e)
+        _add_thread_times(ph, "encode_thread", start)
         q.put(done)
 
     t = threading.Thread(target=produce, name="ckpt-quantize", daemon=True)
     t.start()
     while True:
+        t0 = time.perf_counter()
         it = q.get()
+        ph["write_wait_s"] += time.perf_counter() - t0
         if it is done:
             break
         if isinstance(it, BaseException):
@@ -252,15 +311,23 @@ def write_rank(storage: Storage, job: WriteJob) -> WriteReport:
     chunks: list[Chunk] = []
     rows = 0
     offset = 0
+    phases: dict[str, float] = {"write_s": 0.0}
+    start = thread_times()
     with storage.open_write(f"{tmp}/{data_file}") as f:
-        for chunk, parts in _pipelined(encode_chunks(job, data_file)):
+        for chunk, parts in _pipelined(encode_chunks(job, data_file, phases), phases=phases):
+            tw = time.perf_counter()
             for part in parts:
                 f.write(part)
+            phases["write_s"] += time.perf_counter() - tw
             chunks.append(Chunk(**{**asdict(chunk), "offset": offset, "state": chunk.state}))
             offset += chunk.length
             rows += chunk.num_rows
             faults.point("checkpoint", job.manifest.step)
         faults.point("checkpoint", job.manifest.step)
+        t_close = time.perf_counter()
+    phases["fsync_s"] = time.perf_counter() - t_close  # the data file's closing fsync
+    _add_thread_times(phases, "write_thread", start)
+    t_small = time.perf_counter()
     state_file = rank_file(job.rank, "state")
     storage.write_atomic(f"{tmp}/{state_file}", job.rank_state)
     files = [
@@ -269,7 +336,7 @@ def write_rank(storage: Storage, job: WriteJob) -> WriteReport:
     ]
     report = WriteReport(
         name, job.manifest.kind, job.manifest.step, job.rank, job.stall_s, 0.0,
-        offset + len(job.rank_state), rows, job.full_fp32_bytes,
+        offset + len(job.rank_state), rows, job.full_fp32_bytes, phases=phases,
     )
     part = {
         "files": [asdict(x) for x in files],
@@ -277,6 +344,7 @@ def write_rank(storage: Storage, job: WriteJob) -> WriteReport:
         "report": asdict(report),
     }
     storage.write_atomic(f"{tmp}/{rank_file(job.rank, 'part.json')}", json.dumps(part).encode())
+    phases["small_files_s"] = time.perf_counter() - t_small
     report.background_s = time.perf_counter() - t0
     return report
 
@@ -367,6 +435,10 @@ class CheckpointWriter:
             self._collect(self._in_flight.pop(0))
         self._in_flight = [f for f in self._in_flight if not self._try_collect(f)]
 
+    def idle(self) -> bool:
+        """No checkpoint queued or being written (errors surface at the next submit or wait)."""
+        return all(f.done() for f in self._in_flight)
+
     def submit(self, job: WriteJob) -> None:
         if self._pool is None:
             self.reports.append(self._run(job))
@@ -398,6 +470,7 @@ class CheckpointWriter:
             if self.on_commit is not None:
                 self.on_commit(manifest)
             report.background_s += time.perf_counter() - t0
+            report.phases["commit_s"] = time.perf_counter() - t0  # manifest, rename, retention
             report.extra = {
                 **manifest.stats, "chain": list(manifest.chain),
                 "changed_fraction": manifest.training.get("changed_fraction"),
