@@ -34,7 +34,7 @@ def _train(emb: TableBatchedEmbeddingBags, step: int) -> None:
     (out * torch.randn(out.shape, generator=g)).sum().backward()
 
 
-def _run(root: Path, quantization: str, bits: int = 2, saves: int = 4, spy: list | None = None):
+def _run(root: Path, quantization: str, bits: int = 2, saves: int = 4):
     emb = _model()
     settings = CheckpointSettings(dir=str(root), policy="intermittent", quantization=quantization, bits=bits,
                                   keep_last=0, async_write=False, at_end=False)
@@ -43,8 +43,6 @@ def _run(root: Path, quantization: str, bits: int = 2, saves: int = 4, spy: list
         _train(emb, step)
         if step % 3 == 0:
             manager.save(step, b"", {"step": step, "embedding_step": step})
-            if spy is not None:
-                spy.append(("save", step))
     reports = manager.finish()
     return emb, manager, reports
 

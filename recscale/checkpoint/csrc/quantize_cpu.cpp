@@ -457,7 +457,8 @@ at::Tensor pack_codes(const at::Tensor& x, const at::Tensor& bias, const at::Ten
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("greedy_range", &greedy_range, "per-row [lo, hi] and steps in of the adaptive quantizer's range search, cold or warm",
+  m.def("greedy_range", &greedy_range,
+        "per-row [lo, hi] and steps in of the adaptive quantizer's range search, cold or warm",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("pack_codes", &pack_codes, "per-row codes of rows on their scales, densely packed",
         pybind11::call_guard<pybind11::gil_scoped_release>());
