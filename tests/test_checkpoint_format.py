@@ -133,6 +133,40 @@ def test_native_codes_and_packing_equal_the_pytorch_definition(n, d, bits, sprea
     assert bytes(c_t) == bytes(c_n)
 
 
+@pytest.mark.skipif(quantize_kernels() is None, reason="the native quantizer cannot be built here (no C++ compiler)")
+@given(st.integers(1, 50), st.integers(1, 70), st.integers(1, 8), st.sampled_from([1e-6, 1e-4, 0.1, 30.0, 5e4]),
+       st.booleans(), st.integers(0, 2**31 - 1))
+@settings(max_examples=60, deadline=None)
+def test_fused_search_and_packing_equal_the_two_step_definition(n, d, bits, spread, warm, seed):
+    """The one-pass search + scales + packing gives the bytes, scales and found ranges of the
+    PyTorch search followed by PyTorch's codes and NumPy's packing: cold and warm rows mixed
+    (groups packed out of row order), constant rows, odd ``d`` x ``bits``, fp16-subnormal scales
+    and offsets past fp16's range."""
+    from recscale.checkpoint.quantize import quantize_packed, search_packed
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g) * torch.rand(n, 1, generator=g) * spread
+    x[0] = 0.5  # a constant row
+    if n > 2:
+        x[2] = x[2] + 7e4  # its offset clamps to fp16's largest value
+    start = None
+    if warm:
+        start = torch.randint(0, 30, (n, 2), generator=g, dtype=torch.uint8)
+        start[torch.rand(n, generator=g) < 0.3] = NEVER_SEARCHED
+    lo, hi, found_t = range_search(x, bits, 25, 0.6, start, native=False)
+    s_t, b_t, c_t = quantize_packed(x, lo, hi, bits, native=False)
+    found_n, s_n, b_n, c_n = search_packed(x, bits, 25, 0.6, start)
+    assert torch.equal(found_t, found_n)
+    assert torch.equal(s_t.view(torch.int16), s_n.view(torch.int16))
+    assert torch.equal(b_t.view(torch.int16), b_n.view(torch.int16))
+    assert bytes(c_t) == bytes(c_n)
+    ranges = start.clone() if warm else None
+    enc = Codec("adaptive", bits=bits).encode(x, ranges=ranges)
+    assert enc == bytes(s_t.view(torch.uint8).numpy()) + bytes(b_t.view(torch.uint8).numpy()) + bytes(c_t)
+    if warm:
+        assert torch.equal(ranges, found_t)
+
+
 def test_lossless_and_float_codecs():
     x = torch.randn(50, 8)
     assert torch.equal(Codec("none", "fp32").decode(Codec("none", "fp32").encode(x), 50, 8), x)

@@ -92,6 +92,12 @@ class Codec:
         if self.method == "mixed":
             return _encode_mixed(x, tags)
         if self.method == "adaptive":
+            fused = search_packed(x, self.bits, self.bins, self.ratio, ranges)
+            if fused is not None:
+                found, scale, bias, codes = fused
+                if ranges is not None:
+                    ranges.copy_(found)
+                return tensor_bytes(scale) + tensor_bytes(bias) + codes
             lo, hi, found = range_search(x, self.bits, self.bins, self.ratio, ranges)
             if ranges is not None:
                 ranges.copy_(found)
@@ -251,6 +257,27 @@ def range_search(
             lo[r], hi[r] = b_lo, b_hi
             found[r] = torch.stack([k_lo, k_hi], 1).clamp(0, 254).to(torch.uint8)
     return lo, hi, found
+
+
+def search_packed(
+    x: torch.Tensor, bits: int, bins: int, ratio: float, start: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, memoryview] | None:
+    """``range_search`` then ``quantize_packed`` on its ranges in one native pass (each group of
+    sixteen rows quantized and packed right after its search, while its rows are in cache, not
+    read from memory a second time): ``(found, scale, bias, codes)``, the same values and bytes.
+    None when the native kernel is not built (or there is nothing to search): the caller runs
+    the two steps, the definition."""
+    kernels = quantize_kernels()
+    n = x.shape[0]
+    if kernels is None or x.numel() == 0 or not 1 <= bits <= 8:
+        return None
+    if start is not None and (start.dtype != torch.uint8 or tuple(start.shape) != (n, 2)):
+        raise ValueError(f"range_search: start must be uint8 of shape ({n}, 2), got {start.dtype} {tuple(start.shape)}")
+    plan = search_schedule(bits)
+    s = torch.empty(0, 2, dtype=torch.uint8) if start is None else start.contiguous()
+    found, scale, bias, codes = kernels.search_pack(x.float().contiguous(), bits, bins, int(bins * ratio), plan.move,
+                                                    plan.patience, plan.refine, s, plan.warm)
+    return found, scale, bias, memoryview(codes.numpy())
 
 
 def _pair_errors(xt: torch.Tensor, width: torch.Tensor, lo_a: torch.Tensor, lo_b: torch.Tensor, levels: int,

@@ -1,5 +1,6 @@
 // Native CPU kernels of the row quantizer: the adaptive range search (Check-N-Run's greedy
-// search) and the codes of rows on their scales, packed (`pack_codes`, at the end).
+// search) and the codes of rows on their scales, packed (`pack_codes`), or both in one pass
+// (`search_pack`: each group of rows quantized and packed right after its search).
 //
 // For each row: start from [min, max], and for at most `steps` steps move one end by `move`
 // steps of (max - min) / bins toward the other, whichever lowers the squared error of quantizing
@@ -23,6 +24,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/Half.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -302,85 +304,6 @@ void warm_group(const float* t, int64_t d, const Search& p, const float* s_lo, c
 
 inline uint8_t steps_byte(float k) { return static_cast<uint8_t>(k < 0.0f ? 0.0f : (k > 254.0f ? 254.0f : k)); }
 
-// Searches the rows idx[0 .. count) (count <= kLanes), cold, or warm from `start` (uint8 pairs
-// per row) when given; writes each row's range and its steps in from [min, max].
-void search_group(const float* xp, const int64_t* idx, int count, int64_t d, const Search& p, const uint8_t* start,
-                  float* t, float* blo, float* bhi, uint8_t* found) {
-  load_group(xp, idx, count, d, t);
-  Lanes L;
-  min_max(t, d, L, p.nb);
-  if (start == nullptr) {
-    cold_group(t, d, p, L);
-  } else {
-    float s_lo[kLanes], s_hi[kLanes];
-    for (int k = 0; k < kLanes; ++k) {
-      const int64_t r = idx[std::min(k, count - 1)];
-      s_lo[k] = static_cast<float>(start[2 * r]);
-      s_hi[k] = static_cast<float>(start[2 * r + 1]);
-    }
-    warm_group(t, d, p, s_lo, s_hi, L);
-  }
-  for (int k = 0; k < count; ++k) {
-    blo[idx[k]] = L.b_lo[k];
-    bhi[idx[k]] = L.b_hi[k];
-    found[2 * idx[k]] = steps_byte(L.k_lo[k]);
-    found[2 * idx[k] + 1] = steps_byte(L.k_hi[k]);
-  }
-}
-
-// A stored start is usable when it leaves the range at least one step wide.
-inline bool warm_start(const uint8_t* start, int64_t r, int64_t bins) {
-  return start != nullptr && start[2 * r] != kNever && static_cast<int64_t>(start[2 * r]) + start[2 * r + 1] < bins;
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_range(const at::Tensor& x, int64_t levels, int64_t bins,
-                                                            int64_t steps, int64_t move, int64_t patience,
-                                                            int64_t refine, const at::Tensor& start,
-                                                            const std::vector<int64_t>& warm_strides) {
-  if (x.dim() != 2 || x.scalar_type() != at::kFloat || !x.is_contiguous() || x.device().type() != at::kCPU) {
-    throw std::invalid_argument("greedy_range: x must be a contiguous 2-d float32 CPU tensor");
-  }
-  if (levels < 1 || bins < 1 || steps < 0 || move < 1 || patience < 1 || refine < 0) {
-    throw std::invalid_argument("greedy_range: levels, bins, move, patience >= 1; steps, refine >= 0");
-  }
-  for (int64_t m : warm_strides) {
-    if (m < 1) throw std::invalid_argument("greedy_range: warm strides must be >= 1");
-  }
-  const int64_t n = x.size(0), d = x.size(1);
-  const bool warm = start.numel() > 0;
-  if (warm && (start.scalar_type() != at::kByte || !start.is_contiguous() || start.dim() != 2 ||
-               start.size(0) != n || start.size(1) != 2)) {
-    throw std::invalid_argument("greedy_range: start must be empty or a contiguous uint8 [n, 2] tensor");
-  }
-  at::Tensor best_lo = at::empty({n}, x.options());
-  at::Tensor best_hi = at::empty({n}, x.options());
-  at::Tensor found = at::zeros({n, 2}, x.options().dtype(at::kByte));
-  if (n == 0 || d == 0) return {best_lo, best_hi, found};
-  std::vector<float> scratch(static_cast<size_t>(d) * kLanes);
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* sp = warm ? start.data_ptr<uint8_t>() : nullptr;
-  float* blo = best_lo.data_ptr<float>();
-  float* bhi = best_hi.data_ptr<float>();
-  uint8_t* fp = found.data_ptr<uint8_t>();
-  const Search p{static_cast<float>(levels), static_cast<float>(bins), steps / move, static_cast<float>(move),
-                 patience, refine, warm_strides};
-  // Cold and warm rows go in separate groups, each in row order: a group runs one schedule.
-  int64_t cold[kLanes], hot[kLanes];
-  int nc = 0, nh = 0;
-  for (int64_t r = 0; r < n; ++r) {
-    if (warm_start(sp, r, bins)) {
-      hot[nh++] = r;
-      if (nh == kLanes) search_group(xp, hot, nh, d, p, sp, scratch.data(), blo, bhi, fp), nh = 0;
-    } else {
-      cold[nc++] = r;
-      if (nc == kLanes) search_group(xp, cold, nc, d, p, nullptr, scratch.data(), blo, bhi, fp), nc = 0;
-    }
-  }
-  if (nh) search_group(xp, hot, nh, d, p, sp, scratch.data(), blo, bhi, fp);
-  if (nc) search_group(xp, cold, nc, d, p, nullptr, scratch.data(), blo, bhi, fp);
-  return {best_lo, best_hi, found};
-}
-
 // Codes of one row, round(clamp((x - bias) * inv, 0, levels)) as quantize.py's `_quantize`
 // computes them (float32 sub and mul, rounding half to even, then the clamp), into c[0..d).
 inline void row_codes(const float* x, int64_t d, float bias, float inv, float levels, uint8_t* c) {
@@ -424,7 +347,154 @@ inline void put_bits(const uint8_t* c, int64_t count, int bits, int64_t bit, uin
       have -= 8;
     }
   }
-  if (have > 0) *o = static_cast<uint8_t>(acc & 0xffu);
+  // OR, not store: rows may be packed out of order, and the next row's bits may be here already.
+  if (have > 0) *o |= static_cast<uint8_t>(acc & 0xffu);
+}
+
+
+// Where search_group also quantizes: each row's fp16 scale and offset and its packed codes.
+struct Pack {
+  int bits;
+  c10::Half* scale;
+  c10::Half* bias;
+  uint8_t* out;  // zeroed, (n * d * bits + 7) / 8 bytes
+  uint8_t* codes;  // d bytes of scratch
+};
+
+// quantize.py's `_scales` for one row, bit for bit: the offset is lo clamped to fp16's range and
+// rounded to fp16 (c10::Half rounds to nearest even, as torch's .half() does), the scale is
+// (hi - offset) / levels in float32 clamped to [0, fp16 max] and rounded, the inverse 1 / scale
+// of the rounded scale (0 for a constant row). Then the row's codes, packed at its place.
+inline void pack_row(const float* x, int64_t r, int64_t d, float lo, float hi, float levels, const Pack& pk) {
+  constexpr float kMax = 65504.0f;
+  const float lc = lo < -kMax ? -kMax : (kMax < lo ? kMax : lo);
+  const c10::Half b(lc);
+  const float bf = static_cast<float>(b);
+  float sv = (hi - bf) / levels;
+  sv = sv < 0.0f ? 0.0f : (kMax < sv ? kMax : sv);
+  const c10::Half s(sv);
+  const float sf = static_cast<float>(s);
+  const float inv = sf > 0.0f ? 1.0f / sf : 0.0f;
+  pk.scale[r] = s;
+  pk.bias[r] = b;
+  row_codes(x + r * d, d, bf, inv, levels, pk.codes);
+  put_bits(pk.codes, d, pk.bits, r * d * pk.bits, pk.out);
+}
+
+// Searches the rows idx[0 .. count) (count <= kLanes), cold, or warm from `start` (uint8 pairs
+// per row) when given; writes each row's range and its steps in from [min, max].
+void search_group(const float* xp, const int64_t* idx, int count, int64_t d, const Search& p, const uint8_t* start,
+                  float* t, float* blo, float* bhi, uint8_t* found, const Pack* pack = nullptr) {
+  load_group(xp, idx, count, d, t);
+  Lanes L;
+  min_max(t, d, L, p.nb);
+  if (start == nullptr) {
+    cold_group(t, d, p, L);
+  } else {
+    float s_lo[kLanes], s_hi[kLanes];
+    for (int k = 0; k < kLanes; ++k) {
+      const int64_t r = idx[std::min(k, count - 1)];
+      s_lo[k] = static_cast<float>(start[2 * r]);
+      s_hi[k] = static_cast<float>(start[2 * r + 1]);
+    }
+    warm_group(t, d, p, s_lo, s_hi, L);
+  }
+  for (int k = 0; k < count; ++k) {
+    blo[idx[k]] = L.b_lo[k];
+    bhi[idx[k]] = L.b_hi[k];
+    found[2 * idx[k]] = steps_byte(L.k_lo[k]);
+    found[2 * idx[k] + 1] = steps_byte(L.k_hi[k]);
+  }
+  // Quantized while the group's rows are still in cache.
+  if (pack != nullptr) {
+    for (int k = 0; k < count; ++k) pack_row(xp, idx[k], d, L.b_lo[k], L.b_hi[k], p.lv, *pack);
+  }
+}
+
+// A stored start is usable when it leaves the range at least one step wide.
+inline bool warm_start(const uint8_t* start, int64_t r, int64_t bins) {
+  return start != nullptr && start[2 * r] != kNever && static_cast<int64_t>(start[2 * r]) + start[2 * r + 1] < bins;
+}
+
+using Searched = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// The search of every row (and, with bits > 0, its fp16 scale and offset and all rows' packed
+// codes: empty tensors otherwise).
+Searched search_rows(const at::Tensor& x, int64_t levels, int64_t bins, int64_t steps, int64_t move,
+                     int64_t patience, int64_t refine, const at::Tensor& start,
+                     const std::vector<int64_t>& warm_strides, int64_t bits) {
+  if (x.dim() != 2 || x.scalar_type() != at::kFloat || !x.is_contiguous() || x.device().type() != at::kCPU) {
+    throw std::invalid_argument("greedy_range: x must be a contiguous 2-d float32 CPU tensor");
+  }
+  if (levels < 1 || bins < 1 || steps < 0 || move < 1 || patience < 1 || refine < 0) {
+    throw std::invalid_argument("greedy_range: levels, bins, move, patience >= 1; steps, refine >= 0");
+  }
+  for (int64_t m : warm_strides) {
+    if (m < 1) throw std::invalid_argument("greedy_range: warm strides must be >= 1");
+  }
+  const int64_t n = x.size(0), d = x.size(1);
+  const bool warm = start.numel() > 0;
+  if (warm && (start.scalar_type() != at::kByte || !start.is_contiguous() || start.dim() != 2 ||
+               start.size(0) != n || start.size(1) != 2)) {
+    throw std::invalid_argument("greedy_range: start must be empty or a contiguous uint8 [n, 2] tensor");
+  }
+  at::Tensor best_lo = at::empty({n}, x.options());
+  at::Tensor best_hi = at::empty({n}, x.options());
+  at::Tensor found = at::zeros({n, 2}, x.options().dtype(at::kByte));
+  if (bits < 0 || bits > 8 || (bits > 0 && levels != (1 << bits) - 1)) {
+    throw std::invalid_argument("search_pack: bits must be 1 to 8 with levels = 2**bits - 1");
+  }
+  const int64_t m = bits > 0 ? n : 0;
+  at::Tensor scale = at::zeros({m}, x.options().dtype(at::kHalf));
+  at::Tensor bias = at::zeros({m}, x.options().dtype(at::kHalf));
+  at::Tensor packed = at::zeros({bits > 0 ? (n * d * bits + 7) / 8 : 0}, x.options().dtype(at::kByte));
+  if (n == 0 || d == 0) return {best_lo, best_hi, found, scale, bias, packed};
+  std::vector<float> scratch(static_cast<size_t>(d) * kLanes);
+  std::vector<uint8_t> codes(static_cast<size_t>(d));
+  const Pack pk{static_cast<int>(bits), bits > 0 ? scale.data_ptr<c10::Half>() : nullptr,
+                bits > 0 ? bias.data_ptr<c10::Half>() : nullptr, bits > 0 ? packed.data_ptr<uint8_t>() : nullptr,
+                codes.data()};
+  const Pack* pp = bits > 0 ? &pk : nullptr;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* sp = warm ? start.data_ptr<uint8_t>() : nullptr;
+  float* blo = best_lo.data_ptr<float>();
+  float* bhi = best_hi.data_ptr<float>();
+  uint8_t* fp = found.data_ptr<uint8_t>();
+  const Search p{static_cast<float>(levels), static_cast<float>(bins), steps / move, static_cast<float>(move),
+                 patience, refine, warm_strides};
+  // Cold and warm rows go in separate groups, each in row order: a group runs one schedule.
+  int64_t cold[kLanes], hot[kLanes];
+  int nc = 0, nh = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    if (warm_start(sp, r, bins)) {
+      hot[nh++] = r;
+      if (nh == kLanes) search_group(xp, hot, nh, d, p, sp, scratch.data(), blo, bhi, fp, pp), nh = 0;
+    } else {
+      cold[nc++] = r;
+      if (nc == kLanes) search_group(xp, cold, nc, d, p, nullptr, scratch.data(), blo, bhi, fp, pp), nc = 0;
+    }
+  }
+  if (nh) search_group(xp, hot, nh, d, p, sp, scratch.data(), blo, bhi, fp, pp);
+  if (nc) search_group(xp, cold, nc, d, p, nullptr, scratch.data(), blo, bhi, fp, pp);
+  return {best_lo, best_hi, found, scale, bias, packed};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_range(const at::Tensor& x, int64_t levels, int64_t bins,
+                                                            int64_t steps, int64_t move, int64_t patience,
+                                                            int64_t refine, const at::Tensor& start,
+                                                            const std::vector<int64_t>& warm_strides) {
+  auto r = search_rows(x, levels, bins, steps, move, patience, refine, start, warm_strides, 0);
+  return {std::get<0>(r), std::get<1>(r), std::get<2>(r)};
+}
+
+// The search, then each row's fp16 scale and offset and its codes packed, group by group while
+// the group's rows are in cache: one pass over the rows instead of the search's and pack_codes'.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> search_pack(
+    const at::Tensor& x, int64_t bits, int64_t bins, int64_t steps, int64_t move, int64_t patience, int64_t refine,
+    const at::Tensor& start, const std::vector<int64_t>& warm_strides) {
+  if (bits < 1 || bits > 8) throw std::invalid_argument("search_pack: bits must be 1 to 8");
+  auto r = search_rows(x, (1 << bits) - 1, bins, steps, move, patience, refine, start, warm_strides, bits);
+  return {std::get<2>(r), std::get<3>(r), std::get<4>(r), std::get<5>(r)};
 }
 
 // Every row's codes on its own scale (`bias`, `inv`: float32 per row), packed densely in row
@@ -459,6 +529,9 @@ at::Tensor pack_codes(const at::Tensor& x, const at::Tensor& bias, const at::Ten
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_range", &greedy_range,
         "per-row [lo, hi] and steps in of the adaptive quantizer's range search, cold or warm",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("search_pack", &search_pack,
+        "the range search with each row's fp16 scale, offset and packed codes: (found, scale, bias, codes)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("pack_codes", &pack_codes, "per-row codes of rows on their scales, densely packed",
         pybind11::call_guard<pybind11::gil_scoped_release>());
