@@ -49,13 +49,15 @@ def _run(root: Path, quantization: str, bits: int = 2, saves: int = 4):
 
 def test_rows_are_searched_warm_after_their_first_checkpoint(tmp_path, monkeypatch):
     searches: list = []
-    search = quantize.range_search
 
-    def spying(x, bits, bins, ratio, start=None, native=True):
-        searches.append(0 if start is None else int((start[:, 0] != NEVER_SEARCHED).sum()))
-        return search(x, bits, bins, ratio, start, native)
+    def spy(search):  # the two-step search and the fused native one, whichever runs
+        def spying(x, bits, bins, ratio, start=None, *args):
+            searches.append(0 if start is None else int((start[:, 0] != NEVER_SEARCHED).sum()))
+            return search(x, bits, bins, ratio, start, *args)
+        return spying
 
-    monkeypatch.setattr(quantize, "range_search", spying)
+    monkeypatch.setattr(quantize, "range_search", spy(quantize.range_search))
+    monkeypatch.setattr(quantize, "search_packed", spy(quantize.search_packed))
     emb, manager, reports = _run(tmp_path, "adaptive")
     assert len(reports) == 4 and searches[0] == 0  # the first checkpoint: every row cold
     assert sum(searches[2:]) > 0  # later ones start written rows where they ended

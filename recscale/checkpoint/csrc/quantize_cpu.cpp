@@ -307,7 +307,19 @@ inline uint8_t steps_byte(float k) { return static_cast<uint8_t>(k < 0.0f ? 0.0f
 // Codes of one row, round(clamp((x - bias) * inv, 0, levels)) as quantize.py's `_quantize`
 // computes them (float32 sub and mul, rounding half to even, then the clamp), into c[0..d).
 inline void row_codes(const float* x, int64_t d, float bias, float inv, float levels, uint8_t* c) {
-  for (int64_t j = 0; j < d; ++j) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  // Sixteen codes at a time: the same sub, mul, rounding to nearest even and clamp.
+  const __m512 vb = _mm512_set1_ps(bias), vi = _mm512_set1_ps(inv), vl = _mm512_set1_ps(levels);
+  const __m512 zero = _mm512_setzero_ps();
+  for (; j + 16 <= d; j += 16) {
+    __m512 q = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + j), vb), vi);
+    q = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm512_min_ps(_mm512_max_ps(q, zero), vl);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(c + j), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q)));
+  }
+#endif
+  for (; j < d; ++j) {
     float q = std::nearbyint((x[j] - bias) * inv);
     q = q < 0.0f ? 0.0f : q;
     q = levels < q ? levels : q;
