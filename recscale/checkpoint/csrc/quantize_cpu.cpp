@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <tuple>
 #include <vector>
@@ -330,27 +331,38 @@ inline void row_codes(const float* x, int64_t d, float bias, float inv, float le
 // Packs `count` codes of `bits` bits at bit offset `bit` of `out` (zeroed), least significant
 // bit first: code i's bit b lands at stream bit (bit + i * bits + b), as pack_bits lays it out.
 inline void put_bits(const uint8_t* c, int64_t count, int bits, int64_t bit, uint8_t* out) {
-  if (bit % 8 == 0 && (bits == 8 || bits == 4 || bits == 2 || bits == 1)) {
-    uint8_t* o = out + bit / 8;
-    const int per = 8 / bits;
-    const int64_t whole = count / per;
-    if (bits == 8) {
-      std::copy(c, c + count, o);
-      return;
-    }
-    for (int64_t k = 0; k < whole; ++k) {  // a loop the compiler vectorizes
-      uint8_t v = 0;
-      for (int i = 0; i < per; ++i) v |= static_cast<uint8_t>(c[k * per + i] << (bits * i));
-      o[k] = v;
-    }
-    for (int64_t i = whole * per; i < count; ++i) o[i / per] |= static_cast<uint8_t>(c[i] << (bits * (i % per)));
+  if (bits == 8) {  // whole bytes (every code starts a byte)
+    std::copy(c, c + count, out + bit / 8);
     return;
   }
   uint64_t acc = 0;
   int have = static_cast<int>(bit % 8);
   uint8_t* o = out + bit / 8;
   acc = *o;  // bits already written in the first byte
-  for (int64_t i = 0; i < count; ++i) {
+  int64_t i = 0;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+  // Eight codes at a time: their bytes, read as one little-endian word, merged pairwise into
+  // 8 x bits contiguous bits (neighbours in 16-bit, then 32-bit, then 64-bit halves), the same
+  // stream the one-code loop below writes. have < 8 before, so have + 8 x bits <= 63 fits.
+  const uint64_t m1 = ((uint64_t{1} << bits) - 1) * 0x0001000100010001ull;
+  const uint64_t m2 = ((uint64_t{1} << (2 * bits)) - 1) * 0x0000000100000001ull;
+  const uint64_t m3 = (uint64_t{1} << (4 * bits)) - 1;
+  for (; i + 8 <= count; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, c + i, 8);
+    w = (w & m1) | ((w >> (8 - bits)) & (m1 << bits));
+    w = (w & m2) | ((w >> (16 - 2 * bits)) & (m2 << (2 * bits)));
+    w = (w & m3) | ((w >> (32 - 4 * bits)) & (m3 << (4 * bits)));
+    acc |= w << have;
+    have += 8 * bits;
+    while (have >= 8) {
+      *o++ = static_cast<uint8_t>(acc & 0xffu);
+      acc >>= 8;
+      have -= 8;
+    }
+  }
+#endif
+  for (; i < count; ++i) {
     acc |= static_cast<uint64_t>(c[i]) << have;
     have += bits;
     while (have >= 8) {
