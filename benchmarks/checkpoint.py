@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import environment, format_table, set_threads, write_json, zipf_batches  # noqa: E402
 
 from recscale.checkpoint.manager import CheckpointManager  # noqa: E402
-from recscale.checkpoint.quantize import Codec  # noqa: E402
+from recscale.checkpoint.quantize import Codec, range_search  # noqa: E402
 from recscale.checkpoint.restore import load_chain, load_manifest, restore_shards  # noqa: E402
 from recscale.checkpoint.settings import CheckpointSettings  # noqa: E402
 from recscale.checkpoint.shards import local_shards  # noqa: E402
@@ -207,7 +207,8 @@ def run_setting(args, s: Setting, batches, steps_per_interval: int, root: Path) 
 def quantizer_throughput(dim: int, rows: int = 32768, repeats: int = 3) -> list[dict]:
     """Each row codec's encode rate on one thread (MB of fp32 rows per second per core): the
     writer quantizes on one background thread. Adaptive is timed with its native range search
-    and with the PyTorch definition (same codes; on an eighth of the rows, it is slow). Per
+    and with the PyTorch definition (same codes; on an eighth of the rows, it is slow), and warm:
+    each row's search starting from its result on the rows before a small change. Per
     second of the thread's CPU time (steady on a shared machine) and of wall time, best of
     ``repeats``."""
     x = torch.randn(rows, dim) * torch.rand(rows, 1) * 0.05
@@ -234,6 +235,20 @@ def quantizer_throughput(dim: int, rows: int = 32768, repeats: int = 3) -> list[
             out.append({"codec": codec.name + ("" if native else " (PyTorch)"),
                         "mb_per_s_per_core": block.numel() * 4 / cpu / 1e6,
                         "mb_per_wall_s": block.numel() * 4 / seconds / 1e6})
+        # Warm: the rows changed a little since a first search (as between checkpoints), each
+        # search starting from the row's last result.
+        moved = x + torch.randn(x.shape, generator=torch.Generator().manual_seed(1)) * x.std(1, keepdim=True) * 0.05
+        for bits in (2, 3, 4):
+            codec = Codec("adaptive", bits=bits)
+            last = range_search(x, bits, codec.bins, codec.ratio)[2]
+            seconds = cpu = float("inf")
+            for _ in range(repeats):
+                start = last.clone()
+                t0, c0 = time.perf_counter(), time.thread_time()
+                codec.encode(moved, ranges=start)
+                seconds, cpu = min(seconds, time.perf_counter() - t0), min(cpu, time.thread_time() - c0)
+            out.append({"codec": codec.name + " warm", "mb_per_s_per_core": x.numel() * 4 / cpu / 1e6,
+                        "mb_per_wall_s": x.numel() * 4 / seconds / 1e6})
     finally:
         torch.set_num_threads(saved)
     return out

@@ -16,7 +16,7 @@ from ckpt_utils import ckpt_dir, run_training
 from recscale.checkpoint.manifest import MANIFEST, CheckpointError
 from recscale.checkpoint.policy import Policy
 from recscale.checkpoint.native import quantize_kernels
-from recscale.checkpoint.quantize import Codec, greedy_range, pack_bits, unpack_bits
+from recscale.checkpoint.quantize import NEVER_SEARCHED, Codec, greedy_range, pack_bits, range_search, unpack_bits
 from recscale.checkpoint.settings import CheckpointSettings, bits_for_restores
 from recscale.cli import main
 
@@ -70,6 +70,51 @@ def test_native_range_search_equals_the_pytorch_definition(n, d, bits, bins, rat
 
 
 @pytest.mark.skipif(quantize_kernels() is None, reason="the native quantizer cannot be built here (no C++ compiler)")
+@given(st.integers(1, 70), st.integers(1, 140), st.sampled_from([2, 3, 4, 8]), st.integers(1, 60),
+       st.floats(0.0, 0.95), st.sampled_from([1e-4, 0.1, 30.0]), st.integers(0, 2**31 - 1))
+@settings(max_examples=60, deadline=None)
+def test_native_warm_range_search_equals_the_pytorch_definition(n, d, bits, bins, ratio, spread, seed):
+    """Rows searched warm from stored starts (any, unusable ones included: those go cold), mixed
+    with rows never searched, give the same ranges and steps natively as in PyTorch."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g) * torch.rand(n, 1, generator=g) * spread
+    x[0, : d // 2] = x[0, 0]
+    if n > 1:
+        x[1] = 0.5
+    start = torch.randint(0, bins + 2, (n, 2), generator=g, dtype=torch.uint8)
+    start[torch.rand(n, generator=g) < 0.3, 0] = NEVER_SEARCHED
+    ref = range_search(x, bits, bins, ratio, start, native=False)
+    nat = range_search(x, bits, bins, ratio, start, native=True)
+    assert all(torch.equal(a, b) for a, b in zip(ref, nat))
+    cold = range_search(x, bits, bins, ratio, None, native=False)
+    assert torch.equal(cold[0], greedy_range(x, bits, bins, ratio, native=True)[0])
+
+
+def test_warm_range_search_finds_about_the_cold_error_on_changed_rows():
+    """A row's range found warm from its last result after a training-like change of its values
+    has about the L2 error of a cold search of the changed row; and a cold search's steps in
+    rebuild its range."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2000, 64, generator=g) * torch.rand(2000, 1, generator=g) * 0.05
+    for bits in (2, 3, 4):
+        lo, hi, found = range_search(x, bits, 25, 0.6)
+        step = (x.amax(1) - x.amin(1)) / 25
+        assert torch.allclose(x.amin(1) + found[:, 0].float() * step, lo, atol=1e-6)
+        assert torch.allclose(x.amax(1) - found[:, 1].float() * step, hi, atol=1e-6)
+        y = x + torch.randn(x.shape, generator=g) * x.std(1, keepdim=True) * 0.05
+        codec = Codec("adaptive", bits=bits)
+        warm = found.clone()
+        e_cold = (codec.decode(codec.encode(y), 2000, 64) - y).square().sum()
+        e_warm = (codec.decode(codec.encode(y, ranges=warm), 2000, 64) - y).square().sum()
+        assert e_warm <= e_cold * 1.02, (bits, float(e_warm), float(e_cold))
+
+
+def test_warm_start_rejects_a_misshapen_start():
+    with pytest.raises(ValueError, match="start must be uint8"):
+        range_search(torch.zeros(3, 4), 2, 25, 0.6, torch.zeros(3, 2))
+
+
+@pytest.mark.skipif(quantize_kernels() is None, reason="the native quantizer cannot be built here (no C++ compiler)")
 @given(st.integers(1, 70), st.integers(1, 140), st.integers(1, 8), st.sampled_from([1e-4, 0.1, 30.0]),
        st.integers(0, 2**31 - 1))
 @settings(max_examples=60, deadline=None)
@@ -86,6 +131,40 @@ def test_native_codes_and_packing_equal_the_pytorch_definition(n, d, bits, sprea
     s_n, b_n, c_n = quantize_packed(x, lo, hi, bits, native=True)
     assert torch.equal(s_t, s_n) and torch.equal(b_t, b_n)
     assert bytes(c_t) == bytes(c_n)
+
+
+@pytest.mark.skipif(quantize_kernels() is None, reason="the native quantizer cannot be built here (no C++ compiler)")
+@given(st.integers(1, 50), st.integers(1, 70), st.integers(1, 8), st.sampled_from([1e-6, 1e-4, 0.1, 30.0, 5e4]),
+       st.booleans(), st.integers(0, 2**31 - 1))
+@settings(max_examples=60, deadline=None)
+def test_fused_search_and_packing_equal_the_two_step_definition(n, d, bits, spread, warm, seed):
+    """The one-pass search + scales + packing gives the bytes, scales and found ranges of the
+    PyTorch search followed by PyTorch's codes and NumPy's packing: cold and warm rows mixed
+    (groups packed out of row order), constant rows, odd ``d`` x ``bits``, fp16-subnormal scales
+    and offsets past fp16's range."""
+    from recscale.checkpoint.quantize import quantize_packed, search_packed
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g) * torch.rand(n, 1, generator=g) * spread
+    x[0] = 0.5  # a constant row
+    if n > 2:
+        x[2] = x[2] + 7e4  # its offset clamps to fp16's largest value
+    start = None
+    if warm:
+        start = torch.randint(0, 30, (n, 2), generator=g, dtype=torch.uint8)
+        start[torch.rand(n, generator=g) < 0.3] = NEVER_SEARCHED
+    lo, hi, found_t = range_search(x, bits, 25, 0.6, start, native=False)
+    s_t, b_t, c_t = quantize_packed(x, lo, hi, bits, native=False)
+    found_n, s_n, b_n, c_n = search_packed(x, bits, 25, 0.6, start)
+    assert torch.equal(found_t, found_n)
+    assert torch.equal(s_t.view(torch.int16), s_n.view(torch.int16))
+    assert torch.equal(b_t.view(torch.int16), b_n.view(torch.int16))
+    assert bytes(c_t) == bytes(c_n)
+    ranges = start.clone() if warm else None
+    enc = Codec("adaptive", bits=bits).encode(x, ranges=ranges)
+    assert enc == bytes(s_t.view(torch.uint8).numpy()) + bytes(b_t.view(torch.uint8).numpy()) + bytes(c_t)
+    if warm:
+        assert torch.equal(ranges, found_t)
 
 
 def test_lossless_and_float_codecs():

@@ -23,6 +23,7 @@ from recscale.checkpoint.lineage import RUN_FILE, RunContext, list_checkpoints, 
 from recscale.checkpoint.manifest import CheckpointError, Manifest, TableMeta, checkpoint_name
 from recscale.checkpoint.policy import Policy
 from recscale.checkpoint.quantize import Codec, make_codec, state_codec
+from recscale.checkpoint.range_memory import RangeMemory
 from recscale.checkpoint.restore import load_manifest
 from recscale.checkpoint.settings import CheckpointSettings
 from recscale.checkpoint.shards import LocalShard, row_state_names
@@ -84,6 +85,7 @@ class CheckpointManager:
             settings.commit_timeout_s, self._retain if rank == 0 else None,
         )
         self.snapshots = SnapshotBuffers()
+        self.ranges = RangeMemory()  # adaptive: each row's last range search, for the next one
         if settings.async_write:  # the snapshot's memory, mapped before training rather than at its first save
             self.snapshots.reserve([t for s in shards if s.writer and s.tiered() is None for t in (
                 s.module.table_weight(s.local_name), *s.module.table_state(s.local_name).values())])
@@ -151,6 +153,7 @@ class CheckpointManager:
             manifest, self.rank, self.world_size, snaps, rank_state, self.weight_codec, self.state_codec,
             self.settings.chunk_rows, stall, self._full_fp32_bytes(), self.init_seed if scan else None,
             on_done=lambda: self.snapshots.release(held),
+            ranges=self.ranges if self.weight_codec.method == "adaptive" else None,
         )
         self.writer.submit(job)
         self.last_step, self.last_time = step, time.monotonic()
@@ -183,7 +186,9 @@ class CheckpointManager:
 
     def restored(self) -> None:
         """After a restore into the tracked tables: the rows that now differ from their initial
-        values are what the next full checkpoint must hold."""
+        values are what the next full checkpoint must hold; every row's next range search
+        starts cold."""
+        self.ranges.forget()
         if self.tracker is not None and self.init_seed is not None:
             self.tracker.mark_off_initial(self.init_seed)
 

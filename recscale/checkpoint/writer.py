@@ -28,6 +28,7 @@ import torch
 from recscale import faults
 from recscale.checkpoint.manifest import BY_CHUNKS, MANIFEST, Chunk, CheckpointError, FileEntry, Manifest, tmp_name
 from recscale.checkpoint.quantize import Codec, allocate_widths, row_importance
+from recscale.checkpoint.range_memory import RangeMemory
 from recscale.checkpoint.storage import Storage
 from recscale.embedding import TableConfig
 from recscale.embedding.table_batched import init_rows
@@ -64,6 +65,8 @@ class WriteJob:
     init_seed: int | None = None
     # Called once the job no longer needs its snapshot (written or failed): buffers go back.
     on_done: Callable[[], None] | None = None
+    # adaptive: each row's last range search, read as the next search's start and updated.
+    ranges: RangeMemory | None = None
 
 
 @dataclass
@@ -121,6 +124,14 @@ class _Block:
     selector: str
     ids: bytes
 
+    def local_rows(self) -> torch.Tensor:
+        """The shard's local indices of the rows this block holds, in order."""
+        if self.pick is not None:
+            return self.pick
+        if self.sh.rows is not None:
+            return self.sh.rows[self.lo : self.hi]
+        return torch.arange(self.lo, self.hi)
+
     def rows(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         sh = self.sh
         if self.pick is not None:
@@ -175,6 +186,15 @@ def width_tags(job: WriteJob, blocks: list[_Block]) -> list[torch.Tensor]:
     return list(torch.split(tags, [blk.n for blk in blocks]))
 
 
+def _encode_warm(codec: Codec, ranges: RangeMemory, blk: _Block, weight: torch.Tensor) -> bytes:
+    """``adaptive``: each row's range search starts from its last result, and leaves its own."""
+    key, rows = (blk.sh.table, blk.sh.row_offset, blk.sh.col_offset), blk.local_rows()
+    found = ranges.start(codec, key, blk.sh.num_rows, rows)
+    w = codec.encode(weight, ranges=found)
+    ranges.store(key, rows, found)
+    return w
+
+
 def encode_chunks(job: WriteJob, file: str, phases: dict | None = None
                   ) -> Iterator[tuple[Chunk, list[bytes | memoryview]]]:
     """Each block encoded, as the parts its payload is made of in order (offsets filled later).
@@ -195,7 +215,12 @@ def encode_chunks(job: WriteJob, file: str, phases: dict | None = None
         t0 = time.perf_counter()
         sh, ids = blk.sh, blk.ids
         weight, state = blk.rows()
-        w = job.weight_codec.encode(weight, t) if t is not None else job.weight_codec.encode_view(weight)
+        if t is not None:
+            w = job.weight_codec.encode(weight, t)
+        elif job.ranges is not None and job.weight_codec.method == "adaptive":
+            w = _encode_warm(job.weight_codec, job.ranges, blk, weight)
+        else:
+            w = job.weight_codec.encode_view(weight)
         parts: list[bytes | memoryview] = [ids, w]
         state_meta = []
         for name, st in state.items():

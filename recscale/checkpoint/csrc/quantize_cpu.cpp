@@ -1,12 +1,15 @@
 // Native CPU kernels of the row quantizer: the adaptive range search (Check-N-Run's greedy
-// search) and the codes of rows on their scales, packed (`pack_codes`, at the end).
+// search) and the codes of rows on their scales, packed (`pack_codes`), or both in one pass
+// (`search_pack`: each group of rows quantized and packed right after its search).
 //
 // For each row: start from [min, max], and for at most `steps` steps move one end by `move`
 // steps of (max - min) / bins toward the other, whichever lowers the squared error of quantizing
 // the row more; keep the range of lowest error seen; stop early once `patience` moves in a row
 // found nothing better; then try the best range moved by one step at either end, `refine` times
-// (quantize.py's `search_schedule` picks move, patience and refine per bit width).
-// recscale/checkpoint/quantize.py's `_greedy_block` is the one reference definition: every
+// (quantize.py's `search_schedule` picks move, patience and refine per bit width). A row with a
+// stored start (its last result, in steps in from min and from max) is searched warm instead:
+// that range, then a refining round per stride of `warm` (moves of that many steps).
+// recscale/checkpoint/quantize.py's `range_search` is the one reference definition: every
 // float32 operation below is the same operation, in the same order (no FMA contraction:
 // -ffp-contract=off), each row's error summed in float32 over its columns in order,
 // so the two agree bit for bit (the tests compare them).
@@ -17,9 +20,11 @@
 // and a second OpenMP team there would take cores from training.
 
 #include <torch/python.h>
+#include <pybind11/stl.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/Half.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -28,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <tuple>
 #include <vector>
@@ -38,6 +44,8 @@ namespace {
 // steps (each move waits for the previous errors), so running kLanes independent rows side by
 // side turns a latency-bound, branchy loop into straight-line vector code.
 constexpr int kLanes = 16;
+// A row's stored start when it was never searched.
+constexpr uint8_t kNever = 255;
 
 // Squared errors of quantizing each lane's row on two ranges of one width (scale s, inv = 1 / s)
 // starting at a_a * s and a_b * s, in units of s^2, in one pass over the transposed block
@@ -131,11 +139,11 @@ inline void transpose16(__m512 r[16]) {
 }
 #endif
 
-// Copies rows r0 .. r0 + count - 1 transposed into t[d][kLanes] (spare lanes repeat the last
-// row). With AVX-512 in 16 x 16 register blocks (a scalar copy is a fifth of a 2-bit search).
-inline void load_group(const float* xp, int64_t r0, int count, int64_t d, float* t) {
+// Copies rows idx[0 .. count) transposed into t[d][kLanes] (spare lanes repeat the last row).
+// With AVX-512 in 16 x 16 register blocks (a scalar copy is a fifth of a 2-bit search).
+inline void load_group(const float* xp, const int64_t* idx, int count, int64_t d, float* t) {
   const float* rows[kLanes];
-  for (int k = 0; k < kLanes; ++k) rows[k] = xp + (r0 + std::min(k, count - 1)) * d;
+  for (int k = 0; k < kLanes; ++k) rows[k] = xp + idx[std::min(k, count - 1)] * d;
   int64_t j0 = 0;
 #if defined(__AVX512F__)
   for (; j0 + 16 <= d; j0 += 16) {
@@ -150,121 +158,169 @@ inline void load_group(const float* xp, int64_t r0, int count, int64_t d, float*
   }
 }
 
-// The search of rows r0 .. r0 + count - 1 (count <= kLanes; spare lanes repeat the last row and
-// are dropped). `t` is scratch of d * kLanes floats. Moves are `move` steps of (max - min) / bins
-// long, at most `moves` of them; a lane stops once `patience` moves in a row found nothing better
-// than its best, the group when every lane has. Then `refine` rounds try the best range moved by
-// one step at either end, inward and outward.
-void search_group(const float* xp, int64_t r0, int count, int64_t d, float lv, float nb, int64_t moves, float mv,
-                  int64_t patience, int64_t refine, float* t, float* blo, float* bhi) {
-  load_group(xp, r0, count, d, t);
-  float lo[kLanes], hi[kLanes], step[kLanes], stride[kLanes], b_lo[kLanes], b_hi[kLanes], cand[kLanes], w[kLanes];
-  float sc[kLanes], inv[kLanes], a_lo[kLanes], best[kLanes], unused[kLanes], e_lo[kLanes], e_hi[kLanes];
-  int64_t bad[kLanes];
-  for (int k = 0; k < kLanes; ++k) lo[k] = hi[k] = t[k];
+struct Search {
+  float lv, nb;            // levels, bins
+  int64_t moves;           // the cold walk's moves, `mv` steps each
+  float mv;
+  int64_t patience, refine;
+  std::vector<int64_t> warm;  // strides of the warm search's rounds
+};
+
+// One group's lanes: each row's [min, max], its step, and the best range seen with its error
+// and its distance from [min, max] in steps (k_lo in from min, k_hi in from max).
+struct Lanes {
+  float mn[kLanes], mx[kLanes], step[kLanes], best[kLanes], b_lo[kLanes], b_hi[kLanes], k_lo[kLanes], k_hi[kLanes];
+};
+
+inline void min_max(const float* t, int64_t d, Lanes& L, float nb) {
+  for (int k = 0; k < kLanes; ++k) L.mn[k] = L.mx[k] = t[k];
   for (int64_t j = 1; j < d; ++j) {
     for (int k = 0; k < kLanes; ++k) {
-      lo[k] = std::min(lo[k], t[j * kLanes + k]);
-      hi[k] = std::max(hi[k], t[j * kLanes + k]);
+      L.mn[k] = std::min(L.mn[k], t[j * kLanes + k]);
+      L.mx[k] = std::max(L.mx[k], t[j * kLanes + k]);
     }
   }
+  for (int k = 0; k < kLanes; ++k) L.step[k] = (L.mx[k] - L.mn[k]) / nb;
+}
+
+// Error of each lane's range [lo, hi] alone.
+inline void single_error(const float* t, int64_t d, const float* lo, const float* hi, float lv, float* e) {
+  float sc[kLanes], inv[kLanes], a[kLanes], unused[kLanes];
   for (int k = 0; k < kLanes; ++k) {
-    step[k] = (hi[k] - lo[k]) / nb;
-    stride[k] = step[k] * mv;
-    b_lo[k] = lo[k];
-    b_hi[k] = hi[k];
-    bad[k] = 0;
     sc[k] = scale_of(hi[k] - lo[k], lv);
     inv[k] = 1.0f / sc[k];
-    a_lo[k] = lo[k] * inv[k];
+    a[k] = lo[k] * inv[k];
   }
-  scaled_sq_errors<false>(t, d, inv, a_lo, a_lo, lv, best, unused);
-  for (int k = 0; k < kLanes; ++k) best[k] = best[k] * (sc[k] * sc[k]);
-  for (int64_t s = 0; s < moves; ++s) {
+  scaled_sq_errors<false>(t, d, inv, a, a, lv, e, unused);
+  for (int k = 0; k < kLanes; ++k) e[k] = e[k] * (sc[k] * sc[k]);
+}
+
+// One refining round: the best range moved by `m` steps (st = step * m) at either end, inward
+// [lo + st, hi], [lo, hi - st] and outward [lo - st, hi], [lo, hi + st]; with `bounded`, an
+// inward move is tried only while the range keeps at least one step (k_lo + k_hi + m < bins).
+// Returns whether any lane found a better range.
+inline bool refine_round(const float* t, int64_t d, Lanes& L, float lv, float nb, float m, bool bounded) {
+  float in_lo[kLanes], out_lo[kLanes], base_lo[kLanes], base_hi[kLanes], w_in[kLanes], w_out[kLanes], st[kLanes];
+  float e_a[kLanes], e_b[kLanes], e_c[kLanes], e_d[kLanes];
+  for (int k = 0; k < kLanes; ++k) {
+    st[k] = L.step[k] * m;
+    base_lo[k] = L.b_lo[k];
+    base_hi[k] = L.b_hi[k];
+    w_in[k] = (L.b_hi[k] - L.b_lo[k]) - st[k];
+    w_out[k] = (L.b_hi[k] - L.b_lo[k]) + st[k];
+    in_lo[k] = L.b_lo[k] + st[k];
+    out_lo[k] = L.b_lo[k] - st[k];
+  }
+  pair_errors(t, d, w_in, in_lo, base_lo, lv, e_a, e_b);
+  pair_errors(t, d, w_out, out_lo, base_lo, lv, e_c, e_d);
+  bool any = false;
+  for (int k = 0; k < kLanes; ++k) {
+    const bool inward = !bounded || L.k_lo[k] + L.k_hi[k] + m < nb;
+    const float kl = L.k_lo[k], kh = L.k_hi[k];
+    const float c_lo[4] = {in_lo[k], base_lo[k], out_lo[k], base_lo[k]};
+    const float c_hi[4] = {base_hi[k], base_hi[k] - st[k], base_hi[k], base_hi[k] + st[k]};
+    const float c_kl[4] = {kl + m, kl, kl - m, kl};
+    const float c_kh[4] = {kh, kh + m, kh, kh - m};
+    const float c_e[4] = {e_a[k], e_b[k], e_c[k], e_d[k]};
+    for (int c = 0; c < 4; ++c) {
+      const bool better = (c >= 2 || inward) && c_e[c] < L.best[k];
+      L.best[k] = better ? c_e[c] : L.best[k];
+      L.b_lo[k] = better ? c_lo[c] : L.b_lo[k];
+      L.b_hi[k] = better ? c_hi[c] : L.b_hi[k];
+      L.k_lo[k] = better ? c_kl[c] : L.k_lo[k];
+      L.k_hi[k] = better ? c_kh[c] : L.k_hi[k];
+      any |= better;
+    }
+  }
+  return any;
+}
+
+// The cold search of one group: from [min, max], moves of `mv` steps, at most `moves` of them; a
+// lane stops once `patience` moves in a row found nothing better than its best, the group when
+// every lane has. Then `refine` rounds.
+void cold_group(const float* t, int64_t d, const Search& p, Lanes& L) {
+  float lo[kLanes], hi[kLanes], stride[kLanes], cand[kLanes], w[kLanes], e_lo[kLanes], e_hi[kLanes];
+  float kl[kLanes], kh[kLanes];
+  int64_t bad[kLanes];
+  for (int k = 0; k < kLanes; ++k) {
+    lo[k] = L.b_lo[k] = L.mn[k];
+    hi[k] = L.b_hi[k] = L.mx[k];
+    stride[k] = L.step[k] * p.mv;
+    kl[k] = kh[k] = L.k_lo[k] = L.k_hi[k] = 0.0f;
+    bad[k] = 0;
+  }
+  single_error(t, d, lo, hi, p.lv, L.best);
+  for (int64_t s = 0; s < p.moves; ++s) {
     bool any = false;
-    for (int k = 0; k < kLanes; ++k) any |= bad[k] < patience;
+    for (int k = 0; k < kLanes; ++k) any |= bad[k] < p.patience;
     if (!any) break;
     // Both moves leave a range of width (hi - lo) - stride: one scale for the pair.
     for (int k = 0; k < kLanes; ++k) {
       w[k] = (hi[k] - lo[k]) - stride[k];
       cand[k] = lo[k] + stride[k];
     }
-    pair_errors(t, d, w, cand, lo, lv, e_lo, e_hi);
+    pair_errors(t, d, w, cand, lo, p.lv, e_lo, e_hi);
     for (int k = 0; k < kLanes; ++k) {
-      if (bad[k] >= patience) continue;  // this lane's search is over
+      if (bad[k] >= p.patience) continue;  // this lane's search is over
       const float el = e_lo[k], eh = e_hi[k];
       const bool take_lo = el < eh;
       lo[k] = take_lo ? cand[k] : lo[k];
       hi[k] = take_lo ? hi[k] : hi[k] - stride[k];
+      kl[k] = take_lo ? kl[k] + p.mv : kl[k];
+      kh[k] = take_lo ? kh[k] : kh[k] + p.mv;
       const float err = eh < el ? eh : el;
-      const bool better = err < best[k];
-      best[k] = better ? err : best[k];
-      b_lo[k] = better ? lo[k] : b_lo[k];
-      b_hi[k] = better ? hi[k] : b_hi[k];
+      const bool better = err < L.best[k];
+      L.best[k] = better ? err : L.best[k];
+      L.b_lo[k] = better ? lo[k] : L.b_lo[k];
+      L.b_hi[k] = better ? hi[k] : L.b_hi[k];
+      L.k_lo[k] = better ? kl[k] : L.k_lo[k];
+      L.k_hi[k] = better ? kh[k] : L.k_hi[k];
       bad[k] = better ? 0 : bad[k] + 1;
     }
   }
-  for (int64_t r = 0; r < refine; ++r) {
-    // Inward [lo + step, hi], [lo, hi - step] and outward [lo - step, hi], [lo, hi + step].
-    float in_lo[kLanes], out_lo[kLanes], base_lo[kLanes], base_hi[kLanes], w_out[kLanes], e_a[kLanes], e_b[kLanes];
-    for (int k = 0; k < kLanes; ++k) {
-      base_lo[k] = b_lo[k];
-      base_hi[k] = b_hi[k];
-      w[k] = (b_hi[k] - b_lo[k]) - step[k];
-      w_out[k] = (b_hi[k] - b_lo[k]) + step[k];
-      in_lo[k] = b_lo[k] + step[k];
-      out_lo[k] = b_lo[k] - step[k];
-    }
-    pair_errors(t, d, w, in_lo, base_lo, lv, e_lo, e_hi);
-    pair_errors(t, d, w_out, out_lo, base_lo, lv, e_a, e_b);
-    for (int k = 0; k < kLanes; ++k) {
-      const float c_lo[4] = {in_lo[k], base_lo[k], out_lo[k], base_lo[k]};
-      const float c_hi[4] = {base_hi[k], base_hi[k] - step[k], base_hi[k], base_hi[k] + step[k]};
-      const float c_e[4] = {e_lo[k], e_hi[k], e_a[k], e_b[k]};
-      for (int c = 0; c < 4; ++c) {
-        const bool better = c_e[c] < best[k];
-        best[k] = better ? c_e[c] : best[k];
-        b_lo[k] = better ? c_lo[c] : b_lo[k];
-        b_hi[k] = better ? c_hi[c] : b_hi[k];
-      }
-    }
+  for (int64_t r = 0; r < p.refine; ++r) refine_round(t, d, L, p.lv, p.nb, 1.0f, false);
+}
+
+// The warm search of one group: from the range `start` steps in from [min, max] (the row's
+// last result), a bounded refining round of `warm[r]` steps for each r; a round is skipped when
+// the one before it had the same stride and found nothing better in any lane (it would try the
+// same ranges again).
+void warm_group(const float* t, int64_t d, const Search& p, const float* s_lo, const float* s_hi, Lanes& L) {
+  for (int k = 0; k < kLanes; ++k) {
+    L.k_lo[k] = s_lo[k];
+    L.k_hi[k] = s_hi[k];
+    L.b_lo[k] = L.mn[k] + s_lo[k] * L.step[k];
+    L.b_hi[k] = L.mx[k] - s_hi[k] * L.step[k];
   }
-  for (int k = 0; k < count; ++k) {
-    blo[r0 + k] = b_lo[k];
-    bhi[r0 + k] = b_hi[k];
+  single_error(t, d, L.b_lo, L.b_hi, p.lv, L.best);
+  float last = 0.0f;
+  bool moved = true;
+  for (size_t r = 0; r < p.warm.size(); ++r) {
+    const float m = static_cast<float>(p.warm[r]);
+    if (m == last && !moved) continue;
+    moved = refine_round(t, d, L, p.lv, p.nb, m, true);
+    last = m;
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> greedy_range(const at::Tensor& x, int64_t levels, int64_t bins, int64_t steps,
-                                                int64_t move, int64_t patience, int64_t refine) {
-  if (x.dim() != 2 || x.scalar_type() != at::kFloat || !x.is_contiguous() || x.device().type() != at::kCPU) {
-    throw std::invalid_argument("greedy_range: x must be a contiguous 2-d float32 CPU tensor");
-  }
-  if (levels < 1 || bins < 1 || steps < 0 || move < 1 || patience < 1 || refine < 0) {
-    throw std::invalid_argument("greedy_range: levels, bins, move, patience >= 1; steps, refine >= 0");
-  }
-  const int64_t n = x.size(0), d = x.size(1);
-  at::Tensor best_lo = at::empty({n}, x.options());
-  at::Tensor best_hi = at::empty({n}, x.options());
-  if (n == 0 || d == 0) return {best_lo, best_hi};
-  std::vector<float> scratch(static_cast<size_t>(d) * kLanes);
-  const float* xp = x.data_ptr<float>();
-  float* blo = best_lo.data_ptr<float>();
-  float* bhi = best_hi.data_ptr<float>();
-  const float lv = static_cast<float>(levels);
-  const float nb = static_cast<float>(bins);
-  for (int64_t r0 = 0; r0 < n; r0 += kLanes) {
-    const int count = static_cast<int>(std::min<int64_t>(kLanes, n - r0));
-    search_group(xp, r0, count, d, lv, nb, steps / move, static_cast<float>(move), patience, refine, scratch.data(),
-                 blo, bhi);
-  }
-  return {best_lo, best_hi};
-}
+inline uint8_t steps_byte(float k) { return static_cast<uint8_t>(k < 0.0f ? 0.0f : (k > 254.0f ? 254.0f : k)); }
 
 // Codes of one row, round(clamp((x - bias) * inv, 0, levels)) as quantize.py's `_quantize`
 // computes them (float32 sub and mul, rounding half to even, then the clamp), into c[0..d).
 inline void row_codes(const float* x, int64_t d, float bias, float inv, float levels, uint8_t* c) {
-  for (int64_t j = 0; j < d; ++j) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  // Sixteen codes at a time: the same sub, mul, rounding to nearest even and clamp.
+  const __m512 vb = _mm512_set1_ps(bias), vi = _mm512_set1_ps(inv), vl = _mm512_set1_ps(levels);
+  const __m512 zero = _mm512_setzero_ps();
+  for (; j + 16 <= d; j += 16) {
+    __m512 q = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + j), vb), vi);
+    q = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm512_min_ps(_mm512_max_ps(q, zero), vl);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(c + j), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q)));
+  }
+#endif
+  for (; j < d; ++j) {
     float q = std::nearbyint((x[j] - bias) * inv);
     q = q < 0.0f ? 0.0f : q;
     q = levels < q ? levels : q;
@@ -275,27 +331,38 @@ inline void row_codes(const float* x, int64_t d, float bias, float inv, float le
 // Packs `count` codes of `bits` bits at bit offset `bit` of `out` (zeroed), least significant
 // bit first: code i's bit b lands at stream bit (bit + i * bits + b), as pack_bits lays it out.
 inline void put_bits(const uint8_t* c, int64_t count, int bits, int64_t bit, uint8_t* out) {
-  if (bit % 8 == 0 && (bits == 8 || bits == 4 || bits == 2 || bits == 1)) {
-    uint8_t* o = out + bit / 8;
-    const int per = 8 / bits;
-    const int64_t whole = count / per;
-    if (bits == 8) {
-      std::copy(c, c + count, o);
-      return;
-    }
-    for (int64_t k = 0; k < whole; ++k) {  // a loop the compiler vectorizes
-      uint8_t v = 0;
-      for (int i = 0; i < per; ++i) v |= static_cast<uint8_t>(c[k * per + i] << (bits * i));
-      o[k] = v;
-    }
-    for (int64_t i = whole * per; i < count; ++i) o[i / per] |= static_cast<uint8_t>(c[i] << (bits * (i % per)));
+  if (bits == 8) {  // whole bytes (every code starts a byte)
+    std::copy(c, c + count, out + bit / 8);
     return;
   }
   uint64_t acc = 0;
   int have = static_cast<int>(bit % 8);
   uint8_t* o = out + bit / 8;
   acc = *o;  // bits already written in the first byte
-  for (int64_t i = 0; i < count; ++i) {
+  int64_t i = 0;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+  // Eight codes at a time: their bytes, read as one little-endian word, merged pairwise into
+  // 8 x bits contiguous bits (neighbours in 16-bit, then 32-bit, then 64-bit halves), the same
+  // stream the one-code loop below writes. have < 8 before, so have + 8 x bits <= 63 fits.
+  const uint64_t m1 = ((uint64_t{1} << bits) - 1) * 0x0001000100010001ull;
+  const uint64_t m2 = ((uint64_t{1} << (2 * bits)) - 1) * 0x0000000100000001ull;
+  const uint64_t m3 = (uint64_t{1} << (4 * bits)) - 1;
+  for (; i + 8 <= count; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, c + i, 8);
+    w = (w & m1) | ((w >> (8 - bits)) & (m1 << bits));
+    w = (w & m2) | ((w >> (16 - 2 * bits)) & (m2 << (2 * bits)));
+    w = (w & m3) | ((w >> (32 - 4 * bits)) & (m3 << (4 * bits)));
+    acc |= w << have;
+    have += 8 * bits;
+    while (have >= 8) {
+      *o++ = static_cast<uint8_t>(acc & 0xffu);
+      acc >>= 8;
+      have -= 8;
+    }
+  }
+#endif
+  for (; i < count; ++i) {
     acc |= static_cast<uint64_t>(c[i]) << have;
     have += bits;
     while (have >= 8) {
@@ -304,7 +371,154 @@ inline void put_bits(const uint8_t* c, int64_t count, int bits, int64_t bit, uin
       have -= 8;
     }
   }
-  if (have > 0) *o = static_cast<uint8_t>(acc & 0xffu);
+  // OR, not store: rows may be packed out of order, and the next row's bits may be here already.
+  if (have > 0) *o |= static_cast<uint8_t>(acc & 0xffu);
+}
+
+
+// Where search_group also quantizes: each row's fp16 scale and offset and its packed codes.
+struct Pack {
+  int bits;
+  c10::Half* scale;
+  c10::Half* bias;
+  uint8_t* out;  // zeroed, (n * d * bits + 7) / 8 bytes
+  uint8_t* codes;  // d bytes of scratch
+};
+
+// quantize.py's `_scales` for one row, bit for bit: the offset is lo clamped to fp16's range and
+// rounded to fp16 (c10::Half rounds to nearest even, as torch's .half() does), the scale is
+// (hi - offset) / levels in float32 clamped to [0, fp16 max] and rounded, the inverse 1 / scale
+// of the rounded scale (0 for a constant row). Then the row's codes, packed at its place.
+inline void pack_row(const float* x, int64_t r, int64_t d, float lo, float hi, float levels, const Pack& pk) {
+  constexpr float kMax = 65504.0f;
+  const float lc = lo < -kMax ? -kMax : (kMax < lo ? kMax : lo);
+  const c10::Half b(lc);
+  const float bf = static_cast<float>(b);
+  float sv = (hi - bf) / levels;
+  sv = sv < 0.0f ? 0.0f : (kMax < sv ? kMax : sv);
+  const c10::Half s(sv);
+  const float sf = static_cast<float>(s);
+  const float inv = sf > 0.0f ? 1.0f / sf : 0.0f;
+  pk.scale[r] = s;
+  pk.bias[r] = b;
+  row_codes(x + r * d, d, bf, inv, levels, pk.codes);
+  put_bits(pk.codes, d, pk.bits, r * d * pk.bits, pk.out);
+}
+
+// Searches the rows idx[0 .. count) (count <= kLanes), cold, or warm from `start` (uint8 pairs
+// per row) when given; writes each row's range and its steps in from [min, max].
+void search_group(const float* xp, const int64_t* idx, int count, int64_t d, const Search& p, const uint8_t* start,
+                  float* t, float* blo, float* bhi, uint8_t* found, const Pack* pack = nullptr) {
+  load_group(xp, idx, count, d, t);
+  Lanes L;
+  min_max(t, d, L, p.nb);
+  if (start == nullptr) {
+    cold_group(t, d, p, L);
+  } else {
+    float s_lo[kLanes], s_hi[kLanes];
+    for (int k = 0; k < kLanes; ++k) {
+      const int64_t r = idx[std::min(k, count - 1)];
+      s_lo[k] = static_cast<float>(start[2 * r]);
+      s_hi[k] = static_cast<float>(start[2 * r + 1]);
+    }
+    warm_group(t, d, p, s_lo, s_hi, L);
+  }
+  for (int k = 0; k < count; ++k) {
+    blo[idx[k]] = L.b_lo[k];
+    bhi[idx[k]] = L.b_hi[k];
+    found[2 * idx[k]] = steps_byte(L.k_lo[k]);
+    found[2 * idx[k] + 1] = steps_byte(L.k_hi[k]);
+  }
+  // Quantized while the group's rows are still in cache.
+  if (pack != nullptr) {
+    for (int k = 0; k < count; ++k) pack_row(xp, idx[k], d, L.b_lo[k], L.b_hi[k], p.lv, *pack);
+  }
+}
+
+// A stored start is usable when it leaves the range at least one step wide.
+inline bool warm_start(const uint8_t* start, int64_t r, int64_t bins) {
+  return start != nullptr && start[2 * r] != kNever && static_cast<int64_t>(start[2 * r]) + start[2 * r + 1] < bins;
+}
+
+using Searched = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// The search of every row (and, with bits > 0, its fp16 scale and offset and all rows' packed
+// codes: empty tensors otherwise).
+Searched search_rows(const at::Tensor& x, int64_t levels, int64_t bins, int64_t steps, int64_t move,
+                     int64_t patience, int64_t refine, const at::Tensor& start,
+                     const std::vector<int64_t>& warm_strides, int64_t bits) {
+  if (x.dim() != 2 || x.scalar_type() != at::kFloat || !x.is_contiguous() || x.device().type() != at::kCPU) {
+    throw std::invalid_argument("greedy_range: x must be a contiguous 2-d float32 CPU tensor");
+  }
+  if (levels < 1 || bins < 1 || steps < 0 || move < 1 || patience < 1 || refine < 0) {
+    throw std::invalid_argument("greedy_range: levels, bins, move, patience >= 1; steps, refine >= 0");
+  }
+  for (int64_t m : warm_strides) {
+    if (m < 1) throw std::invalid_argument("greedy_range: warm strides must be >= 1");
+  }
+  const int64_t n = x.size(0), d = x.size(1);
+  const bool warm = start.numel() > 0;
+  if (warm && (start.scalar_type() != at::kByte || !start.is_contiguous() || start.dim() != 2 ||
+               start.size(0) != n || start.size(1) != 2)) {
+    throw std::invalid_argument("greedy_range: start must be empty or a contiguous uint8 [n, 2] tensor");
+  }
+  at::Tensor best_lo = at::empty({n}, x.options());
+  at::Tensor best_hi = at::empty({n}, x.options());
+  at::Tensor found = at::zeros({n, 2}, x.options().dtype(at::kByte));
+  if (bits < 0 || bits > 8 || (bits > 0 && levels != (1 << bits) - 1)) {
+    throw std::invalid_argument("search_pack: bits must be 1 to 8 with levels = 2**bits - 1");
+  }
+  const int64_t m = bits > 0 ? n : 0;
+  at::Tensor scale = at::zeros({m}, x.options().dtype(at::kHalf));
+  at::Tensor bias = at::zeros({m}, x.options().dtype(at::kHalf));
+  at::Tensor packed = at::zeros({bits > 0 ? (n * d * bits + 7) / 8 : 0}, x.options().dtype(at::kByte));
+  if (n == 0 || d == 0) return {best_lo, best_hi, found, scale, bias, packed};
+  std::vector<float> scratch(static_cast<size_t>(d) * kLanes);
+  std::vector<uint8_t> codes(static_cast<size_t>(d));
+  const Pack pk{static_cast<int>(bits), bits > 0 ? scale.data_ptr<c10::Half>() : nullptr,
+                bits > 0 ? bias.data_ptr<c10::Half>() : nullptr, bits > 0 ? packed.data_ptr<uint8_t>() : nullptr,
+                codes.data()};
+  const Pack* pp = bits > 0 ? &pk : nullptr;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* sp = warm ? start.data_ptr<uint8_t>() : nullptr;
+  float* blo = best_lo.data_ptr<float>();
+  float* bhi = best_hi.data_ptr<float>();
+  uint8_t* fp = found.data_ptr<uint8_t>();
+  const Search p{static_cast<float>(levels), static_cast<float>(bins), steps / move, static_cast<float>(move),
+                 patience, refine, warm_strides};
+  // Cold and warm rows go in separate groups, each in row order: a group runs one schedule.
+  int64_t cold[kLanes], hot[kLanes];
+  int nc = 0, nh = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    if (warm_start(sp, r, bins)) {
+      hot[nh++] = r;
+      if (nh == kLanes) search_group(xp, hot, nh, d, p, sp, scratch.data(), blo, bhi, fp, pp), nh = 0;
+    } else {
+      cold[nc++] = r;
+      if (nc == kLanes) search_group(xp, cold, nc, d, p, nullptr, scratch.data(), blo, bhi, fp, pp), nc = 0;
+    }
+  }
+  if (nh) search_group(xp, hot, nh, d, p, sp, scratch.data(), blo, bhi, fp, pp);
+  if (nc) search_group(xp, cold, nc, d, p, nullptr, scratch.data(), blo, bhi, fp, pp);
+  return {best_lo, best_hi, found, scale, bias, packed};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_range(const at::Tensor& x, int64_t levels, int64_t bins,
+                                                            int64_t steps, int64_t move, int64_t patience,
+                                                            int64_t refine, const at::Tensor& start,
+                                                            const std::vector<int64_t>& warm_strides) {
+  auto r = search_rows(x, levels, bins, steps, move, patience, refine, start, warm_strides, 0);
+  return {std::get<0>(r), std::get<1>(r), std::get<2>(r)};
+}
+
+// The search, then each row's fp16 scale and offset and its codes packed, group by group while
+// the group's rows are in cache: one pass over the rows instead of the search's and pack_codes'.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> search_pack(
+    const at::Tensor& x, int64_t bits, int64_t bins, int64_t steps, int64_t move, int64_t patience, int64_t refine,
+    const at::Tensor& start, const std::vector<int64_t>& warm_strides) {
+  if (bits < 1 || bits > 8) throw std::invalid_argument("search_pack: bits must be 1 to 8");
+  auto r = search_rows(x, (1 << bits) - 1, bins, steps, move, patience, refine, start, warm_strides, bits);
+  return {std::get<2>(r), std::get<3>(r), std::get<4>(r), std::get<5>(r)};
 }
 
 // Every row's codes on its own scale (`bias`, `inv`: float32 per row), packed densely in row
@@ -337,7 +551,11 @@ at::Tensor pack_codes(const at::Tensor& x, const at::Tensor& bias, const at::Ten
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("greedy_range", &greedy_range, "per-row [lo, hi] of the adaptive quantizer's greedy range search",
+  m.def("greedy_range", &greedy_range,
+        "per-row [lo, hi] and steps in of the adaptive quantizer's range search, cold or warm",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("search_pack", &search_pack,
+        "the range search with each row's fp16 scale, offset and packed codes: (found, scale, bias, codes)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("pack_codes", &pack_codes, "per-row codes of rows on their scales, densely packed",
         pybind11::call_guard<pybind11::gil_scoped_release>());
