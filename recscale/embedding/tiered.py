@@ -43,6 +43,9 @@ Placement = Literal["ram", "ssd"]
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
+FileFactory = Callable[[str, TierFileMeta, Callable[[int, int], tuple[torch.Tensor, dict[str, torch.Tensor]]]], RowFile]
+
+
 @dataclass(frozen=True)
 class TierSettings:
     """How the SSD tier runs: where its files live, the policy, how far ahead batches are
@@ -134,12 +137,16 @@ class TieredRowStorage(RowStorage):
         self, tables: Sequence[TableConfig], offsets: Sequence[int], dim: int, dtype: torch.dtype,
         state_columns: dict[str, int], placement: dict[str, tuple[Placement, int]], settings: TierSettings,
         seed: int, pool: ThreadPoolExecutor | None = None, shards: dict[str, TierShard] | None = None,
+        file_factory: FileFactory | None = None,
     ) -> None:
         """``shards``: for the shard tables of a sharded collection, their origin (initial rows,
-        file name, the table named in errors); other tables are whole tables."""
+        file name, the table named in errors); other tables are whole tables. ``file_factory``:
+        how a table's file is made (default ``RowFile.create``; ``tier_sim`` passes a stand-in
+        that does no I/O, to replay a trace through this cache and its eviction alone)."""
         from recscale.embedding.table_batched import init_rows  # the in-RAM run's initial rows
 
         shards = shards or {}
+        make_file = file_factory or RowFile.create
 
         def first_rows(t: TableConfig, start: int, n: int) -> torch.Tensor:
             o = shards.get(t.name)
@@ -178,7 +185,7 @@ class TieredRowStorage(RowStorage):
                 return first_rows(t, start, n), {k: torch.zeros(n, c) for k, c in state_columns.items()}
 
             self.segments.append(_Segment(
-                t, off, slot, cache_rows, RowFile.create(settings.ssd_dir, meta, init),
+                t, off, slot, cache_rows, make_file(settings.ssd_dir, meta, init),
                 EvictionPolicy(settings.policy, cache_rows), torch.full((cache_rows,), -1, dtype=torch.int64),
                 torch.zeros(t.num_rows, dtype=torch.int32), torch.full((t.num_rows,), -1, dtype=torch.int64),
                 torch.zeros(t.num_rows if settings.policy == "lookahead" else 0, dtype=torch.int32),
