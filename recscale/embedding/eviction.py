@@ -42,8 +42,8 @@ class EvictionPolicy:
 
     def used(self, slots: torch.Tensor, tick: int) -> None:
         """``slots`` serve the lookup of batch ``tick`` (unique slots)."""
-        self.last_use[slots] = tick
-        self.freq[slots] += 1
+        self.last_use.index_fill_(0, slots, tick)
+        self.freq.index_add_(0, slots, torch.ones_like(slots))
 
     def rank(self, next_use: torch.Tensor | None, uses: torch.Tensor | None = None) -> torch.Tensor:
         """Eviction key per slot, larger = evict first. ``next_use``: for each slot the index of
