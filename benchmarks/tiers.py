@@ -137,12 +137,12 @@ def train_rate(tables, trace: Trace, placement, settings, lookahead: int, warmup
 
 def tier_ram_bytes(rows: int, cache: int, dim: int, state_cols: int = 1) -> tuple[int, int]:
     """(cache, index) bytes one table on the tier holds in RAM (fp32 rows, row-wise Adagrad):
-    the cache slots' weights and state; and the tier's bookkeeping, per slot (its row, dirty
-    flag, last use, use count, slot-to-row map) and per table row (row-to-slot map, write-back
-    generation, staged-copy key, use count for ``lookahead``, the file's row-to-record map and
-    free-record flags)."""
-    per_slot = 8 + 1 + 8 + 8 + 8
-    per_row = 4 + 4 + 8 + 4 + 8 + 1
+    the cache slots' weights and state; and the tier's bookkeeping, per slot (its row, last
+    use, use count, its row's ``lookahead`` use count, dirty flag, slot-to-row map) and per
+    table row (row-to-slot map, write-back generation, staged-copy key, ``lookahead`` use
+    count, the file's row-to-record map, free-record flag and block generations)."""
+    per_slot = 8 + 8 + 8 + 4 + 1 + 8
+    per_row = 4 + 4 + 8 + 4 + 8 + 1 + 1
     return cache * (4 * dim + 4 * state_cols), cache * per_slot + rows * per_row
 
 
