@@ -164,6 +164,7 @@ def choose_cache(tables: list[TableConfig], low: int, budget_mb: int) -> int:
 def hit_rates(table: TableConfig, sim_steps: int, batch: int, pooling: int, window: int, result: dict) -> None:
     """Hit rates of every policy and offline Belady on one table's trace."""
     hit_rows = []
+    cpu0 = time.process_time()
     for alpha in (1.05, 0.8):
         trace = Trace([table], sim_steps, batch, pooling, alpha, seed=2)
         uniq = [trace.distinct(i, 0) for i in range(len(trace))]
@@ -179,6 +180,8 @@ def hit_rates(table: TableConfig, sim_steps: int, batch: int, pooling: int, wind
             for policy in ("lru", "lookahead"):  # the planner's miss-ratio curves, same run length
                 row[f"predicted_{policy}"] = curve.hit_rate(policy, cache, sim_steps, window)
             result["hit_rate"][f"zipf{alpha}_cache{share:.2f}"] = {"cache_rows": cache, **row}
+            print(f"hits: zipf {alpha}, {share:.0%} cache done, {time.process_time() - cpu0:,.0f} s CPU so far",
+                  file=sys.stderr, flush=True)
             hit_rows.append([f"{alpha}", f"{share:.0%}", f"{cache:,}"] + [f"{row[k]:.3f}" for k in (
                 "lru", "lfu", "lookahead", "belady", "predicted_lru", "predicted_lookahead")])
     print(format_table(["zipf", "cache", "rows", "lru", "lfu", "lookahead", "belady", "pred lru", "pred lookahead"], hit_rows))
