@@ -92,7 +92,8 @@ class MemoryCgroup:
         try:
             self.path.mkdir()
         except PermissionError:
-            raise CgroupError(f"--cgroup-mb: cannot create {self.path} (needs root); run as root or without it") from None
+            raise CgroupError(f"--cgroup-mb: cannot create {self.path} (needs root); "
+                              "run as root or without it") from None
         except OSError as e:
             raise CgroupError(f"--cgroup-mb: cannot create {self.path}: {e.strerror}; run without it") from None
         self.procs: list[subprocess.Popen] = []

@@ -93,8 +93,8 @@ def test_numpy_belady_equals_its_definition(rows, n, per, extra, seed):
 
 
 @settings(max_examples=60, deadline=None)
-@given(slots=st.integers(1, 300), k=st.integers(0, 320), span=st.integers(1, 50), policy=st.sampled_from(["lru", "lfu", "lookahead"]),
-       seed=st.integers(0, 2**31 - 1))
+@given(slots=st.integers(1, 300), k=st.integers(0, 320), span=st.integers(1, 50),
+       policy=st.sampled_from(["lru", "lfu", "lookahead"]), seed=st.integers(0, 2**31 - 1))
 def test_victims_equal_a_stable_sort(slots, k, span, policy, seed):
     gen = torch.Generator().manual_seed(seed)
     pol = EvictionPolicy(policy, slots)
