@@ -132,6 +132,8 @@ def train_rate(tables, trace: Trace, placement, settings, lookahead: int, warmup
     rereads = sum(seg.file.rereads for _, s in tiered_storages(m) for seg in s.segments)
     if placement:
         close_tiers(m)
+    del m
+    gc.collect()  # the module holds reference cycles: free its rows before the next run starts
     samples = (len(trace) - warmup) * trace.batch_size
     return samples / seconds, stall / seconds, misses / (len(trace) - warmup), rereads
 
@@ -273,7 +275,6 @@ def throughput(tables: list[TableConfig], steps: int, batch: int, pooling: int, 
     result["throughput_cache"] = {"cache_rows": cache, "share": cache / rows, "cache_mb": cache_b / mib,
                                   "bookkeeping_mb": index_b / mib, "tier_budget_mb": budget_mb}
     ram_rate, _, _, _ = train_rate(tables, trace, None, None, 0, max(2, steps // 6))
-    gc.collect()  # the all-in-RAM rows go before the tier runs start (the module holds cycles)
     result["throughput"]["ram"] = {"samples_per_s": ram_rate}
     if cgroup:
         del trace  # the child makes its own (the same seed: the same batches)

@@ -36,11 +36,12 @@ import torch
 from recscale.embedding.config import TableConfig
 from recscale.embedding.eviction import EvictionPolicy
 from recscale.embedding.storage import DenseRowStorage, RowStorage
-from recscale.embedding.tier_file import BlockRead, RowFile, TierError, TierFileMeta, decode, encode
+from recscale.embedding.tier_file import FLUSH_BYTES, PAGE, BlockRead, RowFile, TierError, TierFileMeta, decode, encode
 from recscale.sparse import SparseInputError
 
 Placement = Literal["ram", "ssd"]
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+_FLUSH_ROWS = FLUSH_BYTES // PAGE  # rows written back per flush chunk: a page each at most
 
 
 FileFactory = Callable[[str, TierFileMeta, Callable[[int, int], tuple[torch.Tensor, dict[str, torch.Tensor]]]], RowFile]
@@ -561,10 +562,15 @@ class TieredRowStorage(RowStorage):
             seg.file.drop_pages()
 
     def flush(self) -> None:
-        """Write every dirty cached row back (they stay cached, now clean)."""
+        """Write every dirty cached row back (they stay cached, now clean), a chunk at a time,
+        each chunk's pages flushed and dropped once ``FLUSH_BYTES`` are touched: the page cache
+        never holds a whole cache's dirty pages at once (a memory cgroup counts them, and
+        cannot reclaim them before they are written)."""
         for seg in self.segments:
-            self._write_back(seg, torch.arange(seg.used, dtype=torch.int64), [])
-            self._wait_writes(seg)
+            for start in range(0, seg.used, _FLUSH_ROWS):
+                self._write_back(seg, torch.arange(start, min(seg.used, start + _FLUSH_ROWS), dtype=torch.int64), [])
+                self._wait_writes(seg)
+                seg.file.drop_pages()
 
     def close(self, shutdown_pool: bool = True) -> None:
         """Flush and mark each file clean: it then holds every row of the last step."""
