@@ -18,15 +18,33 @@ Prints, on Zipf-like multi-hot ids:
 probe (``disk``); the disk part also reads records the way the tier does (a batch of pages
 requested at once) and prints the prefetching run's share of the rate the disk bounds.
 
-The full size holds about 8 GiB of rows; run it under a cgroup memory limit that counts the
-page cache (e.g. ``systemd-run --scope -p MemoryMax=3G``) to check that the tier keeps to its
-budget. Hit rates count distinct rows per batch, as ``cache_hit_rate`` does.
+Hit rates replay each trace through the tier's own cache and eviction code with a stand-in
+file that does no I/O (``recscale.embedding.tier_sim``: the same hits as a real tier, which a
+test checks), and offline Belady in numpy; they count distinct rows per batch, as
+``cache_hit_rate`` does. Batches are held as one int32 array of ids, built per step.
+
+The throughput runs' cache is 25% of each table's rows, or the most that ``--tier-budget-mb``
+(default 2048) holds, counting the cache's rows and optimizer state and the tier's bookkeeping
+(per slot and per table row) of every table; the share used is printed. ``--cgroup-mb N``
+(Linux, root) runs the tier runs, and nothing else, in a child process inside a memory cgroup
+of N MiB that this script creates and removes (cgroup v1 ``memory.limit_in_bytes``, which
+counts the page cache; v2 ``memory.max`` where v2 is mounted); ``--cgroup-mb auto`` sets the
+limit to the tier budget + the child's measured baseline (Python, torch, the trace) + 256 MiB
+for the step. It prints the limit, the baseline, the cgroup's maximum usage and failcnt, and
+whether the child finished inside it (a child the OOM killer ends is a FAILED line and exit
+code 1). The all-in-RAM run stays outside (it holds every row). The full size:
+
+    python benchmarks/tiers.py --ssd-dir /mnt/nvme/tmp --cgroup-mb auto --json tiers.json
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import os
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +55,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cgroup import CgroupError, MemoryCgroup  # noqa: E402
 from _common import environment, format_table, set_threads, write_json, zipf_ids  # noqa: E402
 
 from recscale.embedding import RowWiseAdagrad, TableBatchedEmbeddingBags, TableConfig  # noqa: E402
@@ -44,88 +63,68 @@ from recscale.embedding.tier_file import RowFile  # noqa: E402
 from recscale.embedding.tier_hooks import (  # noqa: E402
     announce_batch, begin_batch, close_tiers, tier_stats, tiered_storages,
 )
+from recscale.embedding.tier_sim import belady_hit_rate, replay_hit_rate  # noqa: E402
 from recscale.embedding.tiered import TierSettings, tiered_storage_factory  # noqa: E402
 from recscale.planner.miss_curve import zipf_access  # noqa: E402
 from recscale.sparse import JaggedBatch  # noqa: E402
 
 SHARES = (0.05, 0.10, 0.25, 0.50)
+TRAIN_SHARE = 0.25  # the throughput runs' cache: this share of each table, if the budget holds it
+HEADROOM_MB = 256  # --cgroup-mb auto: the step's working memory above the baseline and the tier
+_CHILD_TAG = "@@tier-child "
 
 
-def make_batches(tables: list[TableConfig], n: int, batch: int, pooling: int, alpha: float, seed: int) -> list[JaggedBatch]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        values, lengths = [], []
-        for i, t in enumerate(tables):
-            values.append(torch.from_numpy(zipf_ids(t.num_rows, batch * pooling, rng, alpha, salt=i)))
-            lengths.append(torch.full((batch,), pooling, dtype=torch.int64))
-        out.append(JaggedBatch(tuple(t.features[0] for t in tables), torch.cat(values), torch.cat(lengths)))
-    return out
+class Trace:
+    """Batches of Zipf ids of every table, held compactly: one int32 array ``[steps, tables,
+    batch * pooling]`` (ids in [0, rows)) and one shared lengths tensor; ``batch(i)`` builds
+    batch ``i`` when it is used, so holding a long trace costs 4 bytes per id, not a
+    ``JaggedBatch`` of int64 values and lengths per step."""
+
+    def __init__(self, tables: list[TableConfig], n: int, batch: int, pooling: int, alpha: float, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        dtype = np.int32 if max(t.num_rows for t in tables) <= 2**31 else np.int64
+        self.ids = np.empty((n, len(tables), batch * pooling), dtype=dtype)
+        for s in range(n):
+            for i, t in enumerate(tables):
+                self.ids[s, i] = zipf_ids(t.num_rows, batch * pooling, rng, alpha, salt=i)
+        self.keys = tuple(t.features[0] for t in tables)
+        self.lengths = torch.full((len(tables) * batch,), pooling, dtype=torch.int64)
+        self.batch_size = batch
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def batch(self, i: int) -> JaggedBatch:
+        return JaggedBatch(self.keys, torch.from_numpy(self.ids[i].reshape(-1)).to(torch.int64), self.lengths)
+
+    def distinct(self, i: int, table: int) -> np.ndarray:
+        """The distinct rows batch ``i`` looks up in table ``table``, ascending."""
+        return np.unique(self.ids[i, table]).astype(np.int64)
 
 
-def belady_hit_rate(batches: list[np.ndarray], cache: int) -> float:
-    """Offline Belady per batch: admit the batch's missing rows, evicting the cached rows whose
-    next use is farthest in the future (never one of this batch)."""
-    nxt: dict[int, list[int]] = {}
-    for t in range(len(batches) - 1, -1, -1):
-        for r in batches[t].tolist():
-            nxt.setdefault(r, []).append(t)  # descending batch indices; the last is the soonest
-    cached: set[int] = set()
-    hits = lookups = 0
-    for t, rows in enumerate(batches):
-        rows_l = rows.tolist()
-        for r in rows_l:
-            nxt[r].pop()
-        missing = [r for r in rows_l if r not in cached]
-        lookups += len(rows_l)
-        hits += len(rows_l) - len(missing)
-        over = len(cached) + len(missing) - cache
-        if over > 0:
-            cur = set(rows_l)
-            cand = [r for r in cached if r not in cur]
-            far = sorted(cand, key=lambda r: (nxt[r][-1] if nxt[r] else 1 << 40), reverse=True)[:over]
-            cached.difference_update(far)
-        cached.update(missing)
-    return hits / max(lookups, 1)
+def policy_hit_rate(rows: int, uniq: list[torch.Tensor], cache: int, policy: str, lookahead: int) -> float:
+    """The tier's own hit rate on one table (its cache and eviction code, no file I/O)."""
+    return replay_hit_rate(rows, uniq, cache, policy, lookahead)
 
 
-def policy_hit_rate(table: TableConfig, batches: list[JaggedBatch], cache: int, policy: str, lookahead: int,
-                    ssd_dir: str) -> float:
-    """The tier's own hit rate on one table, driven as the training pipeline drives it."""
-    fac = tiered_storage_factory({table.name: ("ssd", cache)}, TierSettings(ssd_dir, policy, lookahead, 4), seed=0)
-    m = TableBatchedEmbeddingBags([table], RowWiseAdagrad(lr=0.01), storage_factory=fac)
-    st = m.groups[0].storage
-    rows = [b.select((table.features[0],)).values for b in batches]
-    ahead = 0
-    for i in range(len(rows)):
-        while lookahead and ahead < min(len(rows), i + 1 + lookahead):  # batch i and the next ones
-            st.announce(rows[ahead])
-            ahead += 1
-        st.begin_batch()
-        st.slots_for(rows[i])
-    stats = st.stats
-    close_tiers(m)
-    return stats.hits / max(stats.lookups, 1)
-
-
-def train_rate(tables, batches, placement, settings, lookahead: int, warmup: int) -> tuple[float, float, float, int]:
+def train_rate(tables, trace: Trace, placement, settings, lookahead: int, warmup: int) -> tuple[float, float, float, int]:
     """(samples/s, io_stall_fraction, missed rows per step, blocks a write-back had to re-read)
-    of forward + fused backward over ``batches``."""
+    of forward + fused backward over ``trace``."""
     fac = tiered_storage_factory(placement, settings, seed=0) if placement else None
     m = TableBatchedEmbeddingBags(tables, RowWiseAdagrad(lr=0.01), storage_factory=fac)
     stall0, miss0, t0 = 0.0, 0, 0.0
     ahead = 0
-    for i, b in enumerate(batches):
+    for i in range(len(trace)):
         if i == warmup:
             st = tier_stats(m)
             stall0, miss0 = (st.stall_seconds, st.lookups - st.hits) if st else (0.0, 0)
             t0 = time.perf_counter()
-        while placement and ahead < min(len(batches), i + 1 + lookahead):
-            announce_batch(m, batches[ahead])
+        while placement and ahead < min(len(trace), i + 1 + lookahead):
+            announce_batch(m, trace.batch(ahead))
             ahead += 1
         if placement:
             begin_batch(m)
-        m(b).sum().backward()
+        m(trace.batch(i)).sum().backward()
     seconds = time.perf_counter() - t0
     st = tier_stats(m)
     stall = (st.stall_seconds - stall0) if st else 0.0
@@ -133,8 +132,169 @@ def train_rate(tables, batches, placement, settings, lookahead: int, warmup: int
     rereads = sum(seg.file.rereads for _, s in tiered_storages(m) for seg in s.segments)
     if placement:
         close_tiers(m)
-    samples = (len(batches) - warmup) * batches[0].batch_size
-    return samples / seconds, stall / seconds, misses / (len(batches) - warmup), rereads
+    del m
+    gc.collect()  # the module holds reference cycles: free its rows before the next run starts
+    samples = (len(trace) - warmup) * trace.batch_size
+    return samples / seconds, stall / seconds, misses / (len(trace) - warmup), rereads
+
+
+def tier_ram_bytes(rows: int, cache: int, dim: int, state_cols: int = 1) -> tuple[int, int]:
+    """(cache, index) bytes one table on the tier holds in RAM (fp32 rows, row-wise Adagrad):
+    the cache slots' weights and state; and the tier's bookkeeping, per slot (its row, last
+    use, use count, its row's ``lookahead`` use count, dirty flag, slot-to-row map) and per
+    table row (row-to-slot map, write-back generation, staged-copy key, ``lookahead`` use
+    count, the file's row-to-record map, free-record flag and block generations)."""
+    per_slot = 8 + 8 + 8 + 4 + 1 + 8
+    per_row = 4 + 4 + 8 + 4 + 8 + 1 + 1
+    return cache * (4 * dim + 4 * state_cols), cache * per_slot + rows * per_row
+
+
+def choose_cache(tables: list[TableConfig], low: int, budget_mb: int) -> int:
+    """The throughput runs' cache rows per table: ``TRAIN_SHARE`` of the rows, or the most
+    the tier budget holds (cache and bookkeeping of every table) if that is less."""
+    rows, dim, n = tables[0].num_rows, tables[0].dim, len(tables)
+    cache = max(low, int(TRAIN_SHARE * rows))
+    if budget_mb and n * sum(tier_ram_bytes(rows, cache, dim)) > budget_mb << 20:
+        slot_bytes = sum(tier_ram_bytes(rows, 1, dim)) - sum(tier_ram_bytes(rows, 0, dim))
+        fit = ((budget_mb << 20) // n - sum(tier_ram_bytes(rows, 0, dim))) // slot_bytes
+        if fit < low:
+            raise SystemExit(f"--tier-budget-mb {budget_mb}: {n} tables of {rows:,} rows leave room for {max(fit, 0):,} cached "
+                             f"rows per table, fewer than one batch's {low:,} distinct rows; raise the budget")
+        cache = int(fit)
+    return cache
+
+
+def hit_rates(table: TableConfig, sim_steps: int, batch: int, pooling: int, window: int, result: dict) -> None:
+    """Hit rates of every policy and offline Belady on one table's trace."""
+    hit_rows = []
+    cpu0 = time.process_time()
+    for alpha in (1.05, 0.8):
+        trace = Trace([table], sim_steps, batch, pooling, alpha, seed=2)
+        uniq = [trace.distinct(i, 0) for i in range(len(trace))]
+        del trace
+        rows_t = [torch.from_numpy(u) for u in uniq]
+        low = max(u.size for u in uniq)
+        curve = zipf_access(table.num_rows, alpha, batch * pooling, scatter=False)  # zipf_ids: a bijection
+        for share in SHARES:
+            cache = max(low, int(share * table.num_rows))
+            row = {"belady": belady_hit_rate(uniq, cache)}
+            for policy in ("lru", "lfu", "lookahead"):
+                row[policy] = policy_hit_rate(table.num_rows, rows_t, cache, policy, window)
+            for policy in ("lru", "lookahead"):  # the planner's miss-ratio curves, same run length
+                row[f"predicted_{policy}"] = curve.hit_rate(policy, cache, sim_steps, window)
+            result["hit_rate"][f"zipf{alpha}_cache{share:.2f}"] = {"cache_rows": cache, **row}
+            print(f"hits: zipf {alpha}, {share:.0%} cache done, {time.process_time() - cpu0:,.0f} s CPU so far",
+                  file=sys.stderr, flush=True)
+            hit_rows.append([f"{alpha}", f"{share:.0%}", f"{cache:,}"] + [f"{row[k]:.3f}" for k in (
+                "lru", "lfu", "lookahead", "belady", "predicted_lru", "predicted_lookahead")])
+    print(format_table(["zipf", "cache", "rows", "lru", "lfu", "lookahead", "belady", "pred lru", "pred lookahead"], hit_rows))
+    print()
+
+
+def tier_runs(tables: list[TableConfig], trace: Trace, cache: int, ssd_dir: str, window: int, prefetch: int) -> dict:
+    """The two tier throughput runs (with and without prefetch) at ``cache`` rows per table."""
+    place = {t.name: ("ssd", cache) for t in tables}
+    warm = max(2, len(trace) // 6)
+    out = {}
+    for name, k in (("tier, prefetch", prefetch), ("tier, no prefetch", 0)):
+        settings = TierSettings(ssd_dir, "lookahead", window, 8, k)
+        rate, stall, misses, rereads = train_rate(tables, trace, place, settings, window, warm)
+        out[name] = {"prefetch_batches": k, "samples_per_s": rate, "io_stall_fraction": stall,
+                     "missed_rows_per_step": misses, "write_back_page_rereads": rereads}
+    return out
+
+
+def _child_main(spec: str) -> None:
+    """The tier runs in a child process (placed in the memory cgroup by the parent): make the
+    trace, say so and wait for the go (the parent measures the baseline in between), run."""
+    p = json.loads(spec)
+    set_threads(p["threads"])
+    tables = [TableConfig(f"t{i}", p["rows"], p["dim"], (f"f{i}",)) for i in range(p["tables"])]
+    trace = Trace(tables, p["steps"], p["batch"], p["pooling"], 1.05, seed=3)
+    print(_CHILD_TAG + json.dumps({"ready": True}), flush=True)
+    if sys.stdin.readline().strip() != "go":
+        return
+    runs = tier_runs(tables, trace, p["cache"], p["ssd_dir"], p["window"], p["prefetch"])
+    print(_CHILD_TAG + json.dumps({"runs": runs}), flush=True)
+
+
+def tier_runs_in_cgroup(spec: dict, cgroup_mb: int | None, budget_mb: int, result: dict) -> dict | None:
+    """Run ``tier_runs`` in a child inside a fresh memory cgroup of ``cgroup_mb`` MiB (None:
+    the tier budget + the child's measured baseline + ``HEADROOM_MB``); print what the cgroup
+    saw. None if the child did not finish inside it."""
+    args = [sys.executable, str(Path(__file__).resolve()), "--tier-child", json.dumps(spec)]
+    with MemoryCgroup("recscale-tiers", cgroup_mb) as cg:
+        proc = cg.popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        got: dict = {}
+        for line in proc.stdout:
+            if not line.startswith(_CHILD_TAG):
+                sys.stdout.write(line)
+                continue
+            got.update(json.loads(line[len(_CHILD_TAG):]))
+            if "ready" in got and "baseline" not in got:
+                got["baseline"] = cg.current_bytes()
+                if cgroup_mb is None:
+                    cg.set_limit(budget_mb + -(-got["baseline"] // 2**20) + HEADROOM_MB)
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+        code = proc.wait()
+        usage = cg.usage()
+    mib = 2**20
+    base = got.get("baseline", 0)
+    info = {"limit_mb": usage.limit_bytes // mib, "max_usage_mb": usage.max_usage_bytes / mib, "failcnt": usage.failcnt,
+            "oom_kills": usage.oom_kills, "baseline_mb": base / mib, "tier_budget_mb": budget_mb, "exit_code": code,
+            "finished_inside": code == 0 and "runs" in got}
+    result["cgroup"] = info
+    print(f"cgroup: limit {info['limit_mb']:,} MiB = {budget_mb:,} MiB for the tier + {base / mib:,.0f} MiB process baseline "
+          f"(Python, torch, the trace) + {info['limit_mb'] - budget_mb - base / mib:,.0f} MiB for the step; "
+          f"max usage {info['max_usage_mb']:,.0f} MiB, failcnt {usage.failcnt} (limit reached, page cache reclaimed), "
+          f"OOM kills {usage.oom_kills}")
+    if info["finished_inside"]:
+        print("cgroup: the tier runs finished inside the limit")
+        return got["runs"]
+    why = "killed by the OOM killer" if usage.oom_kills or code == -signal.SIGKILL else f"exit code {code}"
+    print(f"FAILED: the tier runs did not finish inside the {info['limit_mb']:,} MiB cgroup ({why}); "
+          "raise --cgroup-mb or lower --tier-budget-mb")
+    return None
+
+
+def throughput(tables: list[TableConfig], steps: int, batch: int, pooling: int, ssd_dir: str, window: int, prefetch: int,
+               threads: int, budget_mb: int, cgroup: str, result: dict) -> bool:
+    """Training throughput at a 25% cache (or the most ``budget_mb`` holds), Zipf 1.05: all in
+    RAM, the tier with and without prefetch (``window`` batches announced to eviction either
+    way); the tier runs in a memory cgroup if ``cgroup`` ('auto' or MiB) is given. False if
+    they did not finish inside it."""
+    trace = Trace(tables, steps, batch, pooling, 1.05, seed=3)
+    rows, dim = tables[0].num_rows, tables[0].dim
+    low = max(trace.distinct(i, k).size for i in range(len(trace)) for k in range(len(tables)))
+    cache = choose_cache(tables, low, budget_mb)
+    cache_b, index_b = (len(tables) * b for b in tier_ram_bytes(rows, cache, dim))
+    mib = 2**20
+    print(f"tier: {cache:,} cached rows per table ({cache / rows:.1%} of {rows:,}); cache {cache_b / mib:,.0f} MiB + "
+          f"bookkeeping {index_b / mib:,.0f} MiB = {(cache_b + index_b) / mib:,.0f} MiB of the {budget_mb:,} MiB tier budget")
+    result["throughput_cache"] = {"cache_rows": cache, "share": cache / rows, "cache_mb": cache_b / mib,
+                                  "bookkeeping_mb": index_b / mib, "tier_budget_mb": budget_mb}
+    ram_rate, _, _, _ = train_rate(tables, trace, None, None, 0, max(2, steps // 6))
+    result["throughput"]["ram"] = {"samples_per_s": ram_rate}
+    if cgroup:
+        del trace  # the child makes its own (the same seed: the same batches)
+        spec = {"threads": threads, "tables": len(tables), "rows": rows, "dim": dim, "steps": steps, "batch": batch,
+                "pooling": pooling, "cache": cache, "ssd_dir": ssd_dir, "window": window, "prefetch": prefetch}
+        runs = tier_runs_in_cgroup(spec, None if cgroup == "auto" else int(cgroup), budget_mb, result)
+    else:
+        runs = tier_runs(tables, trace, cache, ssd_dir, window, prefetch)
+    tp_rows = [["all in RAM", f"{ram_rate:,.0f}", "1.00", "-", "-"]]
+    for name, r in (runs or {}).items():
+        r["share_of_ram"] = r["samples_per_s"] / ram_rate
+        result["throughput"][name] = r
+        k = r["prefetch_batches"]
+        label = f"{name} ({k}, window {window})" if k else name
+        tp_rows.append([label, f"{r['samples_per_s']:,.0f}", f"{r['share_of_ram']:.2f}", f"{r['io_stall_fraction']:.3f}",
+                        f"{r['missed_rows_per_step']:,.0f}"])
+    print(format_table([f"run ({cache / rows:.0%} cache, zipf 1.05)", "samples/s", "share", "io_stall_fraction",
+                        "missed rows/step"], tp_rows))
+    print()
+    return runs is not None
 
 
 def random_read_rate(path_dir: str, rows: int, dim: int, reads: int, depth: int) -> float:
@@ -160,53 +320,6 @@ def random_read_rate(path_dir: str, rows: int, dim: int, reads: int, depth: int)
     f.close()
     os.unlink(f.path)
     return rate
-
-
-def hit_rates(table: TableConfig, sim_steps: int, batch: int, pooling: int, window: int, ssd_dir: str, result: dict) -> None:
-    """Hit rates of every policy and offline Belady on one table's trace."""
-    hit_rows = []
-    for alpha in (1.05, 0.8):
-        trace = make_batches([table], sim_steps, batch, pooling, alpha, seed=2)
-        uniq = [np.unique(b.values.numpy()) for b in trace]
-        low = max(u.size for u in uniq)
-        curve = zipf_access(table.num_rows, alpha, batch * pooling, scatter=False)  # zipf_ids: a bijection
-        for share in SHARES:
-            cache = max(low, int(share * table.num_rows))
-            row = {"belady": belady_hit_rate(uniq, cache)}
-            for policy in ("lru", "lfu", "lookahead"):
-                row[policy] = policy_hit_rate(table, trace, cache, policy, window, ssd_dir)
-            for policy in ("lru", "lookahead"):  # the planner's miss-ratio curves, same run length
-                row[f"predicted_{policy}"] = curve.hit_rate(policy, cache, sim_steps, window)
-            result["hit_rate"][f"zipf{alpha}_cache{share:.2f}"] = {"cache_rows": cache, **row}
-            hit_rows.append([f"{alpha}", f"{share:.0%}", f"{cache:,}"] + [f"{row[k]:.3f}" for k in (
-                "lru", "lfu", "lookahead", "belady", "predicted_lru", "predicted_lookahead")])
-    print(format_table(["zipf", "cache", "rows", "lru", "lfu", "lookahead", "belady", "pred lru", "pred lookahead"], hit_rows))
-    print()
-
-
-def throughput(tables: list[TableConfig], steps: int, batch: int, pooling: int, ssd_dir: str, window: int, prefetch: int,
-               result: dict) -> None:
-    """Training throughput at a 25% cache, Zipf 1.05: all in RAM, the tier with and without
-    prefetch (``window`` batches announced to eviction either way)."""
-    batches = make_batches(tables, steps, batch, pooling, 1.05, seed=3)
-    rows = tables[0].num_rows
-    low = max(int(torch.unique(b.select((t.features[0],)).values).numel()) for b in batches for t in tables)
-    cache = max(low, rows // 4)
-    place = {t.name: ("ssd", cache) for t in tables}
-    warm = max(2, steps // 6)
-    ram_rate, _, _, _ = train_rate(tables, batches, None, None, 0, warm)
-    tp_rows = [["all in RAM", f"{ram_rate:,.0f}", "1.00", "-", "-"]]
-    result["throughput"]["ram"] = {"samples_per_s": ram_rate}
-    for name, k in (("tier, prefetch", prefetch), ("tier, no prefetch", 0)):
-        settings = TierSettings(ssd_dir, "lookahead", window, 8, k)
-        rate, stall, misses, rereads = train_rate(tables, batches, place, settings, window, warm)
-        result["throughput"][name] = {"prefetch_batches": k, "samples_per_s": rate, "share_of_ram": rate / ram_rate,
-                                      "io_stall_fraction": stall,
-                                      "missed_rows_per_step": misses, "write_back_page_rereads": rereads}
-        label = f"{name} ({k}, window {window})" if k else name
-        tp_rows.append([label, f"{rate:,.0f}", f"{rate / ram_rate:.2f}", f"{stall:.3f}", f"{misses:,.0f}"])
-    print(format_table(["run (25% cache, zipf 1.05)", "samples/s", "share", "io_stall_fraction", "missed rows/step"], tp_rows))
-    print()
 
 
 def disk(ssd_dir: str, rows: int, dim: int, reads: int, result: dict) -> None:
@@ -253,6 +366,10 @@ def batched_read_rate(path_dir: str, rows: int, dim: int, reads: int, batch_rows
     return done / seconds
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small tables, seconds")
@@ -269,7 +386,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="timed training steps (default 120; --quick 16)")
     ap.add_argument("--sim-steps", type=int, default=None, help="batches of the hit-rate trace (default 200; --quick 24)")
     ap.add_argument("--parts", default="hits,train,disk", help="comma list of the parts to run: hits, train, disk")
+    ap.add_argument("--tier-budget-mb", type=int, default=2048,
+                    help="RAM of the tier in the throughput runs (cache and bookkeeping of every table; 0: no cap)")
+    ap.add_argument("--cgroup-mb", default="",
+                    help="run the tier throughput runs in a memory cgroup of this many MiB (Linux, root), or 'auto': "
+                         "the tier budget + the measured process baseline + 256 MiB")
+    ap.add_argument("--tier-child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.tier_child:
+        _child_main(args.tier_child)
+        return
+    signal.signal(signal.SIGTERM, _interrupt)  # a killed run still removes its cgroup and child
+    if args.cgroup_mb and args.cgroup_mb != "auto" and not (args.cgroup_mb.isdigit() and int(args.cgroup_mb) > 0):
+        ap.error(f"--cgroup-mb: expected a number of MiB or 'auto', got {args.cgroup_mb!r}")
     threads = set_threads(args.threads)
     if args.quick:
         sizes = (2, 8_000, 16, 128, 8, 16, 24)
@@ -285,14 +414,21 @@ def main() -> None:
     result: dict = {"environment": environment(), "threads": threads, "window": args.window, "prefetch": args.prefetch, "rows": rows, "tables": n_tables, "dim": dim,
                     "batch": batch, "pooling": pooling, "hit_rate": {}, "throughput": {}}
 
+    ok = True
     if "hits" in parts:
-        hit_rates(tables[0], sim_steps, batch, pooling, args.window, ssd_dir, result)
+        hit_rates(tables[0], sim_steps, batch, pooling, args.window, result)
     if "train" in parts:
-        throughput(tables, steps, batch, pooling, ssd_dir, args.window, args.prefetch, result)
+        try:
+            ok = throughput(tables, steps, batch, pooling, ssd_dir, args.window, args.prefetch, threads, args.tier_budget_mb,
+                            args.cgroup_mb, result)
+        except CgroupError as e:
+            ap.error(str(e))
     if "disk" in parts:
         disk(ssd_dir, rows, dim, 1_000 if args.quick else 50_000, result)
     if args.json:
         write_json(args.json, result)
+    if not ok:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

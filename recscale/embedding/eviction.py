@@ -42,8 +42,8 @@ class EvictionPolicy:
 
     def used(self, slots: torch.Tensor, tick: int) -> None:
         """``slots`` serve the lookup of batch ``tick`` (unique slots)."""
-        self.last_use[slots] = tick
-        self.freq[slots] += 1
+        self.last_use.index_fill_(0, slots, tick)
+        self.freq.index_add_(0, slots, torch.ones_like(slots))
 
     def rank(self, next_use: torch.Tensor | None, uses: torch.Tensor | None = None) -> torch.Tensor:
         """Eviction key per slot, larger = evict first. ``next_use``: for each slot the index of
@@ -68,5 +68,15 @@ class EvictionPolicy:
         """The ``k`` evictable slots ranked highest (ties: the lower slot), ascending."""
         key = self.rank(next_use, uses)
         key = torch.where(evictable, key, torch.full_like(key, -1))
-        order = torch.sort(key, descending=True, stable=True).indices[:k]
-        return order.sort().values
+        n = key.numel()
+        if k <= 0:
+            return torch.empty(0, dtype=torch.int64)
+        if k >= n:
+            return torch.arange(n, dtype=torch.int64)
+        # A selection, not a sort: the k-th largest key splits the slots; every larger key
+        # goes, then the lowest slots of those equal to it (what a stable sort would pick).
+        # Linear in the slots, where sorting a cache of millions each batch is not.
+        cut = torch.kthvalue(key, n - k + 1).values
+        above = (key > cut).nonzero().view(-1)
+        tied = (key == cut).nonzero().view(-1)[: k - above.numel()]
+        return torch.cat([above, tied]).sort().values

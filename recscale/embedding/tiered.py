@@ -36,11 +36,15 @@ import torch
 from recscale.embedding.config import TableConfig
 from recscale.embedding.eviction import EvictionPolicy
 from recscale.embedding.storage import DenseRowStorage, RowStorage
-from recscale.embedding.tier_file import BlockRead, RowFile, TierError, TierFileMeta, decode, encode
+from recscale.embedding.tier_file import FLUSH_BYTES, PAGE, BlockRead, RowFile, TierError, TierFileMeta, decode, encode
 from recscale.sparse import SparseInputError
 
 Placement = Literal["ram", "ssd"]
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+_FLUSH_ROWS = FLUSH_BYTES // PAGE  # rows written back per flush chunk: a page each at most
+
+
+FileFactory = Callable[[str, TierFileMeta, Callable[[int, int], tuple[torch.Tensor, dict[str, torch.Tensor]]]], RowFile]
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,7 @@ class _Segment:
     gen: torch.Tensor  # [rows] write-backs of each row so far
     stage_key: torch.Tensor  # [rows] (read id << 32 | position) of a staged copy, -1 none
     uses: torch.Tensor  # [rows] training batches that looked each row up (lookahead only)
+    slot_uses: torch.Tensor  # [slots] ``uses`` of each slot's row, kept current (no gather of the cache)
     used: int = 0
     reads: dict[int, _Read] = field(default_factory=dict)
     writes: list = field(default_factory=list)  # futures of the last write-back, still running
@@ -134,12 +139,16 @@ class TieredRowStorage(RowStorage):
         self, tables: Sequence[TableConfig], offsets: Sequence[int], dim: int, dtype: torch.dtype,
         state_columns: dict[str, int], placement: dict[str, tuple[Placement, int]], settings: TierSettings,
         seed: int, pool: ThreadPoolExecutor | None = None, shards: dict[str, TierShard] | None = None,
+        file_factory: FileFactory | None = None,
     ) -> None:
         """``shards``: for the shard tables of a sharded collection, their origin (initial rows,
-        file name, the table named in errors); other tables are whole tables."""
+        file name, the table named in errors); other tables are whole tables. ``file_factory``:
+        how a table's file is made (default ``RowFile.create``; ``tier_sim`` passes a stand-in
+        that does no I/O, to replay a trace through this cache and its eviction alone)."""
         from recscale.embedding.table_batched import init_rows  # the in-RAM run's initial rows
 
         shards = shards or {}
+        make_file = file_factory or RowFile.create
 
         def first_rows(t: TableConfig, start: int, n: int) -> torch.Tensor:
             o = shards.get(t.name)
@@ -178,10 +187,11 @@ class TieredRowStorage(RowStorage):
                 return first_rows(t, start, n), {k: torch.zeros(n, c) for k, c in state_columns.items()}
 
             self.segments.append(_Segment(
-                t, off, slot, cache_rows, RowFile.create(settings.ssd_dir, meta, init),
+                t, off, slot, cache_rows, make_file(settings.ssd_dir, meta, init),
                 EvictionPolicy(settings.policy, cache_rows), torch.full((cache_rows,), -1, dtype=torch.int64),
                 torch.zeros(t.num_rows, dtype=torch.int32), torch.full((t.num_rows,), -1, dtype=torch.int64),
                 torch.zeros(t.num_rows if settings.policy == "lookahead" else 0, dtype=torch.int32),
+                torch.zeros(cache_rows if settings.policy == "lookahead" else 0, dtype=torch.int32),
             ))  # fmt: skip
             slot += cache_rows
         self._tick = 0
@@ -255,17 +265,19 @@ class TieredRowStorage(RowStorage):
                 f"{seg.slots}; set tiers.tables.{name}.cache_rows >= {n} (or a larger "
                 "tiers.ram_budget_mb), or place the table in RAM"
             )
-        slots = self._map[rows + seg.row_start].to(torch.int64)
+        slots = self._map.index_select(0, rows + seg.row_start).to(torch.int64)
         missing = rows[slots < 0]
         stats.lookups += n
         stats.hits += n - missing.numel()
         if seg.uses.numel() and stats is self.stats:  # training lookups only, as the stats
-            seg.uses[rows] += 1
+            seg.uses.index_add_(0, rows, torch.ones(n, dtype=torch.int32))
+            hit = slots >= 0
+            seg.slot_uses[slots[hit] - seg.base] = seg.uses[rows[hit]]
         if missing.numel():
             t0 = time.perf_counter()
             self._admit(seg, missing, pinned=slots[slots >= 0] - seg.base)
             stats.stall_seconds += time.perf_counter() - t0
-            slots = self._map[rows + seg.row_start].to(torch.int64)
+            slots = self._map.index_select(0, rows + seg.row_start).to(torch.int64)
         seg.policy.used(slots - seg.base, self._tick)
 
     def _admit(self, seg: _Segment, missing: torch.Tensor, pinned: torch.Tensor) -> None:
@@ -280,7 +292,7 @@ class TieredRowStorage(RowStorage):
             next_use = uses = None
             if seg.policy.name == "lookahead":
                 next_use = self._next_use(seg)
-                uses = seg.uses[seg.row_of_slot.clamp(min=0)]
+                uses = seg.slot_uses
             victims = seg.policy.victims(n - free, evictable, next_use, uses)
         seg.used = min(seg.slots, seg.used + n)
         records, known = self._fetch(seg, missing)
@@ -299,6 +311,8 @@ class TieredRowStorage(RowStorage):
         self._cache.scatter(cache_slots, w, state)
         self._dirty[cache_slots] = False
         seg.row_of_slot[target] = missing
+        if seg.slot_uses.numel():
+            seg.slot_uses[target] = seg.uses[missing]
         self._map[missing + seg.row_start] = cache_slots.to(torch.int32)
         seg.policy.admitted(target)
         seg.file.drop_pages()
@@ -371,13 +385,15 @@ class TieredRowStorage(RowStorage):
 
     def _next_use(self, seg: _Segment) -> torch.Tensor:
         """Per cache slot, the first announced batch that needs its row (-1: none)."""
-        next_use = torch.full((seg.slots,), -1, dtype=torch.int64)
+        # Uncached rows point at one slot past the end; index_select/index_fill_ rather than
+        # advanced indexing: several times faster at a window of hundreds of thousands of rows.
+        next_use = torch.full((seg.slots + 1,), -1, dtype=torch.int64)
         for j in reversed(range(len(self._window))):
             rows = self._window[j]
             lo, hi = segment_span(rows, seg)
-            slots = self._map[rows[lo:hi]].to(torch.int64)
-            next_use[slots[slots >= 0] - seg.base] = j
-        return next_use
+            slots = self._map.index_select(0, rows[lo:hi]).to(torch.int64)
+            next_use.index_fill_(0, torch.where(slots >= 0, slots - seg.base, seg.slots), j)
+        return next_use[: seg.slots]
 
     # ------------------------------------------------------------------ prefetch
     def announce(self, rows: torch.Tensor) -> None:
@@ -546,10 +562,15 @@ class TieredRowStorage(RowStorage):
             seg.file.drop_pages()
 
     def flush(self) -> None:
-        """Write every dirty cached row back (they stay cached, now clean)."""
+        """Write every dirty cached row back (they stay cached, now clean), a chunk at a time,
+        each chunk's pages flushed and dropped once ``FLUSH_BYTES`` are touched: the page cache
+        never holds a whole cache's dirty pages at once (a memory cgroup counts them, and
+        cannot reclaim them before they are written)."""
         for seg in self.segments:
-            self._write_back(seg, torch.arange(seg.used, dtype=torch.int64), [])
-            self._wait_writes(seg)
+            for start in range(0, seg.used, _FLUSH_ROWS):
+                self._write_back(seg, torch.arange(start, min(seg.used, start + _FLUSH_ROWS), dtype=torch.int64), [])
+                self._wait_writes(seg)
+                seg.file.drop_pages()
 
     def close(self, shutdown_pool: bool = True) -> None:
         """Flush and mark each file clean: it then holds every row of the last step."""
