@@ -471,8 +471,9 @@ class CheckpointWriter:
         self._in_flight.append(self._pool.submit(self._run, job))
 
     def _run(self, job: WriteJob) -> WriteReport:
-        if self._pool is not None:
-            lower_thread_priority()
+        # This thread mostly waits on the disk and keeps its normal priority: at the lowest one
+        # each write's completion waits behind the training thread for a CPU, and the disk idles.
+        # Quantizing, where the CPU goes, runs at the lowest priority (``_pipelined``).
         try:
             return self._write(job)
         except OSError as e:  # a full disk, most often: the checkpoint is dropped whole
