@@ -74,6 +74,29 @@ def test_a_refused_direct_write_goes_on_through_the_page_cache(tmp_path, monkeyp
     assert (tmp_path / "f").read_bytes() == b"".join(bytes(b) for b in data)
 
 
+def test_a_failed_write_on_the_io_thread_is_raised_to_the_writer(tmp_path, monkeypatch):
+    """Writes run on an I/O thread, queued: a full disk there surfaces at the next write or at
+    ``close``, never lost, and the writer still closes its file."""
+    real, calls = os.write, []
+
+    def write(fd, data):
+        calls.append(len(data))
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data)
+
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    w = DirectWriter(fd, stage=4096)
+    monkeypatch.setattr(os, "write", write)
+    with pytest.raises(OSError) as err:
+        for _ in range(6):
+            w.write(os.urandom(4096))
+        w.close()
+    monkeypatch.setattr(os, "write", real)
+    w.release()
+    assert err.value.errno == errno.ENOSPC
+
+
 def test_a_file_system_without_direct_io_gets_page_cache_writes(tmp_path, monkeypatch):
     monkeypatch.setattr(storage_mod, "_open_direct", lambda path: None)
     with LocalStorage(tmp_path).open_write("f") as f:

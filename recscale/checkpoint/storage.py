@@ -16,7 +16,9 @@ import mmap
 import os
 import shutil
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
@@ -301,20 +303,29 @@ class DirectWriter:
 
     Aligned parts (address and length multiples of ``DIRECT_ALIGN``, at an aligned file offset:
     a lossless chunk's rows and state, as snapshots lie in memory) go to the disk as they are;
-    other bytes are copied into an aligned staging buffer written when full. ``close`` writes
-    the last partial block padded, truncates the file to its length and fsyncs: the file is
-    byte for byte what was written. Should the file system refuse a direct write (EINVAL), the
-    file goes on through the page cache from where it is."""
+    other bytes are copied into one of two aligned staging buffers, written when full. The writes
+    run in order on one I/O thread, up to ``depth`` at once queued, so copying into one staging
+    buffer overlaps the disk writing the other (a direct write returns only once the disk has
+    the bytes). ``close`` writes the last partial block padded, truncates the file to its length
+    and fsyncs: the file is byte for byte what was written. Should the file system refuse a
+    direct write (EINVAL), the file goes on through the page cache from where it is. Parts must
+    stay unchanged until ``close``: the writer keeps a reference, not a copy."""
 
-    def __init__(self, fd: int, stage: int | None = None) -> None:
+    def __init__(self, fd: int, stage: int | None = None, depth: int = 2) -> None:
         self.fd = fd
         stage = DIRECT_STAGE if stage is None else stage
         self.stage_size = max(DIRECT_ALIGN, stage // DIRECT_ALIGN * DIRECT_ALIGN)
-        self.stage = mmap.mmap(-1, self.stage_size)  # page-aligned
-        self.stage_view = memoryview(self.stage)
+        self.stages = [mmap.mmap(-1, self.stage_size) for _ in range(2)]  # page-aligned
+        self.stage_views = [memoryview(m) for m in self.stages]
+        self.stage_busy: list[Future | None] = [None, None]  # the write of each staging buffer
+        self.cur = 0  # the staging buffer being filled
+        self.stage_view = self.stage_views[0]
         self.fill = 0  # bytes in the staging buffer
         self.written = 0  # bytes accepted
         self.direct = True
+        self.depth = max(1, depth)
+        self.pending: deque[Future] = deque()
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-direct-io")
 
     def write(self, data: bytes | memoryview) -> int:
         mv = memoryview(data).cast("B")
@@ -322,7 +333,7 @@ class DirectWriter:
         while len(mv):
             if self.fill == 0 and len(mv) >= DIRECT_ALIGN and _address(mv) % DIRECT_ALIGN == 0:
                 k = len(mv) // DIRECT_ALIGN * DIRECT_ALIGN
-                self._write_all(mv[:k])
+                self._submit(mv[:k])
                 mv = mv[k:]
                 continue
             k = min(len(mv), self.stage_size - self.fill)
@@ -330,10 +341,30 @@ class DirectWriter:
             self.fill += k
             mv = mv[k:]
             if self.fill == self.stage_size:
-                self._write_all(self.stage_view)
-                self.fill = 0
+                self.stage_busy[self.cur] = self._submit(self.stage_view)
+                self._next_stage()
         self.written += n
         return n
+
+    def _submit(self, mv: memoryview) -> Future:
+        while len(self.pending) >= self.depth:
+            self.pending.popleft().result()  # raises the write's error here
+        f = self.pool.submit(self._write_all, mv)
+        self.pending.append(f)
+        return f
+
+    def _next_stage(self) -> None:
+        self.cur ^= 1
+        busy = self.stage_busy[self.cur]
+        if busy is not None:
+            busy.result()
+            self.stage_busy[self.cur] = None
+        self.stage_view = self.stage_views[self.cur]
+        self.fill = 0
+
+    def _drain(self) -> None:
+        while self.pending:
+            self.pending.popleft().result()
 
     def _write_all(self, mv: memoryview) -> None:
         while len(mv):
@@ -359,6 +390,7 @@ class DirectWriter:
 
     def close(self) -> None:
         """Everything written is durable (fsync) once this returns."""
+        self._drain()
         if self.fill:
             padded = (self.fill + DIRECT_ALIGN - 1) // DIRECT_ALIGN * DIRECT_ALIGN
             self.stage_view[self.fill : padded] = bytes(padded - self.fill)
@@ -368,9 +400,15 @@ class DirectWriter:
         os.fsync(self.fd)
 
     def release(self) -> None:
+        """Waits for any write still queued (after an error, say), then closes the file."""
+        for f in self.pending:
+            f.exception()
+        self.pending.clear()
+        self.pool.shutdown(wait=True)
         os.close(self.fd)
-        try:
-            self.stage_view.release()
-            self.stage.close()
-        except BufferError:  # a view still alive somewhere: the mapping goes with it
-            pass
+        for view, m in zip(self.stage_views, self.stages):
+            try:
+                view.release()
+                m.close()
+            except BufferError:  # a view still alive somewhere: the mapping goes with it
+                pass
