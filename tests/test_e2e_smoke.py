@@ -1,6 +1,6 @@
 """Smoke test of benchmarks/e2e.py: its --quick mode races recscale (plain, sharded at one
-process, bf16) against plain PyTorch (fp32 and under bf16 autocast) on the dot-interaction and
-the DCNv2 configs, 1 process and 2 ranks, and TorchRec where it is installed (where it is not,
+process, bf16) against plain PyTorch (fp32 and under bf16 autocast) on the DCNv2 config,
+1 process and 2 ranks, and TorchRec where it is installed (where it is not,
 its systems are skipped with a note); prints the table and writes the JSON. No timing
 assertions."""
 
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_e2e_quick_runs_and_prints_the_table(tmp_path: Path) -> None:
     out = tmp_path / "e2e.json"
     proc = proc_utils.run(
-        [sys.executable, "benchmarks/e2e.py", "--quick", "--configs", "criteo-dlrm,dcnv2", "--bf16-configs", "dcnv2",
+        [sys.executable, "benchmarks/e2e.py", "--quick", "--configs", "dcnv2", "--bf16-configs", "dcnv2",
          "--batch-size", "64", "--systems", "recscale,recscale-sharded,plain,torchrec", "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
@@ -34,7 +34,7 @@ def test_e2e_quick_runs_and_prints_the_table(tmp_path: Path) -> None:
     skipped = any("torchrec systems skipped" in n for n in data["notes"])
     if not all(importlib.util.find_spec(m) is not None for m in ("torchrec", "fbgemm_gpu")):
         assert skipped  # not installed: skipped with a note, the rest still races
-    for config in ("criteo-dlrm", "dcnv2"):
+    for config in ("dcnv2",):  # one config keeps it short; other tests train criteo-dlrm
         for setup in ("1proc", "2ranks"):
             assert {(config, setup, "recscale"), (config, setup, "plain")} <= got
             assert ((config, setup, "torchrec") in got) != skipped
@@ -45,7 +45,6 @@ def test_e2e_quick_runs_and_prints_the_table(tmp_path: Path) -> None:
     for setup in ("1proc", "2ranks"):
         pair = {("dcnv2", setup, "recscale-bf16"), ("dcnv2", setup, "plain-bf16")}
         assert not (pair & got) if bf16_skipped else pair <= got
-        assert ("criteo-dlrm", setup, "recscale-bf16") not in got
     for r in rows:
         assert r["samples_per_s"]["median"] > 0 and r["peak_rss_bytes"] > 0
         assert abs(sum(r["time_shares"].values()) - 1.0) < 1e-6
@@ -55,7 +54,7 @@ def test_e2e_quick_runs_and_prints_the_table(tmp_path: Path) -> None:
         peer = next(p for p in rows if (p["config"], p["setup"], p["system"]) == (r["config"], r["setup"], plain))
         assert abs(r["vs_plain"] - r["samples_per_s"]["median"] / peer["samples_per_s"]["median"]) < 1e-9
     assert data["machine"]["mem_bw_gbs"] > 0 and data["machine"]["fp32_gflops"] > 0
-    assert data["specs"][1]["interaction"] == "dcn" and data["specs"][1]["dcn_low_rank"] == 512
+    assert data["specs"][0]["interaction"] == "dcn" and data["specs"][0]["dcn_low_rank"] == 512
 
 
 def test_systems_that_do_not_fit_together_race_in_groups_that_do() -> None:
