@@ -17,14 +17,7 @@ from recscale.embedding.tier_hooks import announce_batch, begin_batch, close_tie
 from recscale.embedding.tier_sim import belady_hit_rate, replay_hit_rate
 from recscale.embedding.tiered import TierSettings, tiered_storage_factory
 from recscale.sparse import JaggedBatch
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from test_tiered import _one_thread  # noqa: F401  (autouse: one torch thread for tiny tables)
 
 
 def _trace(rows: int, n: int, ids: int, seed: int) -> list[torch.Tensor]:
