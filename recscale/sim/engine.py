@@ -6,8 +6,8 @@ its ranks. Each rank issues it when its own inputs are ready and its ``comm`` st
 when ``blocking``, its ``compute`` stream: a CPU rank waiting in a synchronous call) is free; a
 link starts carrying the collective's bytes once every rank that sends over it has issued it
 and the link has drained what earlier operations put on it (each link direction is a queue
-draining at its bandwidth, so two collectives that share a link, the next batch's ids and this
-batch's outputs, gradient buckets and the gradient all-to-all, queue on it). Given which ranks
+draining at its bandwidth, so two collectives of one stream that share a link, the next
+batch's ids and this batch's outputs, queue on it). Given which ranks
 send and receive over each link (``link_ends``), the collective ends per rank, as over TCP and
 NCCL: a rank is done when the bytes it receives have arrived and its sends fit in its send
 buffer (``send_buffer`` bytes; what is beyond it holds the sender until the link drains it),
@@ -46,6 +46,9 @@ class Op:
     links: dict[Link, float] = field(default_factory=dict)  # bytes per link
     deps: list[int] = field(default_factory=list)
     blocking: bool = False  # a collective that also holds its ranks' compute streams
+    # every rank ends when the slowest link is through, whatever ``link_ends`` says: a ring,
+    # where every rank forwards the others' parts until the last one is round
+    together: bool = False
     # set by the simulation
     start: float = 0.0
     end: float = 0.0
@@ -146,7 +149,7 @@ class Simulation:
         """``ops[idx]``'s end (per rank, given ``link_ends``) from its transfers' ends."""
         op = self.ops[idx]
         ready = self._ready_at[idx]
-        per_rank = self.link_ends is not None and len(op.ranks) > 1
+        per_rank = self.link_ends is not None and len(op.ranks) > 1 and not op.together
         done_by_rank = dict(ready) if per_rank else {}
         end, wire_start = op.start, op.start
         for link, tr in self._transfers.get(idx, ()):
@@ -180,7 +183,7 @@ class Simulation:
         for r in op.ranks:
             if ready[r][0] > start or cause is None:
                 start, cause = ready[r]
-        per_rank = self.link_ends is not None and len(op.ranks) > 1
+        per_rank = self.link_ends is not None and len(op.ranks) > 1 and not op.together
         op.start = start
         self.ops.append(op)
         self._ready_at[idx] = {r: ready[r][0] for r in op.ranks}
