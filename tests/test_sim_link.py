@@ -116,3 +116,36 @@ def test_one_stream_queues_and_a_read_end_stays_put():
         out = ("host_out", 0)
         assert a.end_for(2) == pytest.approx(heavy[out] / bw)  # as if alone
         assert b.end == pytest.approx((heavy[out] + ring[out]) / bw)  # behind it
+
+
+def test_explore_validation_predicts_a_saved_run_again(tmp_path):
+    """``--predict-from``: the saved run's configurations, found by name, predicted again."""
+    import json
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    import explore_validation as ev
+
+    from recscale.sim.explore import explore
+    from recscale.sim.explore_report import _name
+    from recscale.train.config import load_config
+
+    sets = [*ev.MODEL, "train.batch_size=384"]
+    cluster = emulated_cluster(2, 1, 20.0, 10.0, 2, compute={"load_s_per_sample": 1e-5})
+    e = explore(load_config(ev.CONFIG, sets), cluster, 60.0, max_auc_loss=0.0, use_all_ranks=True)
+    top, base = e.scored[0], e.baselines["production-default"]
+    runs = {"explorer top": {"name": _name(e, top), "predicted_step_s": 1.0, "measured_step_s": 1.0},
+            "production-default": {"name": "baseline: production-default", "predicted_step_s": 2.0,
+                                   "measured_step_s": 1.5}}
+    saved = {"cluster": {k: v for k, v in cluster.to_dict().items() if k not in ("mtu_bytes", "frame_bytes")},
+             "config": str(ev.CONFIG.relative_to(root)), "sets": sets, "max_auc_loss": 0.0, "use_all_ranks": True,
+             "runs": runs, "predicted_gain": 1.0, "measured_gain": 0.5}
+    path = tmp_path / "saved.json"
+    path.write_text(json.dumps(saved))
+    v = ev.predict_from(str(path))
+    assert v["runs"]["explorer top"]["predicted_step_s"] == pytest.approx(top.result.step_time_s)
+    assert v["runs"]["production-default"]["predicted_step_s"] == pytest.approx(base.result.step_time_s)
+    assert v["predicted_gain"] == pytest.approx(base.result.step_time_s / top.result.step_time_s - 1)
+    assert v["gain_points_apart"] == pytest.approx(100 * (0.5 - v["predicted_gain"]))
