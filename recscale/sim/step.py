@@ -5,9 +5,13 @@ Per step and rank, in program order: load the batch (the loader's own stream), p
 the ids all-to-all (with the pipeline: issued for batch i+1 before batch i's step, so it runs
 during batch i), embedding lookups (the planner's per-rank compute, forward share), the output
 all-to-all (asynchronous: the bottom MLP runs meanwhile), unpacking, interaction and top MLP,
-their backward, bucketed dense all-reduces as each MLP's backward ends, the gradient all-to-all,
-the embeddings' backward and fused update (the rest of the per-rank compute), the replicas'
-gradient exchange for data-parallel tables, the dense optimizer and checkpoint stalls.
+their backward, the gradient all-to-all (asynchronous), the bottom MLP's backward, the dense
+all-reduce buckets as their gradients are there, the embeddings' backward and fused update
+once the gradients arrived (the rest of the per-rank compute), the replicas' gradient exchange
+for data-parallel tables, the dense optimizer and checkpoint stalls. The all-to-alls, the
+dense all-reduce and the replica exchange each have a stream (a process group) of their own,
+so their bytes share the links they meet on; every collective's bytes are framed as the
+topology's network carries them (``traffic.on_wire``).
 
 On CPU ranks three costs of a real step come on top, each priced from the calibration: a rank
 without a loader worker builds its batches in its training thread; ranks that share a
