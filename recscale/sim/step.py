@@ -225,8 +225,8 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
         dense_buckets = bucket_groups(d.top_params, d.bottom_params)
 
         def all_reduce(params: int, deps: list[int]) -> int:
-            return collective("dense all-reduce", "dense all-reduce", k, traffic.ring_all_reduce(topo, params * inp.dense_wire_bytes),
-                              lat, deps, False, "dense", ring=True)
+            links = traffic.ring_all_reduce(topo, params * inp.dense_wire_bytes)
+            return collective("dense all-reduce", "dense all-reduce", k, links, lat, deps, False, "dense", ring=True)
 
         reduces = [all_reduce(p, top_b) for p, needs_bottom in dense_buckets if not needs_bottom]
         grad_dep = top_b

@@ -81,7 +81,8 @@ ETHERNET_FRAME_BYTES = 38  # header 14 + FCS 4 + preamble 8 + inter-frame gap 12
 TC_FRAME_BYTES = 14  # what a tc qdisc counts and shapes beyond the IP packet: the Ethernet header
 
 
-def tcp_framing(mtu_bytes: float = 1500, frame_bytes: float = ETHERNET_FRAME_BYTES, segments_per_ack: int = 2) -> Framing:
+def tcp_framing(mtu_bytes: float = 1500, frame_bytes: float = ETHERNET_FRAME_BYTES,
+                segments_per_ack: int = 2) -> Framing:
     """TCP/IPv4 over Ethernet: full segments of ``mtu_bytes`` less the headers (1448 of 1538
     bytes on the wire at MTU 1500); a pure ACK (headers alone) every ``segments_per_ack``
     segments the other way (Linux's delayed ACK acknowledges every second full segment)."""
