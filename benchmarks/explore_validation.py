@@ -28,6 +28,11 @@ search (every placement and wire precision) on the same cluster reports the expl
     python benchmarks/explore_validation.py --turns 5 --json out/explore-validation.json
 
 Needs root (network namespaces); run it alone on the machine: it times things.
+``--predict-from JSON`` needs neither: it predicts a saved run's configurations again with
+this simulator (the same cluster, model and plans as the explorer names them) and sets the
+new predicted gain beside the measured one that file holds.
+
+    python benchmarks/explore_validation.py --predict-from out/explore-validation.json
 """
 
 from __future__ import annotations
@@ -49,7 +54,9 @@ from _common import environment, format_table, write_json  # noqa: E402
 
 from recscale.planner.hardware import cached_calibration  # noqa: E402
 from recscale.sim.calibrate import measure_loader  # noqa: E402
-from recscale.sim.tiers import emulated_cluster  # noqa: E402
+from recscale.sim.explore import explore as explore_candidates  # noqa: E402
+from recscale.sim.explore_report import _name as candidate_name  # noqa: E402
+from recscale.sim.tiers import EMULATED_FRAMING, FRAMING_KEYS, cluster_from_dict, emulated_cluster  # noqa: E402
 from recscale.train.config import load_config  # noqa: E402
 
 CONFIG = ROOT / "configs" / "synthetic.toml"
@@ -140,6 +147,46 @@ def _median_dict(ds: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(d.get(k, 0.0) for d in ds) for k in sorted({k for d in ds for k in d})}
 
 
+def predict_from(path: str) -> dict:
+    """The saved run's configurations predicted again: the explorer's search on the cluster
+    the file describes (an emulated one: its links are framed as ``tc`` counts them), the
+    candidates picked by the names the file records, their predicted step times and the
+    predicted gain against the measured one."""
+    saved = json.loads(Path(path).read_text())
+    cluster_d = dict(saved["cluster"])
+    if not any(k in cluster_d for k in FRAMING_KEYS):  # written before framing was recorded
+        cluster_d.update(EMULATED_FRAMING)
+    cluster = cluster_from_dict(cluster_d, cluster_d.get("name", "emulated"))
+    cfg = load_config(ROOT / saved["config"], saved["sets"])
+    e = explore_candidates(cfg, cluster, float(saved.get("search", {}).get("validated", {}).get("time_budget_s", 60.0)),
+                           max_auc_loss=saved["max_auc_loss"], use_all_ranks=saved["use_all_ranks"])
+    by_name = {candidate_name(e, s): s for s in e.scored}
+    by_name.update({f"baseline: {k}": b for k, b in e.baselines.items() if not isinstance(b, str)})
+    out: dict[str, dict] = {}
+    for k, run in saved["runs"].items():
+        s = by_name.get(run["name"])
+        if s is None or s.result is None:
+            raise SystemExit(f"{path}: the explorer no longer simulates '{run['name']}'; re-run the benchmark")
+        out[k] = {"name": run["name"], "was_predicted_step_s": run["predicted_step_s"],
+                  "predicted_step_s": s.result.step_time_s, "measured_step_s": run["measured_step_s"],
+                  "predicted_breakdown_s": s.result.breakdown}
+        print(f"{k:20s} predicted {s.result.step_time_s:.3f} s a step (was {run['predicted_step_s']:.3f}), "
+              f"measured {run['measured_step_s']:.3f} s ({100 * (run['measured_step_s'] / s.result.step_time_s - 1):+.1f}%)")
+        print("  predicted: " + ", ".join(f"{n} {v:.3f}" for n, v in sorted(s.result.breakdown.items(),
+                                                                           key=lambda kv: -kv[1]) if v >= 1e-3))
+    top, base = out["explorer top"], out["production-default"]
+    gain_p = base["predicted_step_s"] / top["predicted_step_s"] - 1
+    verdict = {"runs": out, "predicted_gain": gain_p, "was_predicted_gain": saved["predicted_gain"],
+               "measured_gain": saved["measured_gain"], "gain_points_apart": 100 * (saved["measured_gain"] - gain_p),
+               "within_10_points": abs(saved["measured_gain"] - gain_p) <= 0.10,
+               "explorer_top_now": candidate_name(e, e.scored[0])}
+    print(f"explorer top vs production-default: predicted gain {100 * gain_p:+.1f}% (was "
+          f"{100 * saved['predicted_gain']:+.1f}%), measured {100 * saved['measured_gain']:+.1f}%: "
+          f"{verdict['gain_points_apart']:+.1f} points apart (acceptance: within 10)")
+    print(f"the explorer's top choice now: {verdict['explorer_top_now']}")
+    return verdict
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one turn of short runs (a smoke run)")
@@ -160,7 +207,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=None,
                     help="predicted training seconds of each long run (default 15; quick 6)")
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--predict-from", metavar="JSON",
+                    help="predict a saved run (this script's --json) again, without emulated hosts or root")
     args = ap.parse_args(argv)
+    if args.predict_from:
+        verdict = predict_from(args.predict_from)
+        if args.json:
+            write_json(args.json, {"predicted_from": Path(args.predict_from).name, **verdict})
+        return 0
     if os.geteuid() != 0:
         raise SystemExit("emulated hosts (recscale cluster) need root")
     turns = args.turns or (1 if args.quick else 5)

@@ -57,7 +57,8 @@ from recscale.planner.hardware import cached_calibration  # noqa: E402
 from recscale.sharding.plan import ShardingPlan  # noqa: E402
 from recscale.sim.api import simulate  # noqa: E402
 from recscale.sim.calibrate import measure_loader  # noqa: E402
-from recscale.sim.topology import ClusterTopology, topology_from_dict  # noqa: E402
+from recscale.sim.tiers import EMULATED_FRAMING  # noqa: E402
+from recscale.sim.topology import TC_FRAME_BYTES, ClusterTopology, topology_from_dict  # noqa: E402
 from recscale.train.config import load_config  # noqa: E402
 
 CONFIG = ROOT / "configs" / "synthetic.toml"
@@ -155,6 +156,8 @@ def topology(g: Group, cfg) -> ClusterTopology:
         "base": str(cal) if cal else "local-cpu", "hosts": g.hosts, "ranks_per_host": g.ranks_per_host,
         **({"cross_host_mbit": g.mbit} if g.mbit else {}), "shared_cores": os.cpu_count() or 1,
         "load_s_per_sample": _LOADER[key], **_COMPUTE,
+        # shaped veth links frame as tc counts them; unshaped ranks talk over loopback (MTU 64 KiB)
+        **(EMULATED_FRAMING if g.mbit else {"mtu_bytes": 65536, "frame_bytes": TC_FRAME_BYTES}),
     }, "validation")
 
 

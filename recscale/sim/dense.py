@@ -67,10 +67,17 @@ class DenseModel:
         return flops / c.flops_per_s + values * c.value_s + ops * c.op_overhead_s
 
 
-def buckets(params: int, bucket_bytes: int = 4 << 20) -> list[int]:
-    """Parameter counts of the all-reduce buckets (``comm.dense_sync``: 4 MiB of fp32)."""
-    per = bucket_bytes // 4
-    out = [per] * (params // per)
-    if params % per or not out:
-        out.append(params % per or params)
+def bucket_groups(top_params: int, bottom_params: int, bucket_bytes: int = 4 << 20) -> list[tuple[int, bool]]:
+    """The all-reduce buckets as ``comm.dense_sync`` fills them: 4 MiB of fp32 in reverse
+    order of the parameters (the top MLP's first), each launched once all its gradients are
+    there; per bucket its parameter count and whether it holds bottom-MLP parameters (so it
+    waits for the bottom MLP's backward)."""
+    out = []
+    for start, params in _spans(top_params + bottom_params, bucket_bytes // 4):
+        out.append((params, start + params > top_params))
     return out
+
+
+def _spans(total: int, per: int) -> list[tuple[int, int]]:
+    spans = [(i, min(per, total - i)) for i in range(0, total, per)]
+    return spans or [(0, 0)]

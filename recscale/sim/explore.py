@@ -23,7 +23,7 @@ from recscale.sharding.default_plan import TableSharding, default_plan
 from recscale.sharding.plan import ShardingPlan
 from recscale.sim import traffic
 from recscale.sim.api import NUM_DENSE, _DENSE_WIRE
-from recscale.sim.dense import DenseModel, buckets
+from recscale.sim.dense import DenseModel, bucket_groups
 from recscale.sim.step import (StepInputs, StepResult, _volumes, gradient_links, replica_links,
                                 simulate_step)
 from recscale.sim.tiers import TieredCluster
@@ -105,7 +105,7 @@ class Pieces:
 
 def _link_s(topo: ClusterTopology, links: dict) -> float:
     bw = traffic.bandwidths(topo)
-    return max((v / bw[k[0]] for k, v in links.items() if v > 0), default=0.0)
+    return max((v / bw[k[0]] for k, v in traffic.on_wire(topo, links).items() if v > 0), default=0.0)
 
 
 def pieces(specs: list[TableSpec], cfg: Config, topo: ClusterTopology, plan: ShardingPlan) -> Pieces:
@@ -125,7 +125,7 @@ def pieces(specs: list[TableSpec], cfg: Config, topo: ClusterTopology, plan: Sha
     ids_v, out_v, grad_v, hier_v, cw_v = _volumes(inp, topo)
     out = _link_s(topo, traffic.merge(traffic.all_to_all(topo, out_v, toward_dest=False), traffic.intra_host(topo, hier_v)))
     grad = _link_s(topo, gradient_links(topo, grad_v, hier_v, cw_v))
-    ar = sum(_link_s(topo, traffic.ring_all_reduce(topo, p)) for p in buckets(d.top_params) + buckets(d.bottom_params))
+    ar = sum(_link_s(topo, traffic.ring_all_reduce(topo, p)) for p, _ in bucket_groups(d.top_params, d.bottom_params))
     rep = _link_s(topo, replica_links(inp, topo))
     lat = collective_s(hw)
     if topo.hosts > 1:

@@ -34,7 +34,7 @@ def to_dict(res: StepResult, topo: ClusterTopology) -> dict:
 def trace(res: StepResult) -> dict:
     """Chrome trace events (microseconds) of every operation overlapping the reported step."""
     t0, t1 = res.window
-    tids = {"compute": 1, "comm": 2, "load": 3}
+    tids = {"compute": 1, "comm": 2, "load": 3, "dense": 4, "replica": 5}
     events: list[dict] = []
     ranks = len(res.busy_s)
     for r in range(ranks):

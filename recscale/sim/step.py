@@ -5,9 +5,13 @@ Per step and rank, in program order: load the batch (the loader's own stream), p
 the ids all-to-all (with the pipeline: issued for batch i+1 before batch i's step, so it runs
 during batch i), embedding lookups (the planner's per-rank compute, forward share), the output
 all-to-all (asynchronous: the bottom MLP runs meanwhile), unpacking, interaction and top MLP,
-their backward, bucketed dense all-reduces as each MLP's backward ends, the gradient all-to-all,
-the embeddings' backward and fused update (the rest of the per-rank compute), the replicas'
-gradient exchange for data-parallel tables, the dense optimizer and checkpoint stalls.
+their backward, the gradient all-to-all (asynchronous), the bottom MLP's backward, the dense
+all-reduce buckets as their gradients are there, the embeddings' backward and fused update
+once the gradients arrived (the rest of the per-rank compute), the replicas' gradient exchange
+for data-parallel tables, the dense optimizer and checkpoint stalls. The all-to-alls, the
+dense all-reduce and the replica exchange each have a stream (a process group) of their own,
+so their bytes share the links they meet on; every collective's bytes are framed as the
+topology's network carries them (``traffic.on_wire``).
 
 On CPU ranks three costs of a real step come on top, each priced from the calibration: a rank
 without a loader worker builds its batches in its training thread; ranks that share a
@@ -23,7 +27,7 @@ from recscale.planner.cost_model import (TableSpec, Workload, collective_s, dp_g
 from recscale.planner.search import PlanResult, score_plan
 from recscale.sharding.plan import ShardingPlan
 from recscale.sim import traffic
-from recscale.sim.dense import DenseModel, buckets
+from recscale.sim.dense import DenseModel, bucket_groups
 from recscale.sim.engine import Op, Simulation
 from recscale.sim.topology import ClusterTopology
 
@@ -182,8 +186,10 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
         return [sim.add(Op(name, cat, k, (r,), "compute", dur[r] if isinstance(dur, list) else dur,
                            deps=deps(r))) for r in all_ranks]
 
-    def collective(name: str, cat: str, k: int, links, latency: float, deps: list[int], blocking: bool) -> int:
-        op = sim.add(Op(name, cat, k, all_ranks, "comm", latency if w > 1 else 0.0, links, deps, blocking))
+    def collective(name: str, cat: str, k: int, links, latency: float, deps: list[int], blocking: bool,
+                   stream: str = "comm", ring: bool = False) -> int:
+        links = traffic.on_wire(topo, links)
+        op = sim.add(Op(name, cat, k, all_ranks, stream, latency if w > 1 else 0.0, links, deps, blocking, together=ring))
         if cpu and not blocking and w > 1 and latency > 0:
             # A CPU rank's own thread issues the collective and moves its part (packing, the
             # shared-memory copies, the synchronisation), while its bytes travel on their own.
@@ -213,22 +219,31 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
         top = per_rank("interaction + top MLP forward", "MLP + interaction", k, top_f,
                        lambda r: [bottom[r]] + ([deps_top[r]] if deps_top else [look[r]]))
         top_b = per_rank("interaction + top MLP backward", "MLP + interaction", k, 2 * top_f, lambda r: [top[r]])
-        reduces = [collective("dense all-reduce", "dense all-reduce", k, traffic.ring_all_reduce(topo, p * inp.dense_wire_bytes),
-                              lat, top_b, False) for p in buckets(d.top_params)]
+        # The dense gradients' buckets (the last layers' first) go out on the dense group, the
+        # gradient all-to-all on the embedding group: separate connections (gloo) or streams
+        # (NCCL), so they are on the links at once.
+        dense_buckets = bucket_groups(d.top_params, d.bottom_params)
+
+        def all_reduce(params: int, deps: list[int]) -> int:
+            links = traffic.ring_all_reduce(topo, params * inp.dense_wire_bytes)
+            return collective("dense all-reduce", "dense all-reduce", k, links, lat, deps, False, "dense", ring=True)
+
+        reduces = [all_reduce(p, top_b) for p, needs_bottom in dense_buckets if not needs_bottom]
         grad_dep = top_b
         if distributed:
             links = gradient_links(topo, grad_v, hier_v, cw_v)
             n = 1 + hierarchical + 4 * column
-            grad_dep = [collective("gradient all-to-all", "gradient distribution", k, links, n * lat, top_b, cpu)]
+            # issued asynchronously as the interaction's backward ends; the embeddings' backward
+            # waits for it after the bottom MLP's backward has launched the last buckets
+            grad_dep = [collective("gradient all-to-all", "gradient distribution", k, links, n * lat, top_b, False)]
         bottom_b = per_rank("bottom MLP backward", "MLP + interaction", k, 2 * bottom_f, lambda r: [top_b[r]])
-        reduces += [collective("dense all-reduce", "dense all-reduce", k, traffic.ring_all_reduce(topo, p * inp.dense_wire_bytes),
-                               lat, bottom_b, False) for p in buckets(d.bottom_params)]
+        reduces += [all_reduce(p, bottom_b) for p, needs_bottom in dense_buckets if needs_bottom]
         upd = per_rank("embedding backward + update", "embedding backward + update", k, [e * bf / (1 + bf) for e in emb],
                        lambda r: grad_dep if len(grad_dep) == 1 else [grad_dep[r]])
         tail = upd
         if dp_groups:
             rep = collective("replica gradient exchange", "replica gradients", k, replica_links(inp, topo),
-                             group_collectives(dp_groups) * collective_s(hw, replica=True), upd, cpu)
+                             group_collectives(dp_groups) * collective_s(hw, replica=True), upd, cpu, "replica", ring=True)
             tail = [rep] * w
         opt = per_rank("dense optimizer", "dense optimizer", k, optim, lambda r: [tail[r], *reduces, bottom_b[r]])
         if ckpt:

@@ -15,8 +15,10 @@ the sum of its hosts' links divided by it. It becomes the simulator's topology: 
 and one tier of hosts per pod and per building (a tier with one group is dropped).
 
 Optional: ``shared_cores`` (every rank runs on one machine of that many cores, as emulated
-hosts do) and ``compute`` (``flops_per_s``, ``op_overhead_s``, ``value_s``,
-``load_s_per_sample``: a calibrated dense rate and loader cost in place of the base's).
+hosts do), ``compute`` (``flops_per_s``, ``op_overhead_s``, ``value_s``,
+``load_s_per_sample``: a calibrated dense rate and loader cost in place of the base's) and the
+network's framing (``mtu_bytes``, ``frame_bytes``, ``segments_per_ack``, as in a topology file;
+the base's network otherwise: RoCE for the GPU presets, TCP over Ethernet for the others).
 ``emulated_cluster`` describes ``recscale cluster --groups 2`` this way, and ``cluster_args``
 turns a placement back into that command's arguments.
 """
@@ -28,7 +30,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from recscale.sim.topology import ClusterTopology, TopologyError, load_topology, topology_from_dict
+from recscale.sim.topology import TC_FRAME_BYTES, ClusterTopology, TopologyError, load_topology, topology_from_dict
 
 LINK_TIERS = ("host", "pod", "building")
 _SHAPE = ("ranks_per_host", "hosts_per_pod", "pods_per_building", "buildings")
@@ -52,6 +54,7 @@ class TieredCluster:
     links: dict[str, LinkTier]
     shared_cores: int = 0  # all ranks on one machine of this many cores (emulated hosts); 0: own cores
     compute: dict[str, float] = field(default_factory=dict)  # calibrated DenseCompute fields over the base's
+    framing: dict[str, float] = field(default_factory=dict)  # FRAMING_KEYS over the base's network
 
     @property
     def hosts_per_building(self) -> int:
@@ -69,7 +72,7 @@ class TieredCluster:
         """The cluster a job placed on its first ``buildings`` buildings with ``ranks_per_host``
         ranks on each host sees."""
         return TieredCluster(self.name, self.base, ranks_per_host, self.hosts_per_pod, self.pods_per_building,
-                             buildings, self.links, self.shared_cores, self.compute)
+                             buildings, self.links, self.shared_cores, self.compute, self.framing)
 
     def topology(self) -> ClusterTopology:
         host = self.links["host"]
@@ -84,13 +87,14 @@ class TieredCluster:
                           "latency_ms": b.latency_ms})
         d = {"name": self.name, "base": self.base, "hosts": self.hosts, "ranks_per_host": self.ranks_per_host,
              "cross_host_mbit": host.bandwidth_gbit * 1e3, "cross_host_latency_ms": host.latency_ms, "tiers": tiers,
-             "shared_cores": self.shared_cores, **self.compute}
+             "shared_cores": self.shared_cores, **self.compute, **self.framing}
         return topology_from_dict(d, self.name)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "base": self.base, **{k: getattr(self, k) for k in _SHAPE},
                 "links": {k: {"bandwidth_gbit": v.bandwidth_gbit, "latency_ms": v.latency_ms} for k, v in self.links.items()},
-                "shared_cores": self.shared_cores, **({"compute": dict(self.compute)} if self.compute else {})}
+                "shared_cores": self.shared_cores, **({"compute": dict(self.compute)} if self.compute else {}),
+                **self.framing}
 
     def cluster_args(self) -> list[str] | None:
         """``recscale cluster`` arguments that emulate this cluster on one machine (hosts over
@@ -108,6 +112,10 @@ class TieredCluster:
 
 
 COMPUTE_KEYS = ("flops_per_s", "op_overhead_s", "value_s", "load_s_per_sample")
+FRAMING_KEYS = ("mtu_bytes", "frame_bytes", "segments_per_ack")  # as in a topology file
+# A tc qdisc counts (and its token bucket shapes) each frame's Ethernet header beyond the IP
+# packet, not the preamble, gap or FCS of a physical link.
+EMULATED_FRAMING = {"mtu_bytes": 1500, "frame_bytes": TC_FRAME_BYTES}
 
 
 def emulated_cluster(hosts_per_group: int, ranks_per_host: int, intra_mbit: float, cross_mbit: float,
@@ -120,7 +128,8 @@ def emulated_cluster(hosts_per_group: int, ranks_per_host: int, intra_mbit: floa
                               "hosts_per_pod": hosts_per_group, "pods_per_building": 1, "buildings": 2,
                               "links": {"host": {"bandwidth_gbit": intra_mbit / 1e3},
                                         "building": {"bandwidth_gbit": cross_mbit / 1e3}},
-                              "shared_cores": shared_cores, **({"compute": compute} if compute else {})}, name)
+                              "shared_cores": shared_cores, **({"compute": compute} if compute else {}),
+                              **EMULATED_FRAMING}, name)
 
 
 def _host_gbit(base: str) -> float:
@@ -147,7 +156,7 @@ def _pos(d: dict, key: str, where: str, default: float | None, zero_ok: bool = F
 def cluster_from_dict(d: dict, source: str = "tiers") -> TieredCluster:
     if not isinstance(d, dict):
         raise TopologyError(f"tiers file '{source}': expected an object with keys {sorted({'name', 'base', 'links', *_SHAPE})}")
-    known = {"name", "base", "links", "shared_cores", "compute", *_SHAPE}
+    known = {"name", "base", "links", "shared_cores", "compute", *_SHAPE, *FRAMING_KEYS}
     unknown = sorted(set(d) - known)
     if unknown:
         raise TopologyError(f"tiers file '{source}': unknown key(s) {unknown}; known: {sorted(known)}")
@@ -189,8 +198,12 @@ def cluster_from_dict(d: dict, source: str = "tiers") -> TieredCluster:
     if not isinstance(compute, dict) or set(compute) - set(COMPUTE_KEYS):
         raise TopologyError(f"tiers file '{source}': key 'compute' must be an object of {list(COMPUTE_KEYS)}")
     comp = {k: _pos(compute, k, f"{source}' compute", None, zero_ok=k != "flops_per_s") for k in compute}
+    framing = {k: d[k] for k in FRAMING_KEYS if k in d}
+    for k, v in framing.items():
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+            raise TopologyError(f"tiers file '{source}': key '{k}' must be a number >= 0, got {v!r}")
     return TieredCluster(str(d.get("name", Path(source).stem)), base, **shape, links=links, shared_cores=cores,
-                         compute=comp)  # type: ignore[arg-type]
+                         compute=comp, framing=framing)  # type: ignore[arg-type]
 
 
 PRESETS: dict[str, dict] = {

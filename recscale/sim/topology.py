@@ -19,6 +19,9 @@ file (TOML or JSON)::
     load_s_per_sample = 1e-6      # optional: data loader time per sample
     checkpoint_gbyte_s = 1.0      # optional: checkpoint write rate per rank (stalls)
     shared_cores = 2              # optional: all ranks run on one machine of this many cores
+    mtu_bytes = 1500              # optional: TCP/IP packets on host links and tiers (0: payload alone)
+    frame_bytes = 38              # optional: per frame beyond the IP packet (Ethernet; 14 under tc)
+    segments_per_ack = 2          # optional: a pure ACK back per this many segments (0: none)
     [[tiers]]                     # optional: groups of hosts behind one uplink
     hosts_per_group = 4
     bandwidth_gbit = 100
@@ -50,6 +53,49 @@ class Tier:
 
 
 @dataclass(frozen=True)
+class Framing:
+    """What the network links carry beyond a collective's payload: every packet of
+    ``payload_bytes`` costs ``overhead_bytes`` more on the link (the transport's and IP's
+    headers, the frame's), and every ``segments_per_ack`` packets one way the receiver sends an
+    acknowledgement of ``ack_bytes`` the other way (0: none). Shared memory and NVLink inside a
+    host carry payload alone."""
+
+    payload_bytes: float
+    overhead_bytes: float
+    ack_bytes: float = 0.0
+    segments_per_ack: int = 0
+
+    @property
+    def data_factor(self) -> float:
+        """Bytes on the link per payload byte sent over it."""
+        return 1.0 + self.overhead_bytes / self.payload_bytes
+
+    @property
+    def ack_factor(self) -> float:
+        """Bytes on the link per payload byte going the other way (its acknowledgements)."""
+        return self.ack_bytes / (self.segments_per_ack * self.payload_bytes) if self.segments_per_ack else 0.0
+
+
+_TCP_IP_HEADERS = 52  # IPv4 20 + TCP 20 + the timestamp option 12, as Linux sends by default
+ETHERNET_FRAME_BYTES = 38  # header 14 + FCS 4 + preamble 8 + inter-frame gap 12
+TC_FRAME_BYTES = 14  # what a tc qdisc counts and shapes beyond the IP packet: the Ethernet header
+
+
+def tcp_framing(mtu_bytes: float = 1500, frame_bytes: float = ETHERNET_FRAME_BYTES,
+                segments_per_ack: int = 2) -> Framing:
+    """TCP/IPv4 over Ethernet: full segments of ``mtu_bytes`` less the headers (1448 of 1538
+    bytes on the wire at MTU 1500); a pure ACK (headers alone) every ``segments_per_ack``
+    segments the other way (Linux's delayed ACK acknowledges every second full segment)."""
+    return Framing(mtu_bytes - _TCP_IP_HEADERS, _TCP_IP_HEADERS + frame_bytes, _TCP_IP_HEADERS + frame_bytes,
+                   segments_per_ack)
+
+
+# RoCEv2 at MTU 4096 (NCCL between GPU hosts): Ethernet 38, IPv4 20, UDP 8, the InfiniBand
+# transport header 12 and ICRC 4 per packet; acknowledgements are coalesced (negligible).
+ROCE_FRAMING = Framing(4096, ETHERNET_FRAME_BYTES + 20 + 8 + 12 + 4)
+
+
+@dataclass(frozen=True)
 class DenseCompute:
     """The MLPs' and interaction's cost on one rank: FLOPs at ``flops_per_s``, ``value_s`` per
     activation value written (the interaction and small layers are bound by memory, not
@@ -78,6 +124,8 @@ class ClusterTopology:
     # Linux grows them up to 4 MiB; NCCL's channel buffers are of the same order): a
     # collective's heavy direction drains while its senders go on.
     send_buffer_bytes: float = 4 * 2**20
+    # Framing on the host links and tiers (None: payload alone)
+    framing: Framing | None = tcp_framing()
 
     @property
     def compute_stretch(self) -> float:
@@ -110,6 +158,10 @@ PRESET_COMPUTE = {
     "torchrec-defaults": DenseCompute(150e12, 10e-6, 0.0),
     "local-cpu": DenseCompute(112e9, 9.2e-6, 0.0, 0.74e-9),
 }
+
+
+# The presets' networks: NCCL over RoCE for the GPU clusters; TCP over Ethernet otherwise.
+PRESET_FRAMING = {"zionex": ROCE_FRAMING, "torchrec-defaults": ROCE_FRAMING}
 
 
 def _num(d: dict, key: str, source: str, default: float | None = None, positive: bool = False) -> float | None:
@@ -154,7 +206,8 @@ def load_topology(spec: str, hosts: int | None = None, ranks_per_host: int | Non
         r = ranks_per_host or hw0.ranks_per_host
         world = (hosts * r) if hosts else (hw0.world_size if not ranks_per_host else max(hw0.num_hosts, 1) * r)
         hw = _base(spec, world, r)
-        return ClusterTopology(hw.name, hw, hw.cross_host_bw * hw.ranks_per_host, 0.0, _compute_for(hw.name))
+        return ClusterTopology(hw.name, hw, hw.cross_host_bw * hw.ranks_per_host, 0.0, _compute_for(hw.name),
+                               framing=PRESET_FRAMING.get(hw.name, tcp_framing()))
     if not p.is_file():
         raise TopologyError(f"--topology '{spec}' is neither a preset {sorted(PRESETS)} nor an existing file")
     try:
@@ -173,7 +226,7 @@ def _is_hardware_json(p: Path) -> bool:
 
 _KEYS = {"base", "hosts", "ranks_per_host", "cross_host_mbit", "cross_host_latency_ms", "intra_host_gbyte_s",
          "flops_per_s", "op_overhead_s", "load_s_per_sample", "tiers", "name", "checkpoint_gbyte_s",
-         "shared_cores", "value_s", "send_buffer_mib"}
+         "shared_cores", "value_s", "send_buffer_mib", "mtu_bytes", "frame_bytes", "segments_per_ack"}
 
 
 def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = None,
@@ -217,4 +270,23 @@ def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = No
     cores = int(_num(d, "shared_cores", source, 0))  # type: ignore[arg-type]
     buffer = _num(d, "send_buffer_mib", source, 4.0) * 2**20  # type: ignore[operator]
     return ClusterTopology(str(d.get("name", Path(source).stem)), hw, link, latency, compute, tuple(tiers), ckpt, cores,
-                           buffer)
+                           buffer, _framing(d, source, hw.name))
+
+
+def _framing(d: dict, source: str, base: str) -> Framing | None:
+    """TCP over Ethernet at ``mtu_bytes`` (0: payload alone), ``frame_bytes`` per frame beyond
+    the IP packet, a pure ACK every ``segments_per_ack`` segments (0: none counted); none of
+    them given: the base preset's network."""
+    if not any(k in d for k in ("mtu_bytes", "frame_bytes", "segments_per_ack")):
+        return PRESET_FRAMING.get(base, tcp_framing())
+    mtu = _num(d, "mtu_bytes", source, 1500.0)
+    if not mtu:
+        return None
+    if mtu <= _TCP_IP_HEADERS:
+        raise TopologyError(f"topology '{source}': key 'mtu_bytes' must exceed the TCP/IP headers "
+                            f"({_TCP_IP_HEADERS} bytes), got {mtu:g}; 1500 for Ethernet, 0 for payload alone")
+    frame = _num(d, "frame_bytes", source, float(ETHERNET_FRAME_BYTES))
+    acks = d.get("segments_per_ack", 2)
+    if not isinstance(acks, int) or isinstance(acks, bool) or acks < 0:
+        raise TopologyError(f"topology '{source}': key 'segments_per_ack' must be an integer >= 0, got {acks!r}")
+    return tcp_framing(mtu, frame, acks)  # type: ignore[arg-type]

@@ -135,3 +135,25 @@ def link_ends(topo: ClusterTopology):
         return cache[link]
 
     return ends
+
+
+def on_wire(topo: ClusterTopology, links: dict[Link, float]) -> dict[Link, float]:
+    """What ``links`` (payload bytes) put on each link with the network's framing: every host
+    link and tier carries its payload times the framing's data factor plus the acknowledgements
+    of the payload going the other way (``host_out`` h answers ``host_in`` h); the links
+    inside a host (shared memory, NVLink) carry payload alone."""
+    f = topo.framing
+    if f is None or not links:
+        return links
+    data, ack = f.data_factor, f.ack_factor
+    out: dict[Link, float] = {}
+    for (kind, i), v in links.items():
+        if kind.startswith("intra_"):
+            out[(kind, i)] = out.get((kind, i), 0.0) + v
+            continue
+        out[(kind, i)] = out.get((kind, i), 0.0) + v * data
+        if ack and v > 0:
+            prefix, direction = kind.rsplit("_", 1)
+            back = (f"{prefix}_{'in' if direction == 'out' else 'out'}", i)
+            out[back] = out.get(back, 0.0) + v * ack
+    return out
