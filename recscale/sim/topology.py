@@ -19,6 +19,7 @@ file (TOML or JSON)::
     load_s_per_sample = 1e-6      # optional: data loader time per sample
     checkpoint_gbyte_s = 1.0      # optional: checkpoint write rate per rank (stalls)
     shared_cores = 2              # optional: all ranks run on one machine of this many cores
+    cores_per_host = 16           # optional: CPU cores of each host, shared by its ranks
     [[tiers]]                     # optional: groups of hosts behind one uplink
     hosts_per_group = 4
     bandwidth_gbit = 100
@@ -33,6 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from recscale.planner.hardware import PRESETS, Hardware, resolve_hardware
+from recscale.sim.cores import CoreShare
 
 
 class TopologyError(ValueError):
@@ -78,10 +80,21 @@ class ClusterTopology:
     # Linux grows them up to 4 MiB; NCCL's channel buffers are of the same order): a
     # collective's heavy direction drains while its senders go on.
     send_buffer_bytes: float = 4 * 2**20
+    # CPU cores of each host, shared by its ranks (0: not given: a core per training thread and
+    # one to spare). ``shared_cores``, where set, is the pool instead.
+    cores_per_host: int = 0
+
+    def core_share(self, threads: int = 1) -> CoreShare:
+        """How the cores a rank shares divide among the ranks sharing them, at ``threads``
+        training threads per rank."""
+        if self.shared_cores:
+            return CoreShare(self.world_size, self.shared_cores, threads)
+        return CoreShare(self.ranks_per_host, self.cores_per_host, threads)
 
     @property
     def compute_stretch(self) -> float:
-        return max(1.0, self.world_size / self.shared_cores) if self.shared_cores else 1.0
+        """How much slower a single-threaded rank computes where ranks outnumber cores."""
+        return self.core_share().serial_stretch
 
     @property
     def world_size(self) -> int:
@@ -173,7 +186,7 @@ def _is_hardware_json(p: Path) -> bool:
 
 _KEYS = {"base", "hosts", "ranks_per_host", "cross_host_mbit", "cross_host_latency_ms", "intra_host_gbyte_s",
          "flops_per_s", "op_overhead_s", "load_s_per_sample", "tiers", "name", "checkpoint_gbyte_s",
-         "shared_cores", "value_s", "send_buffer_mib"}
+         "shared_cores", "value_s", "send_buffer_mib", "cores_per_host"}
 
 
 def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = None,
@@ -216,5 +229,8 @@ def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = No
     ckpt = _num(d, "checkpoint_gbyte_s", source, 1.0, positive=True) * 1e9  # type: ignore[operator]
     cores = int(_num(d, "shared_cores", source, 0))  # type: ignore[arg-type]
     buffer = _num(d, "send_buffer_mib", source, 4.0) * 2**20  # type: ignore[operator]
+    per_host = _num(d, "cores_per_host", source, 0.0)
+    if per_host != int(per_host):  # type: ignore[arg-type]
+        raise TopologyError(f"topology '{source}': key 'cores_per_host' must be a whole number of cores, got {per_host!r}")
     return ClusterTopology(str(d.get("name", Path(source).stem)), hw, link, latency, compute, tuple(tiers), ckpt, cores,
-                           buffer)
+                           buffer, int(per_host))  # type: ignore[arg-type]
