@@ -29,7 +29,7 @@ def small(*extra: str):
 
 def topo(hosts: int = 1, per_host: int = 1, base: str = "local-cpu", **kw):
     return topology_from_dict({"base": base, "hosts": hosts, "ranks_per_host": per_host, "cross_host_mbit": 10_000,
-                               "flops_per_s": 2e10, "op_overhead_s": 2e-5, "value_s": 1e-9, **kw}, "test")
+                               "flops_per_s": 2e10, "op_overhead_s": 2e-5, "value_s": 1e-9, "loop_s": 0.0, **kw}, "test")
 
 
 def _mlp_s(res) -> float:
@@ -118,3 +118,38 @@ def test_cores_per_host_must_be_whole():
         topo(1, 2, cores_per_host=2.5)
     with pytest.raises(TopologyError, match="cores_per_host"):
         topo(1, 2, cores_per_host=-1)
+
+
+def test_training_loop_costs_every_rank_each_step():
+    cfg = small()
+    base = simulate(cfg, topo(1, 2))
+    looped = simulate(cfg, topo(1, 2, loop_s=1e-3))
+    ops = [op for op in looped.ops if op.name == "training loop" and op.step == 2]
+    assert len(ops) == 2 and all(op.stream == "compute" for op in ops)
+    # the loop's work is serial: one rank per core here, so it is the loop's time (times contention)
+    assert ops[0].duration_s == pytest.approx(1e-3 * (1 + LOCAL_CPU.contention), rel=1e-9)
+    assert looped.step_time_s > base.step_time_s
+    # one rank, nothing to overlap with: the step is longer by exactly the loop's time
+    one, one_looped = simulate(cfg, topo()), simulate(cfg, topo(loop_s=1e-3))
+    assert one_looped.step_time_s == pytest.approx(one.step_time_s + 1e-3, rel=1e-6)
+    assert one_looped.breakdown["training loop"] == pytest.approx(1e-3, rel=1e-6)
+
+
+def test_loop_measurement_is_the_cpu_per_step_the_simulator_leaves_out(monkeypatch):
+    import recscale.sim.calibrate as cal
+    from recscale.sim.topology import DenseCompute
+
+    per_step = 5e-3
+    monkeypatch.setattr(cal, "_training_cpu_s", lambda config, steps, sets: 2.0 + steps * per_step)  # start-up + steps
+    monkeypatch.setattr(cal, "measure_loader", lambda cfg, batches=20, world_size=1: 1e-6)
+    c = DenseCompute(2e10, 2e-5, 0.0, 1e-9)
+    loop = cal.measure_loop(c)
+    cfg = load_config(ROOT / "configs" / "synthetic.toml", [*cal.LOOP_MODEL, "data.num_samples=4096"])
+    t = topology_from_dict({"base": "local-cpu", "shared_cores": 2, "flops_per_s": 2e10, "op_overhead_s": 2e-5,
+                            "value_s": 1e-9, "load_s_per_sample": 1e-6, "loop_s": 0.0}, "t")
+    priced = sum(simulate(cfg, t).busy_s[0].values())
+    assert 0 < priced < per_step
+    assert loop == pytest.approx(per_step - priced, rel=1e-6)
+    # what the simulator already prices is never charged twice
+    monkeypatch.setattr(cal, "_training_cpu_s", lambda config, steps, sets: 2.0 + steps * priced / 2)
+    assert cal.measure_loop(c) == 0.0

@@ -253,6 +253,8 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
                              group_collectives(dp_groups) * collective_s(hw, replica=True), upd, cpu)
             tail = [rep] * w
         opt = per_rank("dense optimizer", "dense optimizer", k, optim, lambda r: [tail[r], *reduces, bottom_b[r]])
+        if c.loop_s:  # the training loop's own work, whatever the batch
+            opt = per_rank("training loop", "training loop", k, stretch * c.loop_s, lambda r: [opt[r]])
         if ckpt:
             opt = per_rank("checkpoint stall", "checkpoint", k, ckpt, lambda r: [opt[r]])
         step_end.append(max(sim.ops[i].end for i in opt))
