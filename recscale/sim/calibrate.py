@@ -32,8 +32,10 @@ def cached_compute() -> DenseCompute | None:
     if not p.is_file():
         return None
     try:
-        return DenseCompute(**json.loads(p.read_text()))
-    except (json.JSONDecodeError, TypeError):
+        d = json.loads(p.read_text())
+        known = set(DenseCompute.__dataclass_fields__)
+        return DenseCompute(**{k: v for k, v in d.items() if k in known})  # a later version's keys are left
+    except (json.JSONDecodeError, TypeError, AttributeError):
         return None
 
 

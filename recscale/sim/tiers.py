@@ -16,7 +16,8 @@ and one tier of hosts per pod and per building (a tier with one group is dropped
 
 Optional: ``shared_cores`` (every rank runs on one machine of that many cores, as emulated
 hosts do) and ``compute`` (``flops_per_s``, ``op_overhead_s``, ``value_s``,
-``load_s_per_sample``: a calibrated dense rate and loader cost in place of the base's).
+``load_s_per_sample``, ``loop_s``: a calibrated dense rate, loader and training-loop cost in
+place of the base's).
 ``emulated_cluster`` describes ``recscale cluster --groups 2`` this way, and ``cluster_args``
 turns a placement back into that command's arguments.
 """
@@ -107,7 +108,7 @@ class TieredCluster:
         return args
 
 
-COMPUTE_KEYS = ("flops_per_s", "op_overhead_s", "value_s", "load_s_per_sample")
+COMPUTE_KEYS = ("flops_per_s", "op_overhead_s", "value_s", "load_s_per_sample", "loop_s")
 
 
 def emulated_cluster(hosts_per_group: int, ranks_per_host: int, intra_mbit: float, cross_mbit: float,
