@@ -238,4 +238,4 @@ def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = No
     if per_host != int(per_host):  # type: ignore[arg-type]
         raise TopologyError(f"topology '{source}': key 'cores_per_host' must be a whole number of cores, got {per_host!r}")
     return ClusterTopology(str(d.get("name", Path(source).stem)), hw, link, latency, compute, tuple(tiers), ckpt, cores,
-                           buffer, int(per_host))  # type: ignore[arg-type]
+                           buffer, cores_per_host=int(per_host))  # type: ignore[arg-type]
