@@ -25,8 +25,8 @@ all configurations alike. Emulated hosts need root; without it those groups are 
 
 Every prediction is priced from this machine's calibrations, never from these measurements:
 ``recscale calibrate --ranks 2`` (the full one, else the quick one training makes on first
-use; else the ``local-cpu`` preset), the simulator's dense compute (``recscale.sim.calibrate``,
-cached; ``--measure-compute`` measures it again) and the loader's cost for each data set and
+use; else the ``local-cpu`` preset), the simulator's dense compute and training loop
+(``recscale.sim.calibrate``, cached; ``--measure-compute`` measures them again) and the loader's cost for each data set and
 world size (measured here, a second each). The full run (43 configurations, ``--turns 5``,
 60 steps: 215 runs of 15-30 s) takes about 1-1.5 hours on 2 cores; ``--quick`` (9, one turn,
 20 steps) about 4.5 minutes.
@@ -277,9 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     if m is None:  # the simulator's calibration of this machine's dense compute, kept for next time
         m, source = measure_compute(), "measured"
         save_compute(m)
-    _COMPUTE.update(flops_per_s=m.flops_per_s, value_s=m.value_s, op_overhead_s=m.op_overhead_s)
+    _COMPUTE.update(flops_per_s=m.flops_per_s, value_s=m.value_s, op_overhead_s=m.op_overhead_s, loop_s=m.loop_s)
     print(f"dense compute ({source}): {m.flops_per_s / 1e9:.0f} GFLOP/s, {m.value_s * 1e9:.2f} ns per value, "
-          f"{m.op_overhead_s * 1e6:.1f} us per operator")
+          f"{m.op_overhead_s * 1e6:.1f} us per operator, training loop {m.loop_s * 1e3:.2f} ms per step")
     for key, c in cases.items():
         g = next(g for g in gs if g.name == key[0])
         c.predicted = predict(g, key[1], steps, args.batch_size, c.run_plan)

@@ -35,15 +35,29 @@ def training_plan(cfg: Config, topo: ClusterTopology, specs: list[TableSpec] | N
 
 def loads_in_process(cfg: Config, topo: ClusterTopology) -> bool:
     """Whether each rank builds its batches in its training thread (no loader worker), as the
-    trainer sizes it: ``data.num_workers`` as set, or "auto" on a machine whose cores all ranks
-    share (``shared_cores``) as ``process_tuning.size_threads`` decides for a host's ranks;
-    dedicated hosts (``shared_cores`` 0) are taken to have a core to spare for a worker."""
+    trainer sizes it: ``data.num_workers`` as set, or "auto" from the cores a host's ranks see
+    (``shared_cores``, else ``cores_per_host``) as ``process_tuning.size_threads`` decides;
+    hosts whose cores are not given are taken to have a core to spare for a worker."""
     workers = cfg.data.num_workers
     if workers == "auto":
-        if not topo.shared_cores:
+        cores = topo.shared_cores or topo.cores_per_host
+        if not cores:
             return False
-        workers = size_threads(topo.shared_cores, topo.ranks_per_host, cfg.train.threads, "auto").workers
+        workers = size_threads(cores, topo.ranks_per_host, cfg.train.threads, "auto").workers
     return int(workers) == 0
+
+
+def training_threads(cfg: Config, topo: ClusterTopology) -> int:
+    """Training threads per rank as the trainer sizes them: ``train.threads`` as set, or "auto"
+    (0) from the cores a host's ranks see (``process_tuning.size_threads``; a process on an
+    emulated host sees the whole machine); where the topology does not give them, one (the
+    thread count the dense calibration times)."""
+    if cfg.train.threads > 0:
+        return cfg.train.threads
+    cores = topo.shared_cores or topo.cores_per_host
+    if not cores:
+        return 1
+    return size_threads(cores, topo.ranks_per_host, 0, cfg.data.num_workers).threads
 
 
 def simulate(cfg: Config, topo: ClusterTopology, plan: ShardingPlan | None = None) -> StepResult:
@@ -62,5 +76,5 @@ def simulate(cfg: Config, topo: ClusterTopology, plan: ShardingPlan | None = Non
     m = cfg.model
     dense = DenseModel.of(NUM_DENSE, m.bottom_mlp, m.top_mlp, len(specs), m.embedding_dim)
     inputs = StepInputs(specs, workload(cfg), plan, dense, cfg.train.pipeline, _DENSE_WIRE[cfg.comm.dense],
-                        cfg.checkpoint.interval_steps, loads_in_process(cfg, topo))
+                        cfg.checkpoint.interval_steps, loads_in_process(cfg, topo), training_threads(cfg, topo))
     return simulate_step(inputs, topo)

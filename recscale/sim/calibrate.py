@@ -1,12 +1,14 @@
 """This machine's dense compute rate for the simulator: DLRM MLPs and the dot interaction,
 forward and backward, timed at one thread (what a CPU rank runs), fitted as FLOPs / rate plus
-a fixed cost per operator. Cached beside ``recscale calibrate``'s hardware description."""
+a fixed cost per operator; and the training loop's own cost per step. Cached beside
+``recscale calibrate``'s hardware description."""
 
 from __future__ import annotations
 
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -30,8 +32,10 @@ def cached_compute() -> DenseCompute | None:
     if not p.is_file():
         return None
     try:
-        return DenseCompute(**json.loads(p.read_text()))
-    except (json.JSONDecodeError, TypeError):
+        d = json.loads(p.read_text())
+        known = set(DenseCompute.__dataclass_fields__)
+        return DenseCompute(**{k: v for k, v in d.items() if k in known})  # a later version's keys are left
+    except (json.JSONDecodeError, TypeError, AttributeError):
         return None
 
 
@@ -61,11 +65,12 @@ def _time_dense(model: DenseModel, batch: int, repeats: int) -> float:
     return float(np.median(times))
 
 
-def measure_compute(repeats: int = 15, load_s_per_sample: float = 0.0) -> DenseCompute:
+def measure_compute(repeats: int = 15, load_s_per_sample: float = 0.0, loop: bool = True) -> DenseCompute:
     """Least-squares fit (relative errors, coefficients >= 0) of time = 3 (FLOPs / rate +
     values x value_s) + (3 ops + 2 tensors) x overhead (forward, backward, and the dense
     optimizer's step over each parameter tensor) over ``SHAPES`` x ``BATCHES`` at one thread,
-    in the thread's CPU time."""
+    in the thread's CPU time; with ``loop``, the training loop's own time per step
+    (``measure_loop``, on this machine's calibration if it has one)."""
     import torch
 
     threads = torch.get_num_threads()
@@ -85,7 +90,61 @@ def measure_compute(repeats: int = 15, load_s_per_sample: float = 0.0) -> DenseC
     a, y = np.asarray(rows, dtype=float), np.asarray(ys)
     # relative errors matter: weight each point by 1/time
     coef = _nonnegative_fit(a / y[:, None], np.ones_like(y))
-    return DenseCompute(1.0 / max(coef[0], 1e-15), coef[2], load_s_per_sample, coef[1])
+    c = DenseCompute(1.0 / max(coef[0], 1e-15), coef[2], load_s_per_sample, coef[1])
+    if not loop:
+        return c
+    from recscale.planner.hardware import cached_calibration
+
+    cal = next((p for p in (cached_calibration(2), cached_calibration(2, quick=True)) if p.is_file()), None)
+    return replace(c, loop_s=measure_loop(c, str(cal) if cal else "local-cpu"))
+
+
+# A model so small that its step is almost all fixed cost: the loop's own work shows.
+LOOP_MODEL = ["model.table_rows=[10]", "data.pooling_factors=[1]", "model.embedding_dim=4", "model.bottom_mlp=[4]",
+              "model.top_mlp=[4, 1]", "train.batch_size=16", "sharding.default=table_wise", "train.threads=1",
+              "data.num_workers=0", "train.progress=false", "data.eval_samples=64"]
+LOOP_STEPS = (20, 520)
+
+
+def _training_cpu_s(config: Path, steps: int, sets: list[str]) -> float:
+    """CPU seconds (user + system, every thread) of a one-rank ``recscale train`` of ``steps``."""
+    import resource
+    import subprocess
+    import sys
+    import tempfile
+
+    args = [*sets, f"train.max_steps={steps}", f"data.num_samples={16 * (steps + 2)}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "recscale", "train", "--config", str(config), "--summary-json", str(Path(tmp) / "s.json")]
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        proc = subprocess.run(cmd + [a for s in args for a in ("--set", s)], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        raise RuntimeError(f"measuring the training loop: recscale train failed: {proc.stderr.strip()[-400:]}")
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def measure_loop(compute: DenseCompute, base: str = "local-cpu") -> float:
+    """The training loop's own CPU time per step beyond what the simulator prices: a one-rank
+    training of ``LOOP_MODEL`` (a step almost all fixed cost) at two step counts, whose
+    difference leaves out start-up and evaluation, in the process's CPU time (other jobs on
+    the machine do not add to it), less the simulator's busy time for the same step, priced on
+    ``compute`` (this machine's dense rates) and ``base`` (the planner's hardware description)."""
+    from recscale.sim.api import simulate
+    from recscale.sim.topology import topology_from_dict
+    from recscale.train.config import load_config
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "synthetic.toml"
+    short, long = (_training_cpu_s(config, n, LOOP_MODEL) for n in LOOP_STEPS)
+    per_step = (long - short) / (LOOP_STEPS[1] - LOOP_STEPS[0])
+    cfg = load_config(config, [*LOOP_MODEL, "data.num_samples=4096"])
+    cores = os.cpu_count() or 1
+    topo = topology_from_dict({"base": base, "shared_cores": cores, "flops_per_s": compute.flops_per_s,
+                               "op_overhead_s": compute.op_overhead_s, "value_s": compute.value_s, "loop_s": 0.0,
+                               "load_s_per_sample": measure_loader(cfg)}, "loop")
+    priced = sum(simulate(cfg, topo).busy_s[0].values())
+    return max(0.0, per_step - priced)
 
 
 def _nonnegative_fit(a: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -138,5 +197,6 @@ def save_compute(c: DenseCompute, path: Path | None = None) -> Path:
     p = path or cache_path()
     p.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(p, json.dumps({"flops_per_s": c.flops_per_s, "op_overhead_s": c.op_overhead_s,
-                                     "load_s_per_sample": c.load_s_per_sample, "value_s": c.value_s}, indent=1) + "\n")
+                                     "load_s_per_sample": c.load_s_per_sample, "value_s": c.value_s,
+                                     "loop_s": c.loop_s}, indent=1) + "\n")
     return p

@@ -13,10 +13,15 @@ dense all-reduce and the replica exchange each have a stream (a process group) o
 so their bytes share the links they meet on; every collective's bytes are framed as the
 topology's network carries them (``traffic.on_wire``).
 
-On CPU ranks three costs of a real step come on top, each priced from the calibration: a rank
-without a loader worker builds its batches in its training thread; ranks that share a
-machine slow each other's compute (``contention``); and each collective costs the thread that
-calls it its latency, also when its bytes travel in the background."""
+On CPU ranks four costs of a real step come on top, each priced from the calibration: a rank
+without a loader worker, or whose host's cores its training threads already fill, builds its
+batches in its training thread; ranks that share a machine slow each other's compute
+(``contention``) and divide its cores (``cores.CoreShare``: the MLPs' arithmetic spreads over
+the cores a rank's threads get); each collective costs the thread that calls it its latency,
+also when its bytes travel in the background; and the bytes a collective moves between ranks
+of one host are copied by those ranks' own threads (through shared memory, or the loopback's
+socket copies), at the calibrated intra-host rate, on both ends: CPU time of the step, not a
+link that runs beside it (the planner's cost model charges them the same way)."""
 
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ class StepInputs:
     # The trainer loads batches in its own thread (no loader worker process): the load is on
     # every rank's compute stream, not beside it.
     load_in_process: bool = False
+    threads: int = 1  # training threads per rank (``train.threads`` as the trainer sizes it)
 
 
 @dataclass
@@ -143,6 +149,7 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
     c = topo.compute
     bf = hw.backward_factor
     share = contention_factor(topo)
+    cores = topo.core_share(inp.threads)
     stretch = topo.compute_stretch * share
     if hw.ranks_per_host > 1:  # the planner prices the embeddings' contention itself
         emb = [(rl.compute_s + rl.contention_s) * topo.compute_stretch for rl in result.ranks]
@@ -165,8 +172,12 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
     cpu = c.flops_per_s < 1e12  # a CPU rank's main thread waits in a synchronous collective
     d = inp.dense
     b = int(local)
-    bottom_f = stretch * d.time_s(d.bottom_flops(b), d.bottom_values(b), d.bottom_ops, c)
-    top_f = stretch * d.time_s(d.top_flops(b), d.top_values(b), d.top_ops, c)
+    # the dense calibration timed one thread: the arithmetic spreads over the rank's cores, the
+    # per-operator cost does not (on a CPU; a GPU's rate is its own)
+    # (below one core, ranks outnumbering cores, both stretch alike)
+    par = cores.parallel if cpu else 1.0 / topo.compute_stretch
+    bottom_f = share * d.time_s(d.bottom_flops(b) / par, d.bottom_values(b) / par, 0, c) + stretch * d.bottom_ops * c.op_overhead_s
+    top_f = share * d.time_s(d.top_flops(b) / par, d.top_values(b) / par, 0, c) + stretch * d.top_ops * c.op_overhead_s
     params = d.bottom_params + d.top_params
     optim = stretch * (params * 16 / hw.memory_bw + 2 * d.tensors * c.op_overhead_s + overhead)
     ckpt = 0.0
@@ -175,7 +186,7 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
         ckpt = state / topo.checkpoint_bw / inp.checkpoint_every
     # A loader worker is a process of its own: on spare cores it runs beside its rank; where
     # the ranks already take every core, or the rank loads in its own thread, it takes their time.
-    crowded = inp.load_in_process or (bool(topo.shared_cores) and w >= topo.shared_cores)
+    crowded = inp.load_in_process or cores.spare_cores < 1
     load_stream, load_s = ("compute", stretch * local * c.load_s_per_sample) if crowded else ("load", share * local * c.load_s_per_sample)
     sim = Simulation(traffic.bandwidths(topo), traffic.link_ends(topo), topo.send_buffer_bytes)
     all_ranks = tuple(range(w))
@@ -188,12 +199,23 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
 
     def collective(name: str, cat: str, k: int, links, latency: float, deps: list[int], blocking: bool,
                    stream: str = "comm", ring: bool = False) -> int:
+        copies = [0.0] * w
+        if cpu and w > 1:
+            # Bytes between ranks of one host are copied by the two ranks' own threads, the
+            # sender's and the receiver's: CPU time at the calibrated rate (sent plus received
+            # per second), not a link beside the compute.
+            copies = [(links.get(("intra_out", r), 0.0) + links.get(("intra_in", r), 0.0)) / hw.intra_host_bw
+                      * topo.compute_stretch for r in all_ranks]
+            links = {key: v for key, v in links.items() if not key[0].startswith("intra_")}
         links = traffic.on_wire(topo, links)
         op = sim.add(Op(name, cat, k, all_ranks, stream, latency if w > 1 else 0.0, links, deps, blocking, together=ring))
-        if cpu and not blocking and w > 1 and latency > 0:
-            # A CPU rank's own thread issues the collective and moves its part (packing, the
-            # shared-memory copies, the synchronisation), while its bytes travel on their own.
-            per_rank(f"{name} call", cat, k, latency, lambda r: [])
+        if cpu and w > 1:
+            # A CPU rank's own thread issues the collective and does its part (packing, the
+            # synchronisation) while the bytes between hosts travel on their own; a blocking
+            # call has held the thread for its latency already.
+            call = [(0.0 if blocking else latency) + copies[r] for r in all_ranks]
+            if any(x > 0 for x in call):
+                per_rank(f"{name} call", cat, k, call, (lambda r: [op]) if blocking else (lambda r: []))
         return op
 
     def prepare(k: int) -> None:
@@ -246,6 +268,8 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
                              group_collectives(dp_groups) * collective_s(hw, replica=True), upd, cpu, "replica", ring=True)
             tail = [rep] * w
         opt = per_rank("dense optimizer", "dense optimizer", k, optim, lambda r: [tail[r], *reduces, bottom_b[r]])
+        if c.loop_s:  # the training loop's own work, whatever the batch
+            opt = per_rank("training loop", "training loop", k, stretch * c.loop_s, lambda r: [opt[r]])
         if ckpt:
             opt = per_rank("checkpoint stall", "checkpoint", k, ckpt, lambda r: [opt[r]])
         step_end.append(max(sim.ops[i].end for i in opt))

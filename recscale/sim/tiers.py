@@ -16,9 +16,10 @@ and one tier of hosts per pod and per building (a tier with one group is dropped
 
 Optional: ``shared_cores`` (every rank runs on one machine of that many cores, as emulated
 hosts do), ``compute`` (``flops_per_s``, ``op_overhead_s``, ``value_s``,
-``load_s_per_sample``: a calibrated dense rate and loader cost in place of the base's) and the
-network's framing (``mtu_bytes``, ``frame_bytes``, ``segments_per_ack``, as in a topology file;
-the base's network otherwise: RoCE for the GPU presets, TCP over Ethernet for the others).
+``load_s_per_sample``, ``loop_s``: a calibrated dense rate, loader and training-loop cost
+in place of the base's) and the network's framing (``mtu_bytes``, ``frame_bytes``,
+``segments_per_ack``, as in a topology file; the base's network otherwise: RoCE for the GPU
+presets, TCP over Ethernet for the others).
 ``emulated_cluster`` describes ``recscale cluster --groups 2`` this way, and ``cluster_args``
 turns a placement back into that command's arguments.
 """
@@ -111,7 +112,7 @@ class TieredCluster:
         return args
 
 
-COMPUTE_KEYS = ("flops_per_s", "op_overhead_s", "value_s", "load_s_per_sample")
+COMPUTE_KEYS = ("flops_per_s", "op_overhead_s", "value_s", "load_s_per_sample", "loop_s")
 FRAMING_KEYS = ("mtu_bytes", "frame_bytes", "segments_per_ack")  # as in a topology file
 # A tc qdisc counts (and its token bucket shapes) each frame's Ethernet header beyond the IP
 # packet, not the preamble, gap or FCS of a physical link.

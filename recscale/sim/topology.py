@@ -16,12 +16,14 @@ file (TOML or JSON)::
     flops_per_s = 4e9             # optional: dense compute rate per rank
     op_overhead_s = 30e-6         # optional: fixed cost per dense operator (launch, autograd)
     value_s = 1e-9                # optional: per activation value written (forward; x3 with backward)
+    loop_s = 0.2e-3               # optional: the training loop's own CPU time per step
     load_s_per_sample = 1e-6      # optional: data loader time per sample
     checkpoint_gbyte_s = 1.0      # optional: checkpoint write rate per rank (stalls)
     shared_cores = 2              # optional: all ranks run on one machine of this many cores
     mtu_bytes = 1500              # optional: TCP/IP packets on host links and tiers (0: payload alone)
     frame_bytes = 38              # optional: per frame beyond the IP packet (Ethernet; 14 under tc)
     segments_per_ack = 2          # optional: a pure ACK back per this many segments (0: none)
+    cores_per_host = 16           # optional: CPU cores of each host, shared by its ranks
     [[tiers]]                     # optional: groups of hosts behind one uplink
     hosts_per_group = 4
     bandwidth_gbit = 100
@@ -36,6 +38,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from recscale.planner.hardware import PRESETS, Hardware, resolve_hardware
+from recscale.sim.cores import CoreShare
 
 
 class TopologyError(ValueError):
@@ -99,13 +102,16 @@ ROCE_FRAMING = Framing(4096, ETHERNET_FRAME_BYTES + 20 + 8 + 12 + 4)
 class DenseCompute:
     """The MLPs' and interaction's cost on one rank: FLOPs at ``flops_per_s``, ``value_s`` per
     activation value written (the interaction and small layers are bound by memory, not
-    FLOPs), ``op_overhead_s`` per operator (launch, autograd and Python), and the loader's
-    ``load_s_per_sample``."""
+    FLOPs), ``op_overhead_s`` per operator (launch, autograd and Python), the loader's
+    ``load_s_per_sample``, and ``loop_s``: the training loop's own CPU time per step beyond
+    the operators priced (pipeline bookkeeping, the loss's record, the guards, the optimizers'
+    Python), which does not shrink with a rank's share of the batch."""
 
     flops_per_s: float
     op_overhead_s: float = 0.0
     load_s_per_sample: float = 0.0
     value_s: float = 0.0
+    loop_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -126,10 +132,21 @@ class ClusterTopology:
     send_buffer_bytes: float = 4 * 2**20
     # Framing on the host links and tiers (None: payload alone)
     framing: Framing | None = tcp_framing()
+    # CPU cores of each host, shared by its ranks (0: not given: a core per training thread and
+    # one to spare). ``shared_cores``, where set, is the pool instead.
+    cores_per_host: int = 0
+
+    def core_share(self, threads: int = 1) -> CoreShare:
+        """How the cores a rank shares divide among the ranks sharing them, at ``threads``
+        training threads per rank."""
+        if self.shared_cores:
+            return CoreShare(self.world_size, self.shared_cores, threads)
+        return CoreShare(self.ranks_per_host, self.cores_per_host, threads)
 
     @property
     def compute_stretch(self) -> float:
-        return max(1.0, self.world_size / self.shared_cores) if self.shared_cores else 1.0
+        """How much slower a single-threaded rank computes where ranks outnumber cores."""
+        return self.core_share().serial_stretch
 
     @property
     def world_size(self) -> int:
@@ -226,7 +243,8 @@ def _is_hardware_json(p: Path) -> bool:
 
 _KEYS = {"base", "hosts", "ranks_per_host", "cross_host_mbit", "cross_host_latency_ms", "intra_host_gbyte_s",
          "flops_per_s", "op_overhead_s", "load_s_per_sample", "tiers", "name", "checkpoint_gbyte_s",
-         "shared_cores", "value_s", "send_buffer_mib", "mtu_bytes", "frame_bytes", "segments_per_ack"}
+         "shared_cores", "value_s", "send_buffer_mib", "mtu_bytes", "frame_bytes", "segments_per_ack",
+         "cores_per_host", "loop_s"}
 
 
 def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = None,
@@ -253,6 +271,7 @@ def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = No
         _num(d, "op_overhead_s", source, c0.op_overhead_s),  # type: ignore[arg-type]
         _num(d, "load_s_per_sample", source, c0.load_s_per_sample),  # type: ignore[arg-type]
         _num(d, "value_s", source, c0.value_s),  # type: ignore[arg-type]
+        _num(d, "loop_s", source, c0.loop_s),  # type: ignore[arg-type]
     )
     tiers = []
     for i, t in enumerate(d.get("tiers", [])):
@@ -269,8 +288,11 @@ def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = No
     ckpt = _num(d, "checkpoint_gbyte_s", source, 1.0, positive=True) * 1e9  # type: ignore[operator]
     cores = int(_num(d, "shared_cores", source, 0))  # type: ignore[arg-type]
     buffer = _num(d, "send_buffer_mib", source, 4.0) * 2**20  # type: ignore[operator]
+    per_host = _num(d, "cores_per_host", source, 0.0)
+    if per_host != int(per_host):  # type: ignore[arg-type]
+        raise TopologyError(f"topology '{source}': key 'cores_per_host' must be a whole number of cores, got {per_host!r}")
     return ClusterTopology(str(d.get("name", Path(source).stem)), hw, link, latency, compute, tuple(tiers), ckpt, cores,
-                           buffer, _framing(d, source, hw.name))
+                           buffer, _framing(d, source, hw.name), int(per_host))  # type: ignore[arg-type]
 
 
 def _framing(d: dict, source: str, base: str) -> Framing | None:
