@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -61,6 +63,7 @@ def shares(world: int) -> list[int]:
     return [len(c) for c in torch.arange(GLOBAL_BATCH).tensor_split(world)]
 
 
+@functools.cache  # one process's run per optimizer: most checks compare against the same one; callers only read
 def reference(opt_name: str, weighted: bool):
     module = TableBatchedEmbeddingBags(TABLES, make_optimizer(opt_name), seed=SEED)
     outs = []
@@ -94,11 +97,24 @@ def sharded_worker(rank, world, ranks_per_host, default, overrides, opt_name, we
     return {"outs": outs, "tables": tables, "states": states, "bytes": coll.stats.snapshot(), "plan": plan.to_dict()}
 
 
+_RUNS: dict[tuple, list] = {}
+
+
+def run_once(worker, world, *args) -> list:
+    """``run_ranks(worker, world, *args)``, run once per module: several tests compare against the
+    same distributed run (the fp32 baseline of a reduced-precision one, a plan's layout), and its
+    ranks are deterministic, so a second run would only repeat the first. Callers only read."""
+    key = (worker.__name__, world, repr(args))
+    if key not in _RUNS:
+        _RUNS[key] = run_ranks(worker, world, *args)
+    return _RUNS[key]
+
+
 def check(world, ranks_per_host, default, overrides=None, opt_name="rowwise_adagrad", weighted=True,
           precision=("fp32", "fp32"), rtol=1e-5, atol=1e-6, shared_memory=True, dp_reduction="auto"):
     ref_outs, ref_tables, ref_states = reference(opt_name, weighted)
-    results = run_ranks(sharded_worker, world, ranks_per_host, default, overrides or {}, opt_name, weighted, precision,
-                        shared_memory, dp_reduction)
+    results = run_once(sharded_worker, world, ranks_per_host, default, overrides or {}, opt_name, weighted, precision,
+                       shared_memory, dp_reduction)
     sizes = shares(world)
     for rank, res in enumerate(results):
         start = sum(sizes[:rank])
@@ -207,7 +223,7 @@ def test_mix_of_all_five_types_through_gloo_equals_one_process():
 
 
 def test_table_row_wise_on_two_hosts_of_two_ranks_stays_on_one_host():
-    results = check(4, 2, "table_row_wise")
+    results = check(4, 2, "table_row_wise")  # run once with test_each_sharding_type_equals_one_process[4]
     for t in results[0]["plan"]["tables"]:
         assert len({s["rank"] // 2 for s in t["shards"]}) == 1
 
@@ -217,7 +233,8 @@ def test_table_row_wise_on_two_hosts_of_two_ranks_stays_on_one_host():
 def test_reduced_precision_stays_close_and_sends_fewer_bytes(fwd, bwd, tol, max_ratio):
     """16-bit rows are half of fp32's; int8 rows are a byte per column plus 8 (scale and bias),
     about a third here (every rank's rows are over 20 columns wide)."""
-    full = run_ranks(sharded_worker, 2, 2, "table_wise", {}, "rowwise_adagrad", True, ("fp32", "fp32"))
+    # The fp32 run is test_each_sharding_type_equals_one_process's table-wise one at 2 ranks.
+    full = run_once(sharded_worker, 2, 2, "table_wise", {}, "rowwise_adagrad", True, ("fp32", "fp32"), True, "auto")
     low = run_ranks(sharded_worker, 2, 2, "table_wise", {}, "rowwise_adagrad", True, (fwd, bwd))
     for t in TABLES:
         torch.testing.assert_close(low[0]["tables"][t.name], full[0]["tables"][t.name], rtol=0, atol=tol)
@@ -247,7 +264,7 @@ def hierarchy_worker(rank, world, ranks_per_host, hierarchical, precision):
 def test_table_row_wise_on_two_hosts_crosses_hosts_once_per_host_not_once_per_rank():
     # ZionEX's TWRW: the host reduce-scatters its partial sums, so the outputs and their
     # gradients cross hosts R-fold less than sent flat; results equal the flat path's.
-    hier = run_ranks(hierarchy_worker, 4, 2, True, ("fp32", "fp32"))
+    hier = run_once(hierarchy_worker, 4, 2, True, ("fp32", "fp32"))
     flat = run_ranks(hierarchy_worker, 4, 2, False, ("fp32", "fp32"))
     for rank, (h, f) in enumerate(zip(hier, flat)):
         assert h["hier"] and not f["hier"]
@@ -264,7 +281,7 @@ def test_table_row_wise_on_two_hosts_crosses_hosts_once_per_host_not_once_per_ra
 
 @pytest.mark.parametrize("fwd,bwd,tol", [("bf16", "fp16", 2e-2), ("int8", "int8", 3e-2)])
 def test_table_row_wise_on_two_hosts_with_reduced_precision_stays_close(fwd, bwd, tol):
-    full = run_ranks(hierarchy_worker, 4, 2, True, ("fp32", "fp32"))
+    full = run_once(hierarchy_worker, 4, 2, True, ("fp32", "fp32"))  # the hierarchical run of the test above
     low = run_ranks(hierarchy_worker, 4, 2, True, (fwd, bwd))
     for a, b in zip(low, full):
         assert a["hier"]
