@@ -126,6 +126,9 @@ class ClusterTopology:
     send_buffer_bytes: float = 4 * 2**20
     # Framing on the host links and tiers (None: payload alone)
     framing: Framing | None = tcp_framing()
+    # Bytes a host link or tier lets through at once after it idled: the token bucket of a
+    # shaper (tc's tbf, as emulated hosts have); 0: a link that never runs above its rate.
+    burst_bytes: float = 0.0
 
     @property
     def compute_stretch(self) -> float:
@@ -226,7 +229,8 @@ def _is_hardware_json(p: Path) -> bool:
 
 _KEYS = {"base", "hosts", "ranks_per_host", "cross_host_mbit", "cross_host_latency_ms", "intra_host_gbyte_s",
          "flops_per_s", "op_overhead_s", "load_s_per_sample", "tiers", "name", "checkpoint_gbyte_s",
-         "shared_cores", "value_s", "send_buffer_mib", "mtu_bytes", "frame_bytes", "segments_per_ack"}
+         "shared_cores", "value_s", "send_buffer_mib", "mtu_bytes", "frame_bytes", "segments_per_ack",
+         "burst_bytes"}
 
 
 def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = None,
@@ -269,8 +273,9 @@ def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = No
     ckpt = _num(d, "checkpoint_gbyte_s", source, 1.0, positive=True) * 1e9  # type: ignore[operator]
     cores = int(_num(d, "shared_cores", source, 0))  # type: ignore[arg-type]
     buffer = _num(d, "send_buffer_mib", source, 4.0) * 2**20  # type: ignore[operator]
+    burst = _num(d, "burst_bytes", source, 0.0)
     return ClusterTopology(str(d.get("name", Path(source).stem)), hw, link, latency, compute, tuple(tiers), ckpt, cores,
-                           buffer, _framing(d, source, hw.name))
+                           buffer, _framing(d, source, hw.name), burst)  # type: ignore[arg-type]
 
 
 def _framing(d: dict, source: str, base: str) -> Framing | None:
