@@ -36,7 +36,7 @@ from recscale.train.config import load_config  # noqa: E402
 
 SAMPLER = """
 import sys, time
-path, out = sys.argv[1], open(sys.argv[2], "w")
+path, out = sys.argv[1], open(sys.argv[2], "w", buffering=1)  # line by line: it ends by a signal
 last = None
 while True:
     try:
@@ -140,6 +140,19 @@ def bursts(series: list[tuple[float, int]], rate: float, idle_s: float = 0.05) -
     return out
 
 
+def peaks(series: list[tuple[float, int]], t0: float, t1: float, window: float = 0.02) -> list[tuple[float, int, float]]:
+    """The busiest spans of at least ``window`` seconds in [t0, t1]: (bytes/s, bytes, start),
+    best first, one per start sample."""
+    pts = [p for p in series if t0 <= p[0] <= t1]
+    out = []
+    for i, (ta, ba) in enumerate(pts):
+        for tb, bb in pts[i + 1:]:
+            if tb - ta >= window:
+                out.append(((bb - ba) / (tb - ta), bb - ba, ta))
+                break
+    return sorted(out, reverse=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--from", dest="src", required=True, help="an explore_validation.py --json result")
@@ -195,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     for d, bs in report["bursts"].items():
         print(f"link {d}: {len(bs)} idle gaps >= 50 ms; bytes in the 32 ms after each (rate allows "
               f"{rate * 0.032:,.0f}): " + ", ".join(f"{b['bytes_30ms']:,}" for b in bs[-12:]))
+    t_end = max((c["done"] or c["issue"]) for calls in report["ranks"].values() for c in calls)
+    for d, series in links.items():
+        top = peaks(series, t_ref, t_end)[:5]
+        print(f"link {d}: busiest 20 ms spans while training (rate {rate / 1e6:.2f} MB/s): " +
+              ", ".join(f"{b:,} B at {r / 1e6:.1f} MB/s (t={t - t_ref:.3f})" for r, b, t in top))
     print(f"traces and counters: {out}")
     return 0
 
