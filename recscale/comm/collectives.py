@@ -7,6 +7,7 @@ other ranks, per named collective, and (2) turn a failed or timed-out collective
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -18,6 +19,19 @@ import torch.distributed as dist
 
 from recscale.comm.errors import DistributedError
 from recscale.comm.shared_memory import PendingShared, row_bytes, shared_memory_group
+
+
+# A debugging aid, off unless set: a directory where each rank appends, per collective it
+# issues and waits for, "<name> <issue|wait|done> <time.perf_counter()>" (one file a rank),
+# to line up collectives with a link's byte counters.
+_TRACE_DIR = os.environ.get("RECSCALE_COMM_TRACE")
+
+
+def _trace(name: str, event: str) -> None:
+    t = time.perf_counter()
+    path = os.path.join(_TRACE_DIR or ".", f"rank{os.environ.get('RANK', '0')}.trace")
+    with open(path, "a") as f:
+        f.write(f"{name} {event} {t:.6f}\n")
 
 
 @dataclass
@@ -36,16 +50,22 @@ class CommStats:
     def add(self, name: str, nbytes: int) -> None:
         self.bytes_sent[name] += int(nbytes)
         self.calls[name] += 1
+        if _TRACE_DIR:
+            _trace(name, "issue")
 
     @contextmanager
     def timed(self, name: str) -> Iterator[None]:
         """Add the wall time of the block to ``name`` (blocking time of this rank)."""
         t0 = time.perf_counter()
+        if _TRACE_DIR:
+            _trace(name, "wait")
         try:
             with torch.profiler.record_function(f"comm:{name}"):  # visible in profiles as communication
                 yield
         finally:
             self.seconds[name] += time.perf_counter() - t0
+            if _TRACE_DIR:
+                _trace(name, "done")
 
     def reset(self) -> None:
         self.bytes_sent.clear()

@@ -71,10 +71,23 @@ class _Transfer:
     done: float = 0.0
 
 
-def shared_finish(transfers: list[tuple[float, float]], bw: float) -> list[float]:
+def shared_finish(transfers: list[tuple[float, float]], bw: float, tokens: float = 0.0,
+                  bucket: float = 0.0) -> list[float]:
     """When each of ``transfers`` ((begin, bytes)) is through a link of ``bw`` bytes/s that
     drains every transfer with bytes left at an equal share (processor sharing); one alone
-    gets the whole link, so transfers that do not overlap end as in a queue."""
+    gets the whole link, so transfers that do not overlap end as in a queue. A shaped link
+    (``bucket`` > 0: a token bucket of that many bytes, ``tokens`` of them there when the first
+    transfer begins) passes bytes that find tokens at once (``drain``)."""
+    return drain(transfers, bw, tokens, bucket)[0]
+
+
+def drain(transfers: list[tuple[float, float]], bw: float, tokens: float = 0.0,
+          bucket: float = 0.0) -> tuple[list[float], float, float]:
+    """``shared_finish``, and the tokens left in the bucket when the last transfer is through,
+    with that time. A token bucket (tc's ``tbf``) refills at ``bw`` up to ``bucket`` bytes
+    while nothing waits on the link and lets what arrives through at once while it has tokens:
+    after an idle spell the first ``bucket`` bytes cross without waiting; while bytes queue it
+    drains at ``bw``, as a plain link."""
     n = len(transfers)
     order = sorted(range(n), key=lambda i: transfers[i][0])
     left = [b for _, b in transfers]
@@ -84,10 +97,21 @@ def shared_finish(transfers: list[tuple[float, float]], bw: float) -> list[float
     t = transfers[order[0]][0] if n else 0.0
     while nxt < n or active:
         if not active:
-            t = max(t, transfers[order[nxt]][0])
+            t_next = max(t, transfers[order[nxt]][0])
+            tokens = min(bucket, tokens + bw * (t_next - t))  # the idle link's bucket fills
+            t = t_next
         while nxt < n and transfers[order[nxt]][0] <= t:
-            active.append(order[nxt])
+            i = order[nxt]
             nxt += 1
+            take = min(tokens, left[i])
+            left[i] -= take
+            tokens -= take
+            if left[i] <= 1e-9 * transfers[i][1]:
+                done[i] = t  # all of it through on the bucket's tokens
+            else:
+                active.append(i)
+        if not active:
+            continue
         rate = bw / len(active)
         first = min(active, key=lambda i: left[i])
         finish = t + left[first] / rate
@@ -102,16 +126,22 @@ def shared_finish(transfers: list[tuple[float, float]], bw: float) -> list[float
             for i in [i for i in active if left[i] <= 1e-9 * transfers[i][1]]:
                 done[i] = t
                 active.remove(i)
-    return done
+    return done, tokens, t
 
 
 class Simulation:
     def __init__(self, bandwidth: dict[str, float], link_ends: LinkEnds | None = None,
-                 send_buffer: float = 0.0) -> None:
+                 send_buffer: float = 0.0, burst: dict[str, float] | None = None) -> None:
         """``bandwidth``: bytes/s of each link kind (the part of a ``Link`` before the index);
         ``link_ends``: the senders and receivers of a link, for collectives that end per rank;
-        ``send_buffer``: bytes a rank's sends may have in flight without holding it."""
+        ``send_buffer``: bytes a rank's sends may have in flight without holding it;
+        ``burst``: per link kind, the token bucket its shaper has (bytes; none: a plain link)."""
         self.bandwidth = bandwidth
+        self.burst = burst or {}
+        # per shaped link: the tokens its current busy period began with, and (tokens, time)
+        # when its last computed busy period ended
+        self._tokens_at_begin: dict[Link, float] = {}
+        self._tokens_at_end: dict[Link, tuple[float, float]] = {}
         self.link_ends = link_ends
         self.send_buffer = send_buffer
         self.ops: list[Op] = []
@@ -198,12 +228,18 @@ class Simulation:
             issued = max((ready[s][0] for s in senders if s in ready), default=start) if per_rank else start
             tr = _Transfer(idx, max(issued, free), nbytes)
             busy = self._on_link.setdefault(link, [])
+            bw, bucket = self.bandwidth[link[0]], self.burst.get(link[0], 0.0)
             if all(o.done <= tr.begin for o in busy):
                 busy.clear()  # the link is idle when this one begins: what came before is through
+                # a shaped link's bucket filled while it idled
+                left, at = self._tokens_at_end.get(link, (bucket, tr.begin))
+                self._tokens_at_begin[link] = min(bucket, left + bw * max(0.0, tr.begin - at))
             busy.append(tr)
             # the whole busy period again: the transfers already read ended before this one
             # begins, so they come out as they were; the open ones that overlap it move
-            for o, t in zip(busy, shared_finish([(o.begin, o.nbytes) for o in busy], self.bandwidth[link[0]])):
+            ends, left, at = drain([(o.begin, o.nbytes) for o in busy], bw, self._tokens_at_begin.get(link, 0.0), bucket)
+            self._tokens_at_end[link] = (left, at)
+            for o, t in zip(busy, ends):
                 if o.op == idx or o.op in self._transfers:
                     o.done = t
                     touched.add(o.op)

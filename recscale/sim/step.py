@@ -188,7 +188,7 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
     # the ranks already take every core, or the rank loads in its own thread, it takes their time.
     crowded = inp.load_in_process or cores.spare_cores < 1
     load_stream, load_s = ("compute", stretch * local * c.load_s_per_sample) if crowded else ("load", share * local * c.load_s_per_sample)
-    sim = Simulation(traffic.bandwidths(topo), traffic.link_ends(topo), topo.send_buffer_bytes)
+    sim = Simulation(traffic.bandwidths(topo), traffic.link_ends(topo), topo.send_buffer_bytes, traffic.bursts(topo))
     all_ranks = tuple(range(w))
     loads: dict[int, list[int]] = {}
     ids_op: dict[int, int] = {}

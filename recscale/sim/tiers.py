@@ -113,10 +113,12 @@ class TieredCluster:
 
 
 COMPUTE_KEYS = ("flops_per_s", "op_overhead_s", "value_s", "load_s_per_sample", "loop_s")
-FRAMING_KEYS = ("mtu_bytes", "frame_bytes", "segments_per_ack")  # as in a topology file
+FRAMING_KEYS = ("mtu_bytes", "frame_bytes", "segments_per_ack", "burst_bytes")  # as in a topology file
 # A tc qdisc counts (and its token bucket shapes) each frame's Ethernet header beyond the IP
-# packet, not the preamble, gap or FCS of a physical link.
-EMULATED_FRAMING = {"mtu_bytes": 1500, "frame_bytes": TC_FRAME_BYTES}
+# packet, not the preamble, gap or FCS of a physical link; ``recscale cluster``'s token buckets
+# hold 128 KiB (or 1 ms of the rate, when more), so a link that idled passes that much at once.
+EMULATED_BURST_BYTES = 128 << 10
+EMULATED_FRAMING = {"mtu_bytes": 1500, "frame_bytes": TC_FRAME_BYTES, "burst_bytes": EMULATED_BURST_BYTES}
 
 
 def emulated_cluster(hosts_per_group: int, ranks_per_host: int, intra_mbit: float, cross_mbit: float,

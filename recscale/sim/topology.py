@@ -23,6 +23,7 @@ file (TOML or JSON)::
     mtu_bytes = 1500              # optional: TCP/IP packets on host links and tiers (0: payload alone)
     frame_bytes = 38              # optional: per frame beyond the IP packet (Ethernet; 14 under tc)
     segments_per_ack = 2          # optional: a pure ACK back per this many segments (0: none)
+    burst_bytes = 0               # optional: a shaper's token bucket, let through at once after idling
     cores_per_host = 16           # optional: CPU cores of each host, shared by its ranks
     [[tiers]]                     # optional: groups of hosts behind one uplink
     hosts_per_group = 4
@@ -132,6 +133,9 @@ class ClusterTopology:
     send_buffer_bytes: float = 4 * 2**20
     # Framing on the host links and tiers (None: payload alone)
     framing: Framing | None = tcp_framing()
+    # Bytes a host link or tier lets through at once after it idled: the token bucket of a
+    # shaper (tc's tbf, as emulated hosts have); 0: a link that never runs above its rate.
+    burst_bytes: float = 0.0
     # CPU cores of each host, shared by its ranks (0: not given: a core per training thread and
     # one to spare). ``shared_cores``, where set, is the pool instead.
     cores_per_host: int = 0
@@ -244,7 +248,7 @@ def _is_hardware_json(p: Path) -> bool:
 _KEYS = {"base", "hosts", "ranks_per_host", "cross_host_mbit", "cross_host_latency_ms", "intra_host_gbyte_s",
          "flops_per_s", "op_overhead_s", "load_s_per_sample", "tiers", "name", "checkpoint_gbyte_s",
          "shared_cores", "value_s", "send_buffer_mib", "mtu_bytes", "frame_bytes", "segments_per_ack",
-         "cores_per_host", "loop_s"}
+         "cores_per_host", "loop_s", "burst_bytes"}
 
 
 def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = None,
@@ -291,8 +295,10 @@ def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = No
     per_host = _num(d, "cores_per_host", source, 0.0)
     if per_host != int(per_host):  # type: ignore[arg-type]
         raise TopologyError(f"topology '{source}': key 'cores_per_host' must be a whole number of cores, got {per_host!r}")
+    burst = _num(d, "burst_bytes", source, 0.0)
     return ClusterTopology(str(d.get("name", Path(source).stem)), hw, link, latency, compute, tuple(tiers), ckpt, cores,
-                           buffer, _framing(d, source, hw.name), int(per_host))  # type: ignore[arg-type]
+                           buffer, _framing(d, source, hw.name), burst_bytes=burst,  # type: ignore[arg-type]
+                           cores_per_host=int(per_host))  # type: ignore[arg-type]
 
 
 def _framing(d: dict, source: str, base: str) -> Framing | None:

@@ -18,6 +18,14 @@ def bandwidths(topo: ClusterTopology) -> dict[str, float]:
     return bw
 
 
+def bursts(topo: ClusterTopology) -> dict[str, float]:
+    """The token bucket (bytes) of each shaped link kind: host links and tiers; a rank's link
+    into its host (shared memory, NVLink) is not shaped."""
+    if not topo.burst_bytes:
+        return {}
+    return {k: topo.burst_bytes for k in bandwidths(topo) if not k.startswith("intra")}
+
+
 def _groups(topo: ClusterTopology) -> list[tuple[str, int]]:
     """(link prefix, ranks per group) for every level above a rank whose groups number > 1."""
     levels = []
