@@ -59,17 +59,18 @@ from _cgroup import CgroupError, MemoryCgroup  # noqa: E402
 from _common import environment, format_table, set_threads, write_json, zipf_ids  # noqa: E402
 
 from recscale.embedding import RowWiseAdagrad, TableBatchedEmbeddingBags, TableConfig  # noqa: E402
-from recscale.embedding.tier_file import RowFile  # noqa: E402
+from recscale.embedding.tier_file import CHUNK_BLOCKS, PAGE, RowFile  # noqa: E402
 from recscale.embedding.tier_hooks import (  # noqa: E402
     announce_batch, begin_batch, close_tiers, tier_stats, tiered_storages,
 )
 from recscale.embedding.tier_sim import belady_hit_rate, replay_hit_rate  # noqa: E402
-from recscale.embedding.tiered import TierSettings, tiered_storage_factory  # noqa: E402
+from recscale.embedding.tiered import TierRam, TierSettings, tier_ram, tiered_storage_factory  # noqa: E402
 from recscale.planner.miss_curve import zipf_access  # noqa: E402
 from recscale.sparse import JaggedBatch  # noqa: E402
 
 SHARES = (0.05, 0.10, 0.25, 0.50)
 TRAIN_SHARE = 0.25  # the throughput runs' cache: this share of each table, if the budget holds it
+POOL_MB = 16.0  # per table: the pool of known block images (``TierSettings.block_pool_bytes``)
 HEADROOM_MB = 256  # --cgroup-mb auto: the step's working memory above the baseline and the tier
 _CHILD_TAG = "@@tier-child "
 
@@ -138,25 +139,29 @@ def train_rate(tables, trace: Trace, placement, settings, lookahead: int, warmup
     return samples / seconds, stall / seconds, misses / (len(trace) - warmup), rereads
 
 
-def tier_ram_bytes(rows: int, cache: int, dim: int, state_cols: int = 1) -> tuple[int, int]:
-    """(cache, index) bytes one table on the tier holds in RAM (fp32 rows, row-wise Adagrad):
-    the cache slots' weights and state; and the tier's bookkeeping, per slot (its row, last
-    use, use count, its row's ``lookahead`` use count, dirty flag, slot-to-row map) and per
-    table row (row-to-slot map, write-back generation, staged-copy key, ``lookahead`` use
-    count, the file's row-to-record map, free-record flag and block generations)."""
-    per_slot = 8 + 8 + 8 + 4 + 1 + 8
-    per_row = 4 + 4 + 8 + 4 + 8 + 1 + 1
-    return cache * (4 * dim + 4 * state_cols), cache * per_slot + rows * per_row
+def tier_ram_bytes(rows: int, cache: int, dim: int, state_cols: int = 1, pool_mb: float = POOL_MB) -> TierRam:
+    """RAM one table on the tier holds (fp32 rows, row-wise Adagrad, ``lookahead``): the cache,
+    its per-slot and per-row bookkeeping and the pool of known blocks (``tier_ram``)."""
+    return tier_ram(rows, cache, 4 * dim + 4 * state_cols, "lookahead", int(pool_mb * 2**20))
 
 
-def choose_cache(tables: list[TableConfig], low: int, budget_mb: int) -> int:
+def in_flight_bytes(low: int, dim: int, prefetch: int, io_threads: int, state_cols: int = 1) -> int:
+    """RAM of the reads in flight, all tables together, at most: the records of one batch's
+    distinct rows (``low``, per table) for each batch read ahead and the one training, and a
+    chunk of blocks per reading thread (``CHUNK_BLOCKS``)."""
+    return (prefetch + 1) * low * (4 * dim + 4 * state_cols) + io_threads * CHUNK_BLOCKS * PAGE
+
+
+def choose_cache(tables: list[TableConfig], low: int, budget_mb: int, reserved: int = 0) -> int:
     """The throughput runs' cache rows per table: ``TRAIN_SHARE`` of the rows, or the most
-    the tier budget holds (cache and bookkeeping of every table) if that is less."""
+    the tier budget holds (cache, bookkeeping and block pool of every table, and ``reserved``
+    bytes for the reads in flight) if that is less."""
     rows, dim, n = tables[0].num_rows, tables[0].dim, len(tables)
     cache = max(low, int(TRAIN_SHARE * rows))
-    if budget_mb and n * sum(tier_ram_bytes(rows, cache, dim)) > budget_mb << 20:
-        slot_bytes = sum(tier_ram_bytes(rows, 1, dim)) - sum(tier_ram_bytes(rows, 0, dim))
-        fit = ((budget_mb << 20) // n - sum(tier_ram_bytes(rows, 0, dim))) // slot_bytes
+    budget = (budget_mb << 20) - reserved
+    if budget_mb and n * tier_ram_bytes(rows, cache, dim).total > budget:
+        slot_bytes = tier_ram_bytes(rows, 1, dim).total - tier_ram_bytes(rows, 0, dim).total
+        fit = (budget // n - tier_ram_bytes(rows, 0, dim).total) // slot_bytes
         if fit < low:
             raise SystemExit(f"--tier-budget-mb {budget_mb}: {n} tables of {rows:,} rows leave room for {max(fit, 0):,} cached "
                              f"rows per table, fewer than one batch's {low:,} distinct rows; raise the budget")
@@ -197,7 +202,7 @@ def tier_runs(tables: list[TableConfig], trace: Trace, cache: int, ssd_dir: str,
     warm = max(2, len(trace) // 6)
     out = {}
     for name, k in (("tier, prefetch", prefetch), ("tier, no prefetch", 0)):
-        settings = TierSettings(ssd_dir, "lookahead", window, 8, k)
+        settings = TierSettings(ssd_dir, "lookahead", window, 8, k, int(POOL_MB * 2**20))
         rate, stall, misses, rereads = train_rate(tables, trace, place, settings, window, warm)
         out[name] = {"prefetch_batches": k, "samples_per_s": rate, "io_stall_fraction": stall,
                      "missed_rows_per_step": misses, "write_back_page_rereads": rereads}
@@ -267,13 +272,19 @@ def throughput(tables: list[TableConfig], steps: int, batch: int, pooling: int, 
     trace = Trace(tables, steps, batch, pooling, 1.05, seed=3)
     rows, dim = tables[0].num_rows, tables[0].dim
     low = max(trace.distinct(i, k).size for i in range(len(trace)) for k in range(len(tables)))
-    cache = choose_cache(tables, low, budget_mb)
-    cache_b, index_b = (len(tables) * b for b in tier_ram_bytes(rows, cache, dim))
-    mib = 2**20
-    print(f"tier: {cache:,} cached rows per table ({cache / rows:.1%} of {rows:,}); cache {cache_b / mib:,.0f} MiB + "
-          f"bookkeeping {index_b / mib:,.0f} MiB = {(cache_b + index_b) / mib:,.0f} MiB of the {budget_mb:,} MiB tier budget")
-    result["throughput_cache"] = {"cache_rows": cache, "share": cache / rows, "cache_mb": cache_b / mib,
-                                  "bookkeeping_mb": index_b / mib, "tier_budget_mb": budget_mb}
+    flight = in_flight_bytes(low, dim, prefetch, 8)
+    cache = choose_cache(tables, low, budget_mb, flight)
+    ram = tier_ram_bytes(rows, cache, dim)
+    mib, n = 2**20, len(tables)
+    parts = {"cache_mb": n * ram.cache / mib, "slot_bookkeeping_mb": n * ram.slots / mib,
+             "row_bookkeeping_mb": n * ram.rows / mib, "block_pool_mb": n * ram.pool / mib, "reads_in_flight_mb": flight / mib}
+    total = sum(parts.values())
+    print(f"tier: {cache:,} cached rows per table ({cache / rows:.1%} of {rows:,}); cache {parts['cache_mb']:,.0f} MiB + "
+          f"bookkeeping {parts['slot_bookkeeping_mb']:,.0f} MiB per slot, {parts['row_bookkeeping_mb']:,.0f} MiB per row + "
+          f"block pool {parts['block_pool_mb']:,.0f} MiB + reads in flight {flight / mib:,.0f} MiB = {total:,.0f} MiB "
+          f"of the {budget_mb:,} MiB tier budget")
+    result["throughput_cache"] = {"cache_rows": cache, "share": cache / rows, **parts, "total_mb": total,
+                                  "tier_budget_mb": budget_mb}
     ram_rate, _, _, _ = train_rate(tables, trace, None, None, 0, max(2, steps // 6))
     result["throughput"]["ram"] = {"samples_per_s": ram_rate}
     if cgroup:

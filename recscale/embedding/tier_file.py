@@ -17,13 +17,20 @@ generation says whether a copy read earlier is still its content). The map is wr
 
 The page cache is kept from becoming a second, unbounded cache with ``posix_fadvise`` rather
 than ``O_DIRECT``: direct I/O fails on tmpfs. The file is opened ``POSIX_FADV_RANDOM`` (no
-read-ahead); every page a read or write touches is counted, and once ``FLUSH_BYTES`` of pages
-have been touched the file is flushed (``fdatasync``) and all its pages dropped (``DONTNEED``),
-so the page cache holds at most that much of the file plus the I/O in flight.
+read-ahead). The reads that admit rows drop each chunk's pages as soon as it is read, and
+request at most ``ADVISE_BLOCKS`` ahead; a write-back is flushed (``fdatasync``) and its pages
+dropped when its job ends. Every other page a read or write touches is counted, and once
+``FLUSH_BYTES`` of them have been touched the file is flushed and all its pages dropped
+(``DONTNEED``), so the page cache holds at most that much of the file plus the I/O in flight.
 
-Queue depth: before reading a set of blocks, ``prefetch_pages`` asks the kernel for all of them
-at once (``POSIX_FADV_WILLNEED``, asynchronous), so the device sees the whole set in flight
-instead of one read per thread.
+Only the roomiest blocks a read brings in keep their images (``BlockRead``), in a pool of at
+most ``pool_blocks`` per file: write-backs fill its blocks and patch the pooled images, which
+so stay the blocks' content. RAM beyond the cache is then the pool, the records of the reads
+in flight and a chunk of blocks per reading thread, whatever the batch.
+
+Queue depth: before reading a set of blocks, the kernel is asked for many of them at once
+(``POSIX_FADV_WILLNEED``, asynchronous), so the device sees them in flight together instead of
+one read per thread.
 """
 
 from __future__ import annotations
@@ -51,6 +58,9 @@ INLINE_ROWS = 32
 DEFAULT_POOL_BYTES = 16 << 20
 # Blocks read into one scratch buffer at a time: a read's transient RAM, whatever its size.
 CHUNK_BLOCKS = 256
+# Blocks of one read requested from the kernel ahead of the one being read: the queue depth
+# the device sees, and the most page cache a read brings in at once (8 MiB of 4 KiB blocks).
+ADVISE_BLOCKS = 2048
 _ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
@@ -367,27 +377,32 @@ class RowFile:
         return BlockRead(rows, slots, blocks, where, held, self.block_gen[held].copy(), mine[take].astype(np.int32))
 
     def read_blocks(self, plan: BlockRead, out: np.ndarray, advise: bool = True) -> None:
-        """Run ``plan``: its blocks (adjacent blocks one read each, all requested first, at most
-        ``CHUNK_BLOCKS`` in RAM at a time), its rows' records into ``out`` ``[n, record_bytes]``,
+        """Run ``plan``: its blocks (adjacent blocks one read each, requested ``ADVISE_BLOCKS``
+        ahead, at most ``CHUNK_BLOCKS`` in RAM at a time and their pages dropped once read),
+        its rows' records into ``out`` ``[n, record_bytes]``,
         the held blocks' images to the pool of known blocks (``_offer``)."""
-        if advise and plan.blocks.size > 1:
-            self._advise(plan.blocks)
         per, rec, bb = self.per_block, self.record_bytes, self.block_bytes
         by_block = np.argsort(plan.where, kind="stable")  # rows in block order
         row_at = np.searchsorted(plan.where[by_block], np.arange(plan.blocks.size + 1))
         held_at = np.searchsorted(plan.blocks, plan.held)  # each held block's position in ``blocks``
         scratch = np.empty((min(CHUNK_BLOCKS, plan.blocks.size), bb), dtype=np.uint8)
-        for a0, b0 in _runs(plan.blocks):
-            for a in range(a0, b0, CHUNK_BLOCKS):
-                b = min(b0, a + CHUNK_BLOCKS)
-                buf = scratch[: b - a]
-                off = HEADER_BYTES + int(plan.blocks[a]) * bb
-                _pread_all(self.fd, memoryview(buf).cast("B"), off, self.meta.table, self.path)
-                sel = by_block[row_at[a] : row_at[b]]
-                out[sel] = _records(buf, per, rec)[plan.where[sel] - a, plan.slots[sel] % per]
-                h0, h1 = np.searchsorted(held_at, [a, b])
-                for h in range(h0, h1):
-                    self._offer(int(plan.held[h]), int(plan.gens[h]), buf[held_at[h] - a])
+        pieces = [(a, min(b0, a + CHUNK_BLOCKS)) for a0, b0 in _runs(plan.blocks) for a in range(a0, b0, CHUNK_BLOCKS)]
+        asked = 0  # blocks requested ahead so far: at most ADVISE_BLOCKS beyond those read
+        for a, b in pieces:
+            if advise and plan.blocks.size > 1 and asked < min(plan.blocks.size, b + ADVISE_BLOCKS):
+                upto = min(plan.blocks.size, b + ADVISE_BLOCKS)
+                self._advise(plan.blocks[asked:upto])
+                asked = upto
+            buf = scratch[: b - a]
+            off = HEADER_BYTES + int(plan.blocks[a]) * bb
+            _pread_all(self.fd, memoryview(buf).cast("B"), off, self.meta.table, self.path)
+            # Read once: its pages go now, not at the next flush (the page cache is RAM too).
+            os.posix_fadvise(self.fd, off, (b - a) * bb, os.POSIX_FADV_DONTNEED)
+            sel = by_block[row_at[a] : row_at[b]]
+            out[sel] = _records(buf, per, rec)[plan.where[sel] - a, plan.slots[sel] % per]
+            h0, h1 = np.searchsorted(held_at, [a, b])
+            for h in range(h0, h1):
+                self._offer(int(plan.held[h]), int(plan.gens[h]), buf[held_at[h] - a])
         self._count_blocks(plan.blocks)
 
     def place(self, rows: np.ndarray, data: np.ndarray) -> WriteJob:
@@ -485,8 +500,14 @@ class RowFile:
             _pwrite_all(self.fd, memoryview(image).cast("B"), off)
         for off, rec in job.records:
             _pwrite_all(self.fd, memoryview(np.ascontiguousarray(rec)).cast("B"), off)
-        with self._lock:
-            self._touched += (len(job.blocks) * self.block_bytes + len(job.records) * PAGE)
+        if job.blocks or job.records:
+            # Written back once: flushed and dropped now, so the page cache holds no write-back's
+            # dirty pages past its job (a memory cgroup cannot reclaim them before they are written).
+            os.fdatasync(self.fd)
+            bb = self.block_bytes
+            blocks = np.unique([(o - HEADER_BYTES) // bb for o, _ in job.blocks + job.records])
+            for a, b in _runs(blocks):
+                os.posix_fadvise(self.fd, HEADER_BYTES + int(blocks[a]) * bb, (b - a) * bb, os.POSIX_FADV_DONTNEED)
 
     def write(self, rows: np.ndarray, data: np.ndarray, advise: bool = True) -> None:
         """Records of ``rows`` from ``data`` in place; a row living in the cache first gets a

@@ -36,7 +36,7 @@ import torch
 from recscale.embedding.config import TableConfig
 from recscale.embedding.eviction import EvictionPolicy
 from recscale.embedding.storage import DenseRowStorage, RowStorage
-from recscale.embedding.tier_file import FLUSH_BYTES, PAGE, BlockRead, RowFile, TierError, TierFileMeta, decode, encode
+from recscale.embedding.tier_file import DEFAULT_POOL_BYTES, FLUSH_BYTES, PAGE, BlockRead, RowFile, TierError, TierFileMeta, decode, encode
 from recscale.sparse import SparseInputError
 
 Placement = Literal["ram", "ssd"]
@@ -51,13 +51,51 @@ FileFactory = Callable[[str, TierFileMeta, Callable[[int, int], tuple[torch.Tens
 class TierSettings:
     """How the SSD tier runs: where its files live, the policy, how far ahead batches are
     announced (``lookahead_batches``: what eviction knows) and how many of them have their
-    missing rows read ahead (``prefetch_batches``; None: every announced batch)."""
+    missing rows read ahead (``prefetch_batches``; None: every announced batch);
+    ``block_pool_bytes``: RAM per SSD table for the images of blocks whose content is known,
+    where write-backs go whole (``tier_file``)."""
 
     ssd_dir: str
     policy: str = "lookahead"
     lookahead_batches: int = 2
     io_threads: int = 8
     prefetch_batches: int | None = None
+    block_pool_bytes: int = DEFAULT_POOL_BYTES  # per table: images of blocks write-backs may fill
+
+
+@dataclass(frozen=True)
+class TierRam:
+    """RAM one SSD-placed table holds (bytes): its cache slots' rows and optimizer state
+    (``cache``); the bookkeeping per cache slot (``slots``: its row, last use, use count, its
+    row's use count, dirty flag, slot-to-row map) and per table row (``rows``: row-to-slot
+    maps of the cache and the file, write-back generation, staged read, use count, the
+    file's free-slot flags and per-block generations and pending counts); the pool of known
+    block images (``pool``)."""
+
+    cache: int
+    slots: int
+    rows: int
+    pool: int
+
+    @property
+    def total(self) -> int:
+        return self.cache + self.slots + self.rows + self.pool
+
+
+def tier_ram(num_rows: int, cache_rows: int, record_bytes: int, policy: str = "lookahead",
+             pool_bytes: int = DEFAULT_POOL_BYTES) -> TierRam:
+    """What ``TieredRowStorage`` holds for one table of ``num_rows`` rows behind a cache of
+    ``cache_rows`` slots (records of ``record_bytes``: weights and state); every array is
+    int32 per row or slot (see ``__init__``). The reads in flight come on top: their records
+    and a chunk of ``CHUNK_BLOCKS`` blocks per reading thread."""
+    per = max(1, PAGE // record_bytes)
+    blocks = -(-num_rows // per)
+    look = 4 if policy == "lookahead" else 0
+    per_slot = 4 + 4 + 4 + look + 1 + 4
+    per_row = 4 + 4 + 4 + look + 4
+    block_bytes = PAGE if record_bytes <= PAGE else -(-record_bytes // PAGE) * PAGE
+    pool = min(max(1, pool_bytes // block_bytes), blocks) * block_bytes  # at most every block
+    return TierRam(cache_rows * record_bytes, cache_rows * per_slot, num_rows * per_row + blocks * per + blocks * 8, pool)
 
 
 @dataclass(frozen=True)
@@ -200,6 +238,7 @@ class TieredRowStorage(RowStorage):
                 torch.zeros(t.num_rows if settings.policy == "lookahead" else 0, dtype=torch.int32),
                 torch.zeros(cache_rows if settings.policy == "lookahead" else 0, dtype=torch.int32),
             ))  # fmt: skip
+            self.segments[-1].file.set_pool_bytes(settings.block_pool_bytes)
             slot += cache_rows
         self._tick = 0
         # Modified-row tracking for differential checkpoints (off: None). The kernels mark the
