@@ -24,8 +24,10 @@ test checks), and offline Belady in numpy; they count distinct rows per batch, a
 ``cache_hit_rate`` does. Batches are held as one int32 array of ids, built per step.
 
 The throughput runs' cache is 25% of each table's rows, or the most that ``--tier-budget-mb``
-(default 2048) holds, counting the cache's rows and optimizer state and the tier's bookkeeping
-(per slot and per table row) of every table; the share used is printed. ``--cgroup-mb N``
+(default 2048) holds, counting the cache's rows and optimizer state, the tier's bookkeeping (per
+slot and per table row, ``recscale.embedding.tiered.tier_ram``) and pool of known blocks of
+every table, and the reads in flight; each part is printed. ``--warmup`` steps fill the cache
+untimed (at 4M rows a sixth of the steps is too few for a steady state). ``--cgroup-mb N``
 (Linux, root) runs the tier runs, and nothing else, in a child process inside a memory cgroup
 of N MiB that this script creates and removes (cgroup v1 ``memory.limit_in_bytes``, which
 counts the page cache; v2 ``memory.max`` where v2 is mounted); ``--cgroup-mb auto`` sets the
@@ -196,10 +198,11 @@ def hit_rates(table: TableConfig, sim_steps: int, batch: int, pooling: int, wind
     print()
 
 
-def tier_runs(tables: list[TableConfig], trace: Trace, cache: int, ssd_dir: str, window: int, prefetch: int) -> dict:
+def tier_runs(tables: list[TableConfig], trace: Trace, cache: int, ssd_dir: str, window: int, prefetch: int,
+              warmup: int | None = None) -> dict:
     """The two tier throughput runs (with and without prefetch) at ``cache`` rows per table."""
     place = {t.name: ("ssd", cache) for t in tables}
-    warm = max(2, len(trace) // 6)
+    warm = max(2, len(trace) // 6) if warmup is None else warmup
     out = {}
     for name, k in (("tier, prefetch", prefetch), ("tier, no prefetch", 0)):
         settings = TierSettings(ssd_dir, "lookahead", window, 8, k, int(POOL_MB * 2**20))
@@ -219,7 +222,7 @@ def _child_main(spec: str) -> None:
     print(_CHILD_TAG + json.dumps({"ready": True}), flush=True)
     if sys.stdin.readline().strip() != "go":
         return
-    runs = tier_runs(tables, trace, p["cache"], p["ssd_dir"], p["window"], p["prefetch"])
+    runs = tier_runs(tables, trace, p["cache"], p["ssd_dir"], p["window"], p["prefetch"], p.get("warmup"))
     print(_CHILD_TAG + json.dumps({"runs": runs}), flush=True)
 
 
@@ -264,7 +267,7 @@ def tier_runs_in_cgroup(spec: dict, cgroup_mb: int | None, budget_mb: int, resul
 
 
 def throughput(tables: list[TableConfig], steps: int, batch: int, pooling: int, ssd_dir: str, window: int, prefetch: int,
-               threads: int, budget_mb: int, cgroup: str, result: dict) -> bool:
+               threads: int, budget_mb: int, cgroup: str, result: dict, warmup: int | None = None) -> bool:
     """Training throughput at a 25% cache (or the most ``budget_mb`` holds), Zipf 1.05: all in
     RAM, the tier with and without prefetch (``window`` batches announced to eviction either
     way); the tier runs in a memory cgroup if ``cgroup`` ('auto' or MiB) is given. False if
@@ -285,15 +288,16 @@ def throughput(tables: list[TableConfig], steps: int, batch: int, pooling: int, 
           f"of the {budget_mb:,} MiB tier budget")
     result["throughput_cache"] = {"cache_rows": cache, "share": cache / rows, **parts, "total_mb": total,
                                   "tier_budget_mb": budget_mb}
-    ram_rate, _, _, _ = train_rate(tables, trace, None, None, 0, max(2, steps // 6))
+    ram_rate, _, _, _ = train_rate(tables, trace, None, None, 0, max(2, steps // 6) if warmup is None else warmup)
     result["throughput"]["ram"] = {"samples_per_s": ram_rate}
     if cgroup:
         del trace  # the child makes its own (the same seed: the same batches)
         spec = {"threads": threads, "tables": len(tables), "rows": rows, "dim": dim, "steps": steps, "batch": batch,
-                "pooling": pooling, "cache": cache, "ssd_dir": ssd_dir, "window": window, "prefetch": prefetch}
+                "pooling": pooling, "cache": cache, "ssd_dir": ssd_dir, "window": window, "prefetch": prefetch,
+                "warmup": warmup}
         runs = tier_runs_in_cgroup(spec, None if cgroup == "auto" else int(cgroup), budget_mb, result)
     else:
-        runs = tier_runs(tables, trace, cache, ssd_dir, window, prefetch)
+        runs = tier_runs(tables, trace, cache, ssd_dir, window, prefetch, warmup)
     tp_rows = [["all in RAM", f"{ram_rate:,.0f}", "1.00", "-", "-"]]
     for name, r in (runs or {}).items():
         r["share_of_ram"] = r["samples_per_s"] / ram_rate
@@ -395,6 +399,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=None, help="batch size (default 4096; --quick 128)")
     ap.add_argument("--pooling", type=int, default=None, help="ids per sample and table (default 20; --quick 8)")
     ap.add_argument("--steps", type=int, default=None, help="timed training steps (default 120; --quick 16)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="of --steps, the first ones not timed: the cache filling (default a sixth)")
     ap.add_argument("--sim-steps", type=int, default=None, help="batches of the hit-rate trace (default 200; --quick 24)")
     ap.add_argument("--parts", default="hits,train,disk", help="comma list of the parts to run: hits, train, disk")
     ap.add_argument("--tier-budget-mb", type=int, default=2048,
@@ -431,7 +437,7 @@ def main() -> None:
     if "train" in parts:
         try:
             ok = throughput(tables, steps, batch, pooling, ssd_dir, args.window, args.prefetch, threads, args.tier_budget_mb,
-                            args.cgroup_mb, result)
+                            args.cgroup_mb, result, args.warmup)
         except CgroupError as e:
             ap.error(str(e))
     if "disk" in parts:
