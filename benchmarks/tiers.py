@@ -24,8 +24,10 @@ test checks), and offline Belady in numpy; they count distinct rows per batch, a
 ``cache_hit_rate`` does. Batches are held as one int32 array of ids, built per step.
 
 The throughput runs' cache is 25% of each table's rows, or the most that ``--tier-budget-mb``
-(default 2048) holds, counting the cache's rows and optimizer state and the tier's bookkeeping
-(per slot and per table row) of every table; the share used is printed. ``--cgroup-mb N``
+(default 2048) holds, counting the cache's rows and optimizer state, the tier's bookkeeping (per
+slot and per table row, ``recscale.embedding.tiered.tier_ram``) and pool of known blocks of
+every table, and the reads in flight; each part is printed. ``--warmup`` steps fill the cache
+untimed (at 4M rows a sixth of the steps is too few for a steady state). ``--cgroup-mb N``
 (Linux, root) runs the tier runs, and nothing else, in a child process inside a memory cgroup
 of N MiB that this script creates and removes (cgroup v1 ``memory.limit_in_bytes``, which
 counts the page cache; v2 ``memory.max`` where v2 is mounted); ``--cgroup-mb auto`` sets the
@@ -59,17 +61,18 @@ from _cgroup import CgroupError, MemoryCgroup  # noqa: E402
 from _common import environment, format_table, set_threads, write_json, zipf_ids  # noqa: E402
 
 from recscale.embedding import RowWiseAdagrad, TableBatchedEmbeddingBags, TableConfig  # noqa: E402
-from recscale.embedding.tier_file import RowFile  # noqa: E402
+from recscale.embedding.tier_file import CHUNK_BLOCKS, PAGE, RowFile  # noqa: E402
 from recscale.embedding.tier_hooks import (  # noqa: E402
     announce_batch, begin_batch, close_tiers, tier_stats, tiered_storages,
 )
 from recscale.embedding.tier_sim import belady_hit_rate, replay_hit_rate  # noqa: E402
-from recscale.embedding.tiered import TierSettings, tiered_storage_factory  # noqa: E402
+from recscale.embedding.tiered import TierRam, TierSettings, tier_ram, tiered_storage_factory  # noqa: E402
 from recscale.planner.miss_curve import zipf_access  # noqa: E402
 from recscale.sparse import JaggedBatch  # noqa: E402
 
 SHARES = (0.05, 0.10, 0.25, 0.50)
 TRAIN_SHARE = 0.25  # the throughput runs' cache: this share of each table, if the budget holds it
+POOL_MB = 16.0  # per table: the pool of known block images (``TierSettings.block_pool_bytes``)
 HEADROOM_MB = 256  # --cgroup-mb auto: the step's working memory above the baseline and the tier
 _CHILD_TAG = "@@tier-child "
 
@@ -138,25 +141,29 @@ def train_rate(tables, trace: Trace, placement, settings, lookahead: int, warmup
     return samples / seconds, stall / seconds, misses / (len(trace) - warmup), rereads
 
 
-def tier_ram_bytes(rows: int, cache: int, dim: int, state_cols: int = 1) -> tuple[int, int]:
-    """(cache, index) bytes one table on the tier holds in RAM (fp32 rows, row-wise Adagrad):
-    the cache slots' weights and state; and the tier's bookkeeping, per slot (its row, last
-    use, use count, its row's ``lookahead`` use count, dirty flag, slot-to-row map) and per
-    table row (row-to-slot map, write-back generation, staged-copy key, ``lookahead`` use
-    count, the file's row-to-record map, free-record flag and block generations)."""
-    per_slot = 8 + 8 + 8 + 4 + 1 + 8
-    per_row = 4 + 4 + 8 + 4 + 8 + 1 + 1
-    return cache * (4 * dim + 4 * state_cols), cache * per_slot + rows * per_row
+def tier_ram_bytes(rows: int, cache: int, dim: int, state_cols: int = 1, pool_mb: float = POOL_MB) -> TierRam:
+    """RAM one table on the tier holds (fp32 rows, row-wise Adagrad, ``lookahead``): the cache,
+    its per-slot and per-row bookkeeping and the pool of known blocks (``tier_ram``)."""
+    return tier_ram(rows, cache, 4 * dim + 4 * state_cols, "lookahead", int(pool_mb * 2**20))
 
 
-def choose_cache(tables: list[TableConfig], low: int, budget_mb: int) -> int:
+def in_flight_bytes(low: int, dim: int, prefetch: int, io_threads: int, state_cols: int = 1) -> int:
+    """RAM of the reads in flight, all tables together, at most: the records of one batch's
+    distinct rows (``low``, per table) for each batch read ahead and the one training, and a
+    chunk of blocks per reading thread (``CHUNK_BLOCKS``)."""
+    return (prefetch + 1) * low * (4 * dim + 4 * state_cols) + io_threads * CHUNK_BLOCKS * PAGE
+
+
+def choose_cache(tables: list[TableConfig], low: int, budget_mb: int, reserved: int = 0) -> int:
     """The throughput runs' cache rows per table: ``TRAIN_SHARE`` of the rows, or the most
-    the tier budget holds (cache and bookkeeping of every table) if that is less."""
+    the tier budget holds (cache, bookkeeping and block pool of every table, and ``reserved``
+    bytes for the reads in flight) if that is less."""
     rows, dim, n = tables[0].num_rows, tables[0].dim, len(tables)
     cache = max(low, int(TRAIN_SHARE * rows))
-    if budget_mb and n * sum(tier_ram_bytes(rows, cache, dim)) > budget_mb << 20:
-        slot_bytes = sum(tier_ram_bytes(rows, 1, dim)) - sum(tier_ram_bytes(rows, 0, dim))
-        fit = ((budget_mb << 20) // n - sum(tier_ram_bytes(rows, 0, dim))) // slot_bytes
+    budget = (budget_mb << 20) - reserved
+    if budget_mb and n * tier_ram_bytes(rows, cache, dim).total > budget:
+        slot_bytes = tier_ram_bytes(rows, 1, dim).total - tier_ram_bytes(rows, 0, dim).total
+        fit = (budget // n - tier_ram_bytes(rows, 0, dim).total) // slot_bytes
         if fit < low:
             raise SystemExit(f"--tier-budget-mb {budget_mb}: {n} tables of {rows:,} rows leave room for {max(fit, 0):,} cached "
                              f"rows per table, fewer than one batch's {low:,} distinct rows; raise the budget")
@@ -191,13 +198,14 @@ def hit_rates(table: TableConfig, sim_steps: int, batch: int, pooling: int, wind
     print()
 
 
-def tier_runs(tables: list[TableConfig], trace: Trace, cache: int, ssd_dir: str, window: int, prefetch: int) -> dict:
+def tier_runs(tables: list[TableConfig], trace: Trace, cache: int, ssd_dir: str, window: int, prefetch: int,
+              warmup: int | None = None) -> dict:
     """The two tier throughput runs (with and without prefetch) at ``cache`` rows per table."""
     place = {t.name: ("ssd", cache) for t in tables}
-    warm = max(2, len(trace) // 6)
+    warm = max(2, len(trace) // 6) if warmup is None else warmup
     out = {}
     for name, k in (("tier, prefetch", prefetch), ("tier, no prefetch", 0)):
-        settings = TierSettings(ssd_dir, "lookahead", window, 8, k)
+        settings = TierSettings(ssd_dir, "lookahead", window, 8, k, int(POOL_MB * 2**20))
         rate, stall, misses, rereads = train_rate(tables, trace, place, settings, window, warm)
         out[name] = {"prefetch_batches": k, "samples_per_s": rate, "io_stall_fraction": stall,
                      "missed_rows_per_step": misses, "write_back_page_rereads": rereads}
@@ -214,7 +222,7 @@ def _child_main(spec: str) -> None:
     print(_CHILD_TAG + json.dumps({"ready": True}), flush=True)
     if sys.stdin.readline().strip() != "go":
         return
-    runs = tier_runs(tables, trace, p["cache"], p["ssd_dir"], p["window"], p["prefetch"])
+    runs = tier_runs(tables, trace, p["cache"], p["ssd_dir"], p["window"], p["prefetch"], p.get("warmup"))
     print(_CHILD_TAG + json.dumps({"runs": runs}), flush=True)
 
 
@@ -259,7 +267,7 @@ def tier_runs_in_cgroup(spec: dict, cgroup_mb: int | None, budget_mb: int, resul
 
 
 def throughput(tables: list[TableConfig], steps: int, batch: int, pooling: int, ssd_dir: str, window: int, prefetch: int,
-               threads: int, budget_mb: int, cgroup: str, result: dict) -> bool:
+               threads: int, budget_mb: int, cgroup: str, result: dict, warmup: int | None = None) -> bool:
     """Training throughput at a 25% cache (or the most ``budget_mb`` holds), Zipf 1.05: all in
     RAM, the tier with and without prefetch (``window`` batches announced to eviction either
     way); the tier runs in a memory cgroup if ``cgroup`` ('auto' or MiB) is given. False if
@@ -267,22 +275,29 @@ def throughput(tables: list[TableConfig], steps: int, batch: int, pooling: int, 
     trace = Trace(tables, steps, batch, pooling, 1.05, seed=3)
     rows, dim = tables[0].num_rows, tables[0].dim
     low = max(trace.distinct(i, k).size for i in range(len(trace)) for k in range(len(tables)))
-    cache = choose_cache(tables, low, budget_mb)
-    cache_b, index_b = (len(tables) * b for b in tier_ram_bytes(rows, cache, dim))
-    mib = 2**20
-    print(f"tier: {cache:,} cached rows per table ({cache / rows:.1%} of {rows:,}); cache {cache_b / mib:,.0f} MiB + "
-          f"bookkeeping {index_b / mib:,.0f} MiB = {(cache_b + index_b) / mib:,.0f} MiB of the {budget_mb:,} MiB tier budget")
-    result["throughput_cache"] = {"cache_rows": cache, "share": cache / rows, "cache_mb": cache_b / mib,
-                                  "bookkeeping_mb": index_b / mib, "tier_budget_mb": budget_mb}
-    ram_rate, _, _, _ = train_rate(tables, trace, None, None, 0, max(2, steps // 6))
+    flight = in_flight_bytes(low, dim, prefetch, 8)
+    cache = choose_cache(tables, low, budget_mb, flight)
+    ram = tier_ram_bytes(rows, cache, dim)
+    mib, n = 2**20, len(tables)
+    parts = {"cache_mb": n * ram.cache / mib, "slot_bookkeeping_mb": n * ram.slots / mib,
+             "row_bookkeeping_mb": n * ram.rows / mib, "block_pool_mb": n * ram.pool / mib, "reads_in_flight_mb": flight / mib}
+    total = sum(parts.values())
+    print(f"tier: {cache:,} cached rows per table ({cache / rows:.1%} of {rows:,}); cache {parts['cache_mb']:,.0f} MiB + "
+          f"bookkeeping {parts['slot_bookkeeping_mb']:,.0f} MiB per slot, {parts['row_bookkeeping_mb']:,.0f} MiB per row + "
+          f"block pool {parts['block_pool_mb']:,.0f} MiB + reads in flight {flight / mib:,.0f} MiB = {total:,.0f} MiB "
+          f"of the {budget_mb:,} MiB tier budget")
+    result["throughput_cache"] = {"cache_rows": cache, "share": cache / rows, **parts, "total_mb": total,
+                                  "tier_budget_mb": budget_mb}
+    ram_rate, _, _, _ = train_rate(tables, trace, None, None, 0, max(2, steps // 6) if warmup is None else warmup)
     result["throughput"]["ram"] = {"samples_per_s": ram_rate}
     if cgroup:
         del trace  # the child makes its own (the same seed: the same batches)
         spec = {"threads": threads, "tables": len(tables), "rows": rows, "dim": dim, "steps": steps, "batch": batch,
-                "pooling": pooling, "cache": cache, "ssd_dir": ssd_dir, "window": window, "prefetch": prefetch}
+                "pooling": pooling, "cache": cache, "ssd_dir": ssd_dir, "window": window, "prefetch": prefetch,
+                "warmup": warmup}
         runs = tier_runs_in_cgroup(spec, None if cgroup == "auto" else int(cgroup), budget_mb, result)
     else:
-        runs = tier_runs(tables, trace, cache, ssd_dir, window, prefetch)
+        runs = tier_runs(tables, trace, cache, ssd_dir, window, prefetch, warmup)
     tp_rows = [["all in RAM", f"{ram_rate:,.0f}", "1.00", "-", "-"]]
     for name, r in (runs or {}).items():
         r["share_of_ram"] = r["samples_per_s"] / ram_rate
@@ -384,6 +399,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=None, help="batch size (default 4096; --quick 128)")
     ap.add_argument("--pooling", type=int, default=None, help="ids per sample and table (default 20; --quick 8)")
     ap.add_argument("--steps", type=int, default=None, help="timed training steps (default 120; --quick 16)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="of --steps, the first ones not timed: the cache filling (default a sixth)")
     ap.add_argument("--sim-steps", type=int, default=None, help="batches of the hit-rate trace (default 200; --quick 24)")
     ap.add_argument("--parts", default="hits,train,disk", help="comma list of the parts to run: hits, train, disk")
     ap.add_argument("--tier-budget-mb", type=int, default=2048,
@@ -420,7 +437,7 @@ def main() -> None:
     if "train" in parts:
         try:
             ok = throughput(tables, steps, batch, pooling, ssd_dir, args.window, args.prefetch, threads, args.tier_budget_mb,
-                            args.cgroup_mb, result)
+                            args.cgroup_mb, result, args.warmup)
         except CgroupError as e:
             ap.error(str(e))
     if "disk" in parts:

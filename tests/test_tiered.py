@@ -168,7 +168,7 @@ def test_prefetched_copy_of_a_row_written_back_after_its_read_is_dropped(tmp_pat
     # Re-stage by hand a copy read before the update (generation 0), as a buggy prefetch
     # would keep it; the next admission of row 5 must drop it and read the file.
     seg = st_.segments[0]
-    seg.stage_key[5] = (seg.next_read - 1) << 32
+    seg.stage_key[5] = seg.next_read - 1
     old = np.zeros((1, seg.file.record_bytes), dtype=np.uint8)
     seg.reads[seg.next_read - 1] = _Read(0, torch.tensor([5]), torch.tensor([0], dtype=torch.int32), old, [])
     slot = st_.slots_for(torch.tensor([5]))

@@ -33,8 +33,9 @@ class EvictionPolicy:
         if name not in POLICIES:
             raise ValueError(f"tiers.policy: expected one of {list(POLICIES)}, got {name!r}")
         self.name = name
-        self.last_use = torch.zeros(slots, dtype=torch.int64)
-        self.freq = torch.zeros(slots, dtype=torch.int64)
+        # int32: a tick per batch and a use per batch stay far below 2^31 in any run.
+        self.last_use = torch.zeros(slots, dtype=torch.int32)
+        self.freq = torch.zeros(slots, dtype=torch.int32)
 
     def admitted(self, slots: torch.Tensor) -> None:
         """``slots`` now hold new rows: their history starts afresh."""
@@ -43,17 +44,17 @@ class EvictionPolicy:
     def used(self, slots: torch.Tensor, tick: int) -> None:
         """``slots`` serve the lookup of batch ``tick`` (unique slots)."""
         self.last_use.index_fill_(0, slots, tick)
-        self.freq.index_add_(0, slots, torch.ones_like(slots))
+        self.freq.index_add_(0, slots, torch.ones(slots.numel(), dtype=torch.int32))
 
     def rank(self, next_use: torch.Tensor | None, uses: torch.Tensor | None = None) -> torch.Tensor:
         """Eviction key per slot, larger = evict first. ``next_use``: for each slot the index of
         the next window batch that needs it, or -1 for none; ``uses``: for each slot the batches
         that looked its row up so far (both ``lookahead`` only)."""
-        age = (1 << _TICK_BITS) - 1 - self.last_use  # older: larger
+        age = (1 << _TICK_BITS) - 1 - self.last_use.to(torch.int64)  # older: larger
         if self.name == "lru":
             return age
         if self.name == "lfu":
-            rare = ((1 << 20) - 1 - self.freq.clamp(max=(1 << 20) - 1)) << _TICK_BITS
+            rare = ((1 << 20) - 1 - self.freq.to(torch.int64).clamp(max=(1 << 20) - 1)) << _TICK_BITS
             return rare + age
         if next_use is None:
             return age

@@ -17,13 +17,20 @@ generation says whether a copy read earlier is still its content). The map is wr
 
 The page cache is kept from becoming a second, unbounded cache with ``posix_fadvise`` rather
 than ``O_DIRECT``: direct I/O fails on tmpfs. The file is opened ``POSIX_FADV_RANDOM`` (no
-read-ahead); every page a read or write touches is counted, and once ``FLUSH_BYTES`` of pages
-have been touched the file is flushed (``fdatasync``) and all its pages dropped (``DONTNEED``),
-so the page cache holds at most that much of the file plus the I/O in flight.
+read-ahead). The reads that admit rows drop each chunk's pages as soon as it is read, and
+request at most ``ADVISE_BLOCKS`` ahead; a write-back is flushed (``fdatasync``) and its pages
+dropped when its job ends. Every other page a read or write touches is counted, and once
+``FLUSH_BYTES`` of them have been touched the file is flushed and all its pages dropped
+(``DONTNEED``), so the page cache holds at most that much of the file plus the I/O in flight.
 
-Queue depth: before reading a set of blocks, ``prefetch_pages`` asks the kernel for all of them
-at once (``POSIX_FADV_WILLNEED``, asynchronous), so the device sees the whole set in flight
-instead of one read per thread.
+Only the roomiest blocks a read brings in keep their images (``BlockRead``), in a pool of at
+most ``pool_blocks`` per file: write-backs fill its blocks and patch the pooled images, which
+so stay the blocks' content. RAM beyond the cache is then the pool, the records of the reads
+in flight and a chunk of blocks per reading thread, whatever the batch.
+
+Queue depth: before reading a set of blocks, the kernel is asked for many of them at once
+(``POSIX_FADV_WILLNEED``, asynchronous), so the device sees them in flight together instead of
+one read per thread.
 """
 
 from __future__ import annotations
@@ -47,6 +54,13 @@ PAGE = 4096
 FLUSH_BYTES = 64 << 20
 # Reads of fewer rows run on the calling thread: a pool round trip costs more than they do.
 INLINE_ROWS = 32
+# The pool of known block images of one file, unless set (``RowFile.set_pool_bytes``).
+DEFAULT_POOL_BYTES = 16 << 20
+# Blocks read into one scratch buffer at a time: a read's transient RAM, whatever its size.
+CHUNK_BLOCKS = 256
+# Blocks of one read requested from the kernel ahead of the one being read: the queue depth
+# the device sees, and the most page cache a read brings in at once (8 MiB of 4 KiB blocks).
+ADVISE_BLOCKS = 2048
 _ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
@@ -110,15 +124,20 @@ def _check_dir(table: str, ssd_dir: Path) -> None:
 @dataclass
 class BlockRead:
     """Whole blocks read for some rows: planned on the training thread (``RowFile.plan``), run on
-    any thread (``RowFile.read_blocks``). ``gens`` are the blocks' generations at planning: an
-    image whose block was written since is not its content any more."""
+    any thread (``RowFile.read_blocks``). Of the blocks read, only the images of ``held`` are
+    kept (the blocks with the most room for write-backs, enough for as many victims as rows
+    read): the rest are dropped once their records are taken, so a read costs RAM for its
+    records and a few blocks, not a block per row. ``gens`` are the held blocks' generations
+    at planning: an image whose block was written since is not its content any more."""
 
     rows: np.ndarray
     slots: np.ndarray
-    blocks: np.ndarray  # ascending, unique
-    gens: np.ndarray
-    images: np.ndarray  # [blocks, block_bytes]
+    blocks: np.ndarray  # ascending, unique: every block read
     where: np.ndarray  # per row, its block's position in ``blocks``
+    held: np.ndarray  # ascending: the blocks whose images go to the pool
+    gens: np.ndarray  # per held block, its generation at planning
+    pending: np.ndarray  # per held block, the rows read from it (free once admitted)
+    done: bool = False  # its rows admitted or dropped: ``pending`` no longer counts
 
 
 @dataclass
@@ -138,11 +157,20 @@ class RowFile:
         self.record_bytes = meta.record_bytes
         self.per_block, self.block_bytes = meta.per_block, meta.block_bytes
         slots = meta.num_blocks * meta.per_block
-        self.loc = np.arange(meta.num_rows, dtype=np.int64) if loc is None else loc  # row -> slot, -1 cached
+        # Row -> slot (-1: cached) in int32 where the slots allow: 4 bytes a row, not 8.
+        self.slot_dtype = slot_dtype(slots)
+        self.loc = np.arange(meta.num_rows, dtype=self.slot_dtype) if loc is None else loc.astype(self.slot_dtype)
         self.free = np.ones(slots, dtype=bool)
         self.free[self.loc[self.loc >= 0]] = False
-        self.block_gen = np.zeros(meta.num_blocks, dtype=np.int64)  # writes of each block so far
+        # Writes of each block so far (compared for equality only: wrapping is harmless).
+        self.block_gen = np.zeros(meta.num_blocks, dtype=np.int32)
         self.rereads = 0  # blocks written without their content known (the kernel reads them)
+        # Images of blocks whose content is known (block -> image, and its generation then):
+        # where write-backs go. At most ``pool_blocks`` (``DEFAULT_POOL_BYTES`` unless set).
+        self.pool: dict[int, np.ndarray] = {}
+        self.pool_gen: dict[int, int] = {}
+        self.pool_blocks = max(1, DEFAULT_POOL_BYTES // meta.block_bytes)
+        self.pending = np.zeros(meta.num_blocks, dtype=np.int32)  # rows read, not yet admitted, per block
         self._touched = 0
         self._lock = threading.Lock()
 
@@ -242,13 +270,22 @@ class RowFile:
         if bool((self.loc < 0).any()):
             raise TierError(f"table '{self.meta.table}': closing the tier file with rows still only in the cache; "
                             "write them back first")
-        _pwrite_all(self.fd, memoryview(self.loc).cast("B"), self.meta.map_offset)
+        step = 1 << 20  # the map on disk is int64 whatever ``loc`` holds: converted a chunk at a time
+        for start in range(0, self.loc.size, step):
+            part = np.ascontiguousarray(self.loc[start : start + step], dtype=np.int64)
+            _pwrite_all(self.fd, memoryview(part).cast("B"), self.meta.map_offset + 8 * start)
         os.fdatasync(self.fd)
         os.pwrite(self.fd, self.meta.header(clean=True), 0)
         os.fdatasync(self.fd)
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(self.fd)
         self.fd = -1
+
+    def set_pool_bytes(self, nbytes: int) -> None:
+        """Cap the pool of known block images at ``nbytes`` (at least one block)."""
+        self.pool_blocks = max(1, int(nbytes) // self.block_bytes)
+        with self._lock:
+            self._prune_pool(self.pool_blocks)
 
     # ------------------------------------------------------------------ slots
     def offsets(self, slots: np.ndarray) -> np.ndarray:
@@ -320,65 +357,136 @@ class RowFile:
             self._count_blocks(np.arange(nb))
 
     def plan(self, rows: np.ndarray) -> BlockRead:
-        """The whole-block read of ``rows`` (training thread: slots and generations as of now)."""
+        """The whole-block read of ``rows`` (training thread: slots and generations as of now).
+        Held for write-backs: the blocks with the most room (free slots now plus the slots of
+        ``rows``, free once they are admitted), most first, until their room holds one victim
+        per row read and a block more: every admission evicts at most as many rows as it
+        reads, so the held images of its reads have room for all of its victims."""
         slots = self._slots(rows)
         blocks, where = np.unique(slots // self.per_block, return_inverse=True)
-        return BlockRead(rows, slots, blocks, self.block_gen[blocks].copy(),
-                         np.empty((blocks.size, self.block_bytes), dtype=np.uint8), where.reshape(-1))
+        where = where.reshape(-1)
+        per = self.per_block
+        room = self.free[(blocks[:, None] * per + np.arange(per)).reshape(-1)].reshape(-1, per).sum(1)
+        mine = np.bincount(where, minlength=blocks.size)
+        room += mine
+        order = np.argsort(-room, kind="stable")
+        need = rows.size + per
+        take = np.sort(order[: int(np.searchsorted(np.cumsum(room[order]), need)) + 1])
+        held = blocks[take]
+        self.pending[held] += mine[take]
+        return BlockRead(rows, slots, blocks, where, held, self.block_gen[held].copy(), mine[take].astype(np.int32))
 
     def read_blocks(self, plan: BlockRead, out: np.ndarray, advise: bool = True) -> None:
-        """Run ``plan``: its blocks into ``plan.images`` (adjacent blocks one read each, all
-        requested first), its rows' records into ``out`` ``[n, record_bytes]``."""
-        if advise and plan.blocks.size > 1:
-            self._advise(plan.blocks)
-        for a, b in _runs(plan.blocks):
-            off = HEADER_BYTES + int(plan.blocks[a]) * self.block_bytes
-            _pread_all(self.fd, memoryview(plan.images[a:b]).cast("B"), off, self.meta.table, self.path)
-        pos = (plan.slots % self.per_block) * self.record_bytes
-        idx = plan.where[:, None] * self.block_bytes + pos[:, None] + np.arange(self.record_bytes)
-        out[:] = plan.images.reshape(-1)[idx]
+        """Run ``plan``: its blocks (adjacent blocks one read each, requested ``ADVISE_BLOCKS``
+        ahead, at most ``CHUNK_BLOCKS`` in RAM at a time and their pages dropped once read),
+        its rows' records into ``out`` ``[n, record_bytes]``,
+        the held blocks' images to the pool of known blocks (``_offer``)."""
+        per, rec, bb = self.per_block, self.record_bytes, self.block_bytes
+        by_block = np.argsort(plan.where, kind="stable")  # rows in block order
+        row_at = np.searchsorted(plan.where[by_block], np.arange(plan.blocks.size + 1))
+        held_at = np.searchsorted(plan.blocks, plan.held)  # each held block's position in ``blocks``
+        scratch = np.empty((min(CHUNK_BLOCKS, plan.blocks.size), bb), dtype=np.uint8)
+        pieces = [(a, min(b0, a + CHUNK_BLOCKS)) for a0, b0 in _runs(plan.blocks) for a in range(a0, b0, CHUNK_BLOCKS)]
+        asked = 0  # blocks requested ahead so far: at most ADVISE_BLOCKS beyond those read
+        for a, b in pieces:
+            if advise and plan.blocks.size > 1 and asked < min(plan.blocks.size, b + ADVISE_BLOCKS):
+                upto = min(plan.blocks.size, b + ADVISE_BLOCKS)
+                self._advise(plan.blocks[asked:upto])
+                asked = upto
+            buf = scratch[: b - a]
+            off = HEADER_BYTES + int(plan.blocks[a]) * bb
+            _pread_all(self.fd, memoryview(buf).cast("B"), off, self.meta.table, self.path)
+            # Read once: its pages go now, not at the next flush (the page cache is RAM too).
+            os.posix_fadvise(self.fd, off, (b - a) * bb, os.POSIX_FADV_DONTNEED)
+            sel = by_block[row_at[a] : row_at[b]]
+            out[sel] = _records(buf, per, rec)[plan.where[sel] - a, plan.slots[sel] % per]
+            h0, h1 = np.searchsorted(held_at, [a, b])
+            for h in range(h0, h1):
+                self._offer(int(plan.held[h]), int(plan.gens[h]), buf[held_at[h] - a])
         self._count_blocks(plan.blocks)
 
-    def place(self, rows: np.ndarray, data: np.ndarray, known: list[BlockRead]) -> WriteJob:
+    def place(self, rows: np.ndarray, data: np.ndarray) -> WriteJob:
         """Give ``rows`` (cached, to be written back) new slots and their records ``data``:
-        free slots of blocks whose content ``known`` holds (read, not written since) first,
-        each such block then written whole; the rest into other free slots. Old slots are
-        freed. Training thread; run the job with ``write_job`` (nothing in flight on this file)."""
+        free slots of the pooled blocks (content known: read, or written whole, and not
+        written since), the roomiest first, each such block then written whole; the rest into
+        other free slots. Old slots are freed. Training thread; run the job with ``write_job``
+        (nothing in flight on this file)."""
         per, rec, bb = self.per_block, self.record_bytes, self.block_bytes
-        # Each valid block once, from the first plan holding it: (block, plan, position).
-        parts = [(p.blocks[v], np.full(v.size, k), v) for k, p in enumerate(known)
-                 for v in [np.flatnonzero(p.gens == self.block_gen[p.blocks])]]
-        blk_all = np.concatenate([b for b, _, _ in parts]) if parts else np.empty(0, np.int64)
-        blocks, first = np.unique(blk_all, return_index=True)
-        owner = np.concatenate([k for _, k, _ in parts])[first] if parts else first
-        pos = np.concatenate([v for _, _, v in parts])[first] if parts else first
-        cand = (blocks[:, None] * per + np.arange(per)).reshape(-1)
-        cand = cand[self.free[cand]][: rows.size]
-        slots = cand
-        if cand.size < rows.size:  # not enough room in known blocks: write into others
-            other = np.flatnonzero(self.free)
-            other = other[~np.isin(other, cand)][: rows.size - cand.size]
-            slots = np.concatenate([cand, other])
-        self._assign(rows, slots)
-        job = WriteJob([], [])
-        at = np.searchsorted(blocks, cand // per)  # each placed row's block among ``blocks``
-        used = np.unique(at)
-        self.block_gen[blocks[used]] += 1
-        for k in np.unique(owner[used]).tolist():
-            plan = known[k]
-            mine = owner[at] == k
-            i = pos[at[mine]]
-            idx = i[:, None] * bb + (cand[mine] % per)[:, None] * rec + np.arange(rec)
-            plan.images.reshape(-1)[idx] = data[: cand.size][mine]
-            blk_i = pos[used[owner[used] == k]]
-            plan.gens[blk_i] = self.block_gen[plan.blocks[blk_i]]  # patched: the blocks' content again
-            job.blocks += [(HEADER_BYTES + int(plan.blocks[j]) * bb, plan.images[j]) for j in blk_i.tolist()]
-        loose = slots[cand.size :]
-        self.block_gen[np.unique(loose // per)] += 1
-        job.records = [(int(o), data[cand.size + j]) for j, o in enumerate(self.offsets(loose).tolist())]
         with self._lock:
+            self._prune_pool(0)
+            blocks = np.fromiter(self.pool, dtype=np.int64, count=len(self.pool))
+            room = self._room(blocks)
+            blocks = blocks[np.argsort(-room, kind="stable")]
+            cand = (blocks[:, None] * per + np.arange(per)).reshape(-1)
+            cand = cand[self.free[cand]][: rows.size]
+            slots = cand
+            if cand.size < rows.size:  # not enough room in known blocks: write into others
+                other = np.flatnonzero(self.free)
+                other = other[~np.isin(other, cand)][: rows.size - cand.size]
+                slots = np.concatenate([cand, other])
+            self._assign(rows, slots)
+            job = WriteJob([], [])
+            placed = cand // per
+            used = np.unique(placed)
+            self.block_gen[used] += 1
+            order = np.argsort(placed, kind="stable")
+            edges = np.searchsorted(placed[order], used)
+            for j, blk in enumerate(used.tolist()):
+                i = order[edges[j] : edges[j + 1] if j + 1 < used.size else order.size]
+                image = self.pool[blk]
+                _records(image[None], per, rec)[0, cand[i] % per] = data[i]
+                self.pool_gen[blk] = int(self.block_gen[blk])  # patched: the block's content again
+                job.blocks.append((HEADER_BYTES + blk * bb, image))
+            loose = slots[cand.size :]
+            self.block_gen[np.unique(loose // per)] += 1
+            job.records = [(int(o), data[cand.size + j]) for j, o in enumerate(self.offsets(loose).tolist())]
             self.rereads += int(np.unique(loose // per).size)
+            self._prune_pool(self.pool_blocks // 2)  # room for the images of the next admissions
         return job
+
+    def _room(self, blocks: np.ndarray) -> np.ndarray:
+        """Free record slots of each of ``blocks``."""
+        per = self.per_block
+        return self.free[(blocks[:, None] * per + np.arange(per)).reshape(-1)].reshape(-1, per).sum(1)
+
+    def plan_done(self, plan: BlockRead) -> None:
+        """``plan``'s rows are admitted (their slots free now) or will not be: its blocks no
+        longer count them as room to come. Training thread; once per plan, later calls no-ops."""
+        if not plan.done:
+            plan.done = True
+            self.pending[plan.held] -= plan.pending
+
+    def _offer(self, block: int, gen: int, image: np.ndarray) -> None:
+        """Pool ``image``, read of ``block`` at generation ``gen``, if that is still the block's
+        content, the pool has no current image of it and has room (any thread)."""
+        with self._lock:
+            if len(self.pool) >= self.pool_blocks or int(self.block_gen[block]) != gen:
+                return
+            if self.pool_gen.get(block) == gen:
+                return
+            self.pool[block] = image.copy()
+            self.pool_gen[block] = gen
+
+    def _prune_pool(self, keep: int) -> None:
+        """Drop pooled images that are stale or of blocks with no room (free slots, or slots of
+        rows read and about to be admitted); then all but the ``keep`` roomiest (``keep`` 0:
+        no limit). Call with the lock held."""
+        blocks = np.fromiter(self.pool, dtype=np.int64, count=len(self.pool))
+        if blocks.size == 0:
+            return
+        gens = np.fromiter((self.pool_gen[b] for b in blocks.tolist()), dtype=np.int64, count=blocks.size)
+        room = self._room(blocks) + self.pending[blocks]
+        drop = (gens != self.block_gen[blocks]) | (room == 0)
+        if keep and int((~drop).sum()) > keep:
+            live = np.flatnonzero(~drop)
+            drop[live[np.argsort(-room[live], kind="stable")[keep:]]] = True
+        for b in blocks[drop].tolist():
+            del self.pool[b], self.pool_gen[b]
+
+    @property
+    def pool_bytes(self) -> int:
+        """RAM the pooled block images take now."""
+        return len(self.pool) * self.block_bytes
 
     def _assign(self, rows: np.ndarray, slots: np.ndarray) -> None:
         old = self.loc[rows]
@@ -392,8 +500,14 @@ class RowFile:
             _pwrite_all(self.fd, memoryview(image).cast("B"), off)
         for off, rec in job.records:
             _pwrite_all(self.fd, memoryview(np.ascontiguousarray(rec)).cast("B"), off)
-        with self._lock:
-            self._touched += (len(job.blocks) * self.block_bytes + len(job.records) * PAGE)
+        if job.blocks or job.records:
+            # Written back once: flushed and dropped now, so the page cache holds no write-back's
+            # dirty pages past its job (a memory cgroup cannot reclaim them before they are written).
+            os.fdatasync(self.fd)
+            bb = self.block_bytes
+            blocks = np.unique([(o - HEADER_BYTES) // bb for o, _ in job.blocks + job.records])
+            for a, b in _runs(blocks):
+                os.posix_fadvise(self.fd, HEADER_BYTES + int(blocks[a]) * bb, (b - a) * bb, os.POSIX_FADV_DONTNEED)
 
     def write(self, rows: np.ndarray, data: np.ndarray, advise: bool = True) -> None:
         """Records of ``rows`` from ``data`` in place; a row living in the cache first gets a
@@ -440,6 +554,18 @@ class RowFile:
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
             with self._lock:
                 self._touched = 0
+
+
+def slot_dtype(n: int) -> type:
+    """The integer type of slot or row numbers below ``n``: int32 where they fit."""
+    return np.int32 if n < 2**31 else np.int64
+
+
+def _records(images: np.ndarray, per: int, rec: int) -> np.ndarray:
+    """``[blocks, per, rec]`` view of the record slots of block ``images`` ``[blocks, block_bytes]``
+    (a view: indexing it reads or writes the images, with no per-byte index array)."""
+    n = images.shape[0]
+    return np.lib.stride_tricks.as_strided(images, (n, per, rec), (images.strides[0], rec, 1))
 
 
 def _group(keys: np.ndarray, idx: np.ndarray) -> list[tuple[int, np.ndarray]]:

@@ -40,10 +40,13 @@ class NullRowFile(RowFile):
 
     def plan(self, rows: np.ndarray) -> BlockRead:
         none = np.empty(0, dtype=np.int64)
-        return BlockRead(rows, none, none, none, np.empty((0, self.block_bytes), dtype=np.uint8), none)
+        return BlockRead(rows, none, none, none, none, none, none)
 
     def read_blocks(self, plan: BlockRead, out: np.ndarray, advise: bool = True) -> None:
         out[:] = 0
+
+    def plan_done(self, plan: BlockRead) -> None:
+        pass
 
     def read(self, rows: np.ndarray, out: np.ndarray, advise: bool = True) -> None:
         out[:] = 0
@@ -54,7 +57,7 @@ class NullRowFile(RowFile):
     def release(self, rows: np.ndarray) -> None:
         pass
 
-    def place(self, rows: np.ndarray, data: np.ndarray, known: list[BlockRead]) -> WriteJob:
+    def place(self, rows: np.ndarray, data: np.ndarray) -> WriteJob:
         return WriteJob([], [])
 
     def write_job(self, job: WriteJob) -> None:

@@ -36,7 +36,7 @@ import torch
 from recscale.embedding.config import TableConfig
 from recscale.embedding.eviction import EvictionPolicy
 from recscale.embedding.storage import DenseRowStorage, RowStorage
-from recscale.embedding.tier_file import FLUSH_BYTES, PAGE, BlockRead, RowFile, TierError, TierFileMeta, decode, encode
+from recscale.embedding.tier_file import DEFAULT_POOL_BYTES, FLUSH_BYTES, PAGE, BlockRead, RowFile, TierError, TierFileMeta, decode, encode
 from recscale.sparse import SparseInputError
 
 Placement = Literal["ram", "ssd"]
@@ -51,13 +51,51 @@ FileFactory = Callable[[str, TierFileMeta, Callable[[int, int], tuple[torch.Tens
 class TierSettings:
     """How the SSD tier runs: where its files live, the policy, how far ahead batches are
     announced (``lookahead_batches``: what eviction knows) and how many of them have their
-    missing rows read ahead (``prefetch_batches``; None: every announced batch)."""
+    missing rows read ahead (``prefetch_batches``; None: every announced batch);
+    ``block_pool_bytes``: RAM per SSD table for the images of blocks whose content is known,
+    where write-backs go whole (``tier_file``)."""
 
     ssd_dir: str
     policy: str = "lookahead"
     lookahead_batches: int = 2
     io_threads: int = 8
     prefetch_batches: int | None = None
+    block_pool_bytes: int = DEFAULT_POOL_BYTES  # per table: images of blocks write-backs may fill
+
+
+@dataclass(frozen=True)
+class TierRam:
+    """RAM one SSD-placed table holds (bytes): its cache slots' rows and optimizer state
+    (``cache``); the bookkeeping per cache slot (``slots``: its row, last use, use count, its
+    row's use count, dirty flag, slot-to-row map) and per table row (``rows``: row-to-slot
+    maps of the cache and the file, write-back generation, staged read, use count, the
+    file's free-slot flags and per-block generations and pending counts); the pool of known
+    block images (``pool``)."""
+
+    cache: int
+    slots: int
+    rows: int
+    pool: int
+
+    @property
+    def total(self) -> int:
+        return self.cache + self.slots + self.rows + self.pool
+
+
+def tier_ram(num_rows: int, cache_rows: int, record_bytes: int, policy: str = "lookahead",
+             pool_bytes: int = DEFAULT_POOL_BYTES) -> TierRam:
+    """What ``TieredRowStorage`` holds for one table of ``num_rows`` rows behind a cache of
+    ``cache_rows`` slots (records of ``record_bytes``: weights and state); every array is
+    int32 per row or slot (see ``__init__``). The reads in flight come on top: their records
+    and a chunk of ``CHUNK_BLOCKS`` blocks per reading thread."""
+    per = max(1, PAGE // record_bytes)
+    blocks = -(-num_rows // per)
+    look = 4 if policy == "lookahead" else 0
+    per_slot = 4 + 4 + 4 + look + 1 + 4
+    per_row = 4 + 4 + 4 + look + 4
+    block_bytes = PAGE if record_bytes <= PAGE else -(-record_bytes // PAGE) * PAGE
+    pool = min(max(1, pool_bytes // block_bytes), blocks) * block_bytes  # at most every block
+    return TierRam(cache_rows * record_bytes, cache_rows * per_slot, num_rows * per_row + blocks * per + blocks * 8, pool)
 
 
 @dataclass(frozen=True)
@@ -118,15 +156,14 @@ class _Segment:
     slots: int
     file: RowFile
     policy: EvictionPolicy
-    row_of_slot: torch.Tensor  # [slots] table-local row, -1 free
-    gen: torch.Tensor  # [rows] write-backs of each row so far
-    stage_key: torch.Tensor  # [rows] (read id << 32 | position) of a staged copy, -1 none
+    row_of_slot: torch.Tensor  # [slots] table-local row, -1 free (int32)
+    gen: torch.Tensor  # [rows] write-backs of each row so far (int32, compared for equality)
+    stage_key: torch.Tensor  # [rows] read id of a staged copy, -1 none (int32)
     uses: torch.Tensor  # [rows] training batches that looked each row up (lookahead only)
     slot_uses: torch.Tensor  # [slots] ``uses`` of each slot's row, kept current (no gather of the cache)
     used: int = 0
     reads: dict[int, _Read] = field(default_factory=dict)
     writes: list = field(default_factory=list)  # futures of the last write-back, still running
-    recent: list = field(default_factory=list)  # block reads of the last admission (patched: current)
     next_read: int = 0
 
 
@@ -164,11 +201,19 @@ class TieredRowStorage(RowStorage):
         self.stats = TierStats()
         self._state_names = tuple(state_columns)
         total = sum(t.num_rows if placement[t.name][0] == "ram" else placement[t.name][1] for t in tables)
+        for t in tables:  # row and slot numbers are int32: 4 bytes a row of bookkeeping, not 8
+            if placement[t.name][0] == "ssd" and t.num_rows >= 2**31:
+                raise TierError(f"table '{self._config_name[t.name]}': {t.num_rows:,} rows, but a table on the SSD tier "
+                                f"holds fewer than 2^31 rows; shard it by rows or place it in RAM")
+        if self.num_rows >= 2**31 or total >= 2**31:
+            raise TierError(f"tables {', '.join(repr(self._config_name[t.name]) for t in tables)}: a group of same-dim "
+                            f"tables with an SSD-placed table holds fewer than 2^31 rows ({self.num_rows:,}) and slots "
+                            f"({total:,}); shard the tables by rows or place some in RAM")
         weight = torch.zeros(total, dim, dtype=dtype)
         self._cache = DenseRowStorage(weight, state_columns)
         self._dirty = torch.zeros(total, dtype=torch.bool)
         self._map = torch.full((self.num_rows,), -1, dtype=torch.int32)  # group row -> slot
-        self._fixed_slot_rows = torch.full((total,), -1, dtype=torch.int64)  # slot -> row of RAM-placed tables
+        self._fixed_slot_rows = torch.full((total,), -1, dtype=torch.int32)  # slot -> row of RAM-placed tables
         self.segments: list[_Segment] = []
         slot = 0
         for t, off in zip(tables, offsets):
@@ -176,7 +221,7 @@ class TieredRowStorage(RowStorage):
             if where == "ram":
                 weight[slot : slot + t.num_rows] = first_rows(t, 0, t.num_rows)
                 self._map[off : off + t.num_rows] = torch.arange(slot, slot + t.num_rows, dtype=torch.int32)
-                self._fixed_slot_rows[slot : slot + t.num_rows] = torch.arange(off, off + t.num_rows)
+                self._fixed_slot_rows[slot : slot + t.num_rows] = torch.arange(off, off + t.num_rows, dtype=torch.int32)
                 slot += t.num_rows
                 continue
             o = shards.get(t.name)
@@ -188,11 +233,12 @@ class TieredRowStorage(RowStorage):
 
             self.segments.append(_Segment(
                 t, off, slot, cache_rows, make_file(settings.ssd_dir, meta, init),
-                EvictionPolicy(settings.policy, cache_rows), torch.full((cache_rows,), -1, dtype=torch.int64),
-                torch.zeros(t.num_rows, dtype=torch.int32), torch.full((t.num_rows,), -1, dtype=torch.int64),
+                EvictionPolicy(settings.policy, cache_rows), torch.full((cache_rows,), -1, dtype=torch.int32),
+                torch.zeros(t.num_rows, dtype=torch.int32), torch.full((t.num_rows,), -1, dtype=torch.int32),
                 torch.zeros(t.num_rows if settings.policy == "lookahead" else 0, dtype=torch.int32),
                 torch.zeros(cache_rows if settings.policy == "lookahead" else 0, dtype=torch.int32),
             ))  # fmt: skip
+            self.segments[-1].file.set_pool_bytes(settings.block_pool_bytes)
             slot += cache_rows
         self._tick = 0
         # Modified-row tracking for differential checkpoints (off: None). The kernels mark the
@@ -246,10 +292,10 @@ class TieredRowStorage(RowStorage):
     def rows_of_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """The group rows held at cached ``slots`` (for updates that need rows, not slots: the
         whole-row statistic of a column shard)."""
-        rows = self._fixed_slot_rows[slots]
+        rows = self._fixed_slot_rows[slots].to(torch.int64)
         for seg in self.segments:
             inside = (slots >= seg.base) & (slots < seg.base + seg.slots)
-            rows[inside] = seg.row_of_slot[slots[inside] - seg.base] + seg.row_start
+            rows[inside] = seg.row_of_slot[slots[inside] - seg.base].to(torch.int64) + seg.row_start
         return rows
 
     # ------------------------------------------------------------------ cache
@@ -295,33 +341,33 @@ class TieredRowStorage(RowStorage):
                 uses = seg.slot_uses
             victims = seg.policy.victims(n - free, evictable, next_use, uses)
         seg.used = min(seg.slots, seg.used + n)
-        records, known = self._fetch(seg, missing)
+        records = self._fetch(seg, missing)
         seg.file.release(missing.numpy())  # now cached: their slots take the victims
         if victims is not None:
-            # The victims go into free slots of blocks whose content is known (just read, or
-            # written whole by the last write-back), each block written whole.
-            self._write_back(seg, victims, known + seg.recent)
+            # The victims go into free slots of blocks whose content is known (the file's pool:
+            # blocks just read, or written whole since), each block written whole.
+            self._write_back(seg, victims)
             # A victim's changed flag moves to its row before the slot takes another row.
-            self._fold_flags(victims + seg.base, seg.row_of_slot[victims] + seg.row_start)
-            self._map[seg.row_of_slot[victims] + seg.row_start] = -1
+            gone = seg.row_of_slot[victims].to(torch.int64) + seg.row_start
+            self._fold_flags(victims + seg.base, gone)
+            self._map[gone] = -1
             target = torch.cat([target, victims])
-        seg.recent = known
         w, state = decode(seg.file.meta, records, self.dtype)
         cache_slots = target + seg.base
         self._cache.scatter(cache_slots, w, state)
         self._dirty[cache_slots] = False
-        seg.row_of_slot[target] = missing
+        seg.row_of_slot[target] = missing.to(torch.int32)
         if seg.slot_uses.numel():
             seg.slot_uses[target] = seg.uses[missing]
         self._map[missing + seg.row_start] = cache_slots.to(torch.int32)
         seg.policy.admitted(target)
         seg.file.drop_pages()
 
-    def _write_back(self, seg: _Segment, victims: torch.Tensor, known: list[BlockRead]) -> None:
+    def _write_back(self, seg: _Segment, victims: torch.Tensor) -> None:
         """Write the victims that are dirty or have no slot in the file (every row admitted since
-        the last flush gave its slot up), into the blocks ``known`` holds where there is room."""
+        the last flush gave its slot up), into the file's known blocks where there is room."""
         cache_slots = victims + seg.base
-        rows = seg.row_of_slot[victims]
+        rows = seg.row_of_slot[victims].to(torch.int64)
         write = self._dirty[cache_slots] | torch.from_numpy(seg.file.loc[rows.clamp(min=0).numpy()] < 0)
         if not bool(write.any()):
             return
@@ -333,7 +379,7 @@ class TieredRowStorage(RowStorage):
         state = {k: v.index_select(0, cache_slots) for k, v in self._cache.state_tensors().items()}
         seg.gen[rows] += 1  # before the write: a read issued earlier is now known stale
         self._wait_writes(seg)
-        job = seg.file.place(rows.numpy(), encode(seg.file.meta, w, state).numpy(), known)
+        job = seg.file.place(rows.numpy(), encode(seg.file.meta, w, state).numpy())
         if self.pool is None:
             seg.file.write_job(job)
         else:
@@ -350,23 +396,22 @@ class TieredRowStorage(RowStorage):
             seg.writes = []
             self.stats.stall_seconds += time.perf_counter() - t0
 
-    def _fetch(self, seg: _Segment, rows: torch.Tensor) -> tuple[torch.Tensor, list[BlockRead]]:
+    def _fetch(self, seg: _Segment, rows: torch.Tensor) -> torch.Tensor:
         """``[n, record_bytes]`` records of ``rows`` (ascending): from valid staged copies, the
-        rest read now; and the whole-block reads they came from."""
+        rest read now (their roomiest blocks join the file's pool of known blocks)."""
         out = torch.empty(rows.numel(), seg.file.record_bytes, dtype=torch.uint8)
         key = seg.stage_key[rows]
         need = key < 0
         staged = (~need).nonzero().view(-1)
-        known: list[BlockRead] = []
         if staged.numel():
-            ids = key[staged] >> 32
+            ids = key[staged]
             for rid in torch.unique(ids).tolist():
                 read = seg.reads[rid]
                 read.wait()
                 if read.plan is not None:
-                    known.append(read.plan)
+                    seg.file.plan_done(read.plan)  # its rows' slots are free from now on
                 at = staged[ids == rid]
-                pos = key[at] & 0xFFFFFFFF
+                pos = torch.searchsorted(read.rows, rows[at])  # ``read.rows`` ascending
                 valid = read.gens[pos] == seg.gen[rows[at]]
                 out[at[valid]] = torch.from_numpy(read.out)[pos[valid]]
                 need[at[~valid]] = True
@@ -378,10 +423,10 @@ class TieredRowStorage(RowStorage):
             buf = np.empty((idx.numel(), seg.file.record_bytes), dtype=np.uint8)
             plan = seg.file.plan(rows[idx].numpy())
             seg.file.read_blocks(plan, buf)
-            known.append(plan)
+            seg.file.plan_done(plan)
             out[idx] = torch.from_numpy(buf)
         self.stats.read_bytes += rows.numel() * seg.file.record_bytes
-        return out, known
+        return out
 
     def _next_use(self, seg: _Segment) -> torch.Tensor:
         """Per cache slot, the first announced batch that needs its row (-1: none)."""
@@ -429,7 +474,7 @@ class TieredRowStorage(RowStorage):
         else:  # the reader waits for the write-back in flight, not the training thread
             read.futures = [self.pool.submit(_read_after, seg.writes, seg.file, read.plan, out)]
         seg.reads[rid] = read
-        seg.stage_key[local] = (rid << 32) | torch.arange(local.numel(), dtype=torch.int64)
+        seg.stage_key[local] = rid
 
     def begin_batch(self) -> None:
         """The next announced batch is about to run: it leaves the window, and staged copies of
@@ -442,7 +487,9 @@ class TieredRowStorage(RowStorage):
             for rid in [r for r, read in seg.reads.items() if read.seq < self._seq]:
                 read = seg.reads.pop(rid)
                 read.wait()
-                still = seg.stage_key[read.rows] >> 32 == rid
+                if read.plan is not None:
+                    seg.file.plan_done(read.plan)
+                still = seg.stage_key[read.rows] == rid
                 seg.stage_key[read.rows[still]] = -1
         self._issue_reads()
 
@@ -454,7 +501,9 @@ class TieredRowStorage(RowStorage):
         for seg in self.segments:
             for rid, read in seg.reads.items():
                 read.wait()
-                still = seg.stage_key[read.rows] >> 32 == rid
+                if read.plan is not None:
+                    seg.file.plan_done(read.plan)
+                still = seg.stage_key[read.rows] == rid
                 seg.stage_key[read.rows[still]] = -1
             seg.reads.clear()
 
@@ -471,7 +520,7 @@ class TieredRowStorage(RowStorage):
         seg.file.read_all(buf)  # rows living in the cache come back as zeros, overlaid below
         w, state = decode(seg.file.meta, torch.from_numpy(buf), self.dtype)
         cached = (seg.row_of_slot >= 0).nonzero().view(-1)
-        rows, slots = seg.row_of_slot[cached], cached + seg.base
+        rows, slots = seg.row_of_slot[cached].to(torch.int64), cached + seg.base
         w[rows] = self.weight[slots]
         for k, v in self.state_tensors().items():
             state[k][rows] = v[slots]
@@ -493,9 +542,9 @@ class TieredRowStorage(RowStorage):
         """Per group row, 1 if updated since its flag was last cleared: rows still cached and
         rows written back to the file since (their flags moved over on eviction)."""
         assert self._slot_flags is not None and self._row_flags is not None, "tracking is off"
-        slot_rows = self._fixed_slot_rows.clone()  # RAM-placed rows; then each cache's rows
+        slot_rows = self._fixed_slot_rows.to(torch.int64)  # RAM-placed rows; then each cache's rows
         for seg in self.segments:
-            held = seg.row_of_slot
+            held = seg.row_of_slot.to(torch.int64)
             slot_rows[seg.base : seg.base + seg.slots] = torch.where(held >= 0, held + seg.row_start, -1)
         slots = (slot_rows >= 0).nonzero().view(-1)
         self._fold_flags(slots, slot_rows[slots])
@@ -568,7 +617,7 @@ class TieredRowStorage(RowStorage):
         cannot reclaim them before they are written)."""
         for seg in self.segments:
             for start in range(0, seg.used, _FLUSH_ROWS):
-                self._write_back(seg, torch.arange(start, min(seg.used, start + _FLUSH_ROWS), dtype=torch.int64), [])
+                self._write_back(seg, torch.arange(start, min(seg.used, start + _FLUSH_ROWS), dtype=torch.int64))
                 self._wait_writes(seg)
                 seg.file.drop_pages()
 
