@@ -17,7 +17,6 @@ import os
 import queue
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 
 from recscale import faults
+from recscale.checkpoint.checksum import crc32
 from recscale.checkpoint.manifest import BY_CHUNKS, MANIFEST, Chunk, CheckpointError, FileEntry, Manifest, tmp_name
 from recscale.checkpoint.quantize import Codec, allocate_widths, row_importance
 from recscale.checkpoint.range_memory import RangeMemory
@@ -230,7 +230,7 @@ def encode_chunks(job: WriteJob, file: str, phases: dict | None = None
         t1 = time.perf_counter()
         crc = 0
         for part in parts:
-            crc = zlib.crc32(part, crc)
+            crc = crc32(part, crc)
         t2 = time.perf_counter()
         ph["encode_s"] += t1 - t0
         ph["crc_s"] += t2 - t1
