@@ -129,7 +129,7 @@ def main() -> None:
     args = ap.parse_args()
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
-    impls = {"this": (storage_mod, crc)}
+    impls = {"this": (storage_mod, crc32)}
     if args.baseline_storage:
         spec = importlib.util.spec_from_file_location("baseline_storage", args.baseline_storage)
         mod = importlib.util.module_from_spec(spec)
