@@ -140,8 +140,9 @@ def test_a_failed_write_on_the_io_thread_is_raised_to_the_writer(tmp_path, monke
 
 
 def test_no_room_to_extend_the_file_is_a_full_disk(tmp_path, monkeypatch):
-    """Extending the file ahead of the writes (fallocate) fails like a write on a full disk;
-    a file system without fallocate just gets writes past the end."""
+    """Extending the file ahead of the writes (fallocate) fails like a write on a full disk
+    when not even the write itself fits; short of room for the extent ahead, it extends only as
+    far as the write; a file system without fallocate just gets writes past the end."""
     def no_room(fd, mode, offset, length):
         ctypes.set_errno(errno.ENOSPC)
         return -1
@@ -156,6 +157,22 @@ def test_no_room_to_extend_the_file_is_a_full_disk(tmp_path, monkeypatch):
         w.write(_aligned(8192))
     w.release()
     assert err.value.errno == errno.ENOSPC
+
+    asked = []
+
+    def room_for_the_write_only(fd, mode, offset, length):
+        asked.append(length)
+        if length > 8192:
+            ctypes.set_errno(errno.ENOSPC)
+            return -1
+        return 0
+
+    monkeypatch.setattr(storage_mod, "_fallocate", room_for_the_write_only)
+    w = DirectWriter(os.open(tmp_path / "c", os.O_WRONLY | os.O_CREAT), stage=4096)
+    w.write(_aligned(8192))
+    w.close()
+    w.release()
+    assert asked == [storage_mod.DIRECT_AHEAD + 8192, 8192] and (tmp_path / "c").stat().st_size == 8192
 
     monkeypatch.setattr(storage_mod, "_fallocate", unsupported)
     data = _aligned(3 * 4096)

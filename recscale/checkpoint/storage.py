@@ -418,15 +418,17 @@ class DirectWriter:
     def _extend_to(self, end: int) -> None:
         if not self.extend or end <= self.allocated:
             return
-        new = (end + DIRECT_AHEAD) // DIRECT_ALIGN * DIRECT_ALIGN
         assert _fallocate is not None
-        if _fallocate(self.fd, 0, self.allocated, new - self.allocated) != 0:
+        # Ahead by DIRECT_AHEAD; short of room for that, just as far as the write needs.
+        for new in ((end + DIRECT_AHEAD) // DIRECT_ALIGN * DIRECT_ALIGN, end):
+            if _fallocate(self.fd, 0, self.allocated, new - self.allocated) == 0:
+                self.allocated = new
+                return
             e = ctypes.get_errno()
-            if e == errno.ENOSPC:
-                raise OSError(e, os.strerror(e))
-            self.extend = False  # not on this file system: writes past the end, one at a time
-            return
-        self.allocated = new
+            if e != errno.ENOSPC:
+                self.extend = False  # not on this file system: writes past the end, one at a time
+                return
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     def _write_at(self, offset: int, mv: memoryview, stage: _Stage | None) -> None:
         try:
