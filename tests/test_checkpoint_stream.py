@@ -6,9 +6,12 @@ seconds went, and ``next_kind`` names the kind ``save`` then writes."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import fcntl
 import mmap
 import os
+import zlib
 from unittest import mock
 
 import pytest
@@ -16,6 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from recscale.checkpoint import checksum
 from recscale.checkpoint import storage as storage_mod
 from recscale.checkpoint.manager import CheckpointManager
 from recscale.checkpoint.restore import load_chain, load_manifest, restore_shards
@@ -50,51 +54,142 @@ def test_written_file_holds_exactly_what_was_written(tmp_path_factory, sizes, wi
     assert (root / "d" / "f.bin").read_bytes() == b"".join(bytes(b) for b in data)
 
 
-def test_a_refused_direct_write_goes_on_through_the_page_cache(tmp_path, monkeypatch):
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.tuples(st.integers(0, 40000), st.sampled_from([0, 0, 1, 512, 4095])), max_size=10),
+       depth=st.integers(1, 6), unit=st.sampled_from([4096, 8192, 12288, 1 << 20]),
+       stage=st.sampled_from([4096, 8192, 20480]), extend=st.booleans())
+def test_direct_writes_in_flight_at_any_depth_give_the_same_bytes(tmp_path_factory, sizes, depth, unit, stage, extend):
+    """Several writes in flight at explicit offsets, large parts cut into units, staging in
+    buffers copied on the I/O threads, the file extended ahead or not: the bytes written, in
+    order, and nothing after them. ``sizes``: (length, shift from a page boundary)."""
     if not hasattr(os, "O_DIRECT"):
         pytest.skip("no direct I/O on this platform")
-    real, refused = os.write, []
+    path = tmp_path_factory.mktemp("d") / "f.bin"
+    data = []
+    for n, shift in sizes:
+        m = _aligned(n + shift)
+        data.append(m[shift:])
+    fd = storage_mod._open_direct(path)
+    if fd is None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    w = DirectWriter(fd, stage=stage, depth=depth, unit=unit)
+    w.extend = w.extend and extend
+    try:
+        for b in data:
+            assert w.write(b) == len(b)
+        assert w.tell() == sum(len(b) for b in data)
+        w.close()
+    finally:
+        w.release()
+    assert len(w.stages) <= depth + 1
+    assert path.read_bytes() == b"".join(bytes(b) for b in data)
 
-    def write(fd, data):
-        if not refused:
+
+def _refusing_pwrite(refuse: int):
+    """``os.pwrite`` that refuses its first ``refuse`` calls (EINVAL) while the file is direct."""
+    real, refused = os.pwrite, []
+
+    def pwrite(fd, data, offset):
+        if len(refused) < refuse and os.O_DIRECT & fcntl.fcntl(fd, fcntl.F_GETFL):
             refused.append(fd)
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real(fd, data)
+        return real(fd, data, offset)
 
-    data = [_aligned(8192), os.urandom(5000), _aligned(4096)]
-    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
-    w = DirectWriter(fd, stage=4096)
-    monkeypatch.setattr(os, "write", write)
+    return pwrite, refused
+
+
+@pytest.mark.parametrize("depth", [1, 4])
+def test_a_refused_direct_write_goes_on_through_the_page_cache(tmp_path, monkeypatch, depth):
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no direct I/O on this platform")
+    pwrite, refused = _refusing_pwrite(refuse=depth)
+    data = [_aligned(8192), os.urandom(5000), _aligned(4096), _aligned(3 * 4096)]
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
+    w = DirectWriter(fd, stage=4096, depth=depth, unit=4096)
+    monkeypatch.setattr(os, "pwrite", pwrite)
     for b in data:
         w.write(b)
     w.close()
-    monkeypatch.setattr(os, "write", real)
+    monkeypatch.undo()
     w.release()
     assert refused and not w.direct
     assert (tmp_path / "f").read_bytes() == b"".join(bytes(b) for b in data)
 
 
 def test_a_failed_write_on_the_io_thread_is_raised_to_the_writer(tmp_path, monkeypatch):
-    """Writes run on an I/O thread, queued: a full disk there surfaces at the next write or at
-    ``close``, never lost, and the writer still closes its file."""
-    real, calls = os.write, []
+    """Writes run on I/O threads, several in flight: a full disk there surfaces at a later
+    write or at ``close``, never lost, and the writer still closes its file."""
+    real, calls = os.pwrite, []
 
-    def write(fd, data):
+    def pwrite(fd, data, offset):
         calls.append(len(data))
         if len(calls) == 2:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(fd, data)
+        return real(fd, data, offset)
 
     fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
-    w = DirectWriter(fd, stage=4096)
-    monkeypatch.setattr(os, "write", write)
+    w = DirectWriter(fd, stage=4096, depth=3)
+    monkeypatch.setattr(os, "pwrite", pwrite)
     with pytest.raises(OSError) as err:
         for _ in range(6):
             w.write(os.urandom(4096))
         w.close()
-    monkeypatch.setattr(os, "write", real)
+    monkeypatch.undo()
     w.release()
     assert err.value.errno == errno.ENOSPC
+
+
+def test_no_room_to_extend_the_file_is_a_full_disk(tmp_path, monkeypatch):
+    """Extending the file ahead of the writes (fallocate) fails like a write on a full disk
+    when not even the write itself fits; short of room for the extent ahead, it extends only as
+    far as the write; a file system without fallocate just gets writes past the end."""
+    def no_room(fd, mode, offset, length):
+        ctypes.set_errno(errno.ENOSPC)
+        return -1
+
+    def unsupported(fd, mode, offset, length):
+        ctypes.set_errno(errno.EOPNOTSUPP)
+        return -1
+
+    monkeypatch.setattr(storage_mod, "_fallocate", no_room)
+    w = DirectWriter(os.open(tmp_path / "a", os.O_WRONLY | os.O_CREAT), stage=4096)
+    with pytest.raises(OSError) as err:
+        w.write(_aligned(8192))
+    w.release()
+    assert err.value.errno == errno.ENOSPC
+
+    asked = []
+
+    def room_for_the_write_only(fd, mode, offset, length):
+        asked.append(length)
+        if length > 8192:
+            ctypes.set_errno(errno.ENOSPC)
+            return -1
+        return 0
+
+    monkeypatch.setattr(storage_mod, "_fallocate", room_for_the_write_only)
+    w = DirectWriter(os.open(tmp_path / "c", os.O_WRONLY | os.O_CREAT), stage=4096)
+    w.write(_aligned(8192))
+    w.close()
+    w.release()
+    assert asked == [storage_mod.DIRECT_AHEAD + 8192, 8192] and (tmp_path / "c").stat().st_size == 8192
+
+    monkeypatch.setattr(storage_mod, "_fallocate", unsupported)
+    data = _aligned(3 * 4096)
+    w = DirectWriter(os.open(tmp_path / "b", os.O_WRONLY | os.O_CREAT), stage=4096, unit=4096)
+    w.write(data)
+    w.close()
+    w.release()
+    assert not w.extend and (tmp_path / "b").read_bytes() == bytes(data)
+
+
+def test_chunk_checksums_are_zlibs_crc32():
+    """The crc32 of chunks (ISA-L's where installed) is zlib's, also continued across parts."""
+    blobs = [b"", b"a", os.urandom(1000), os.urandom(70000)]
+    for b in blobs:
+        assert checksum.crc32(b) == zlib.crc32(b)
+        assert checksum.crc32(memoryview(b)) == zlib.crc32(b)
+    assert checksum.crc32(blobs[3], checksum.crc32(blobs[2])) == zlib.crc32(blobs[2] + blobs[3])
 
 
 def test_a_file_system_without_direct_io_gets_page_cache_writes(tmp_path, monkeypatch):

@@ -9,13 +9,13 @@ now owns, from whichever rank's file holds them, and takes the columns its shard
 from __future__ import annotations
 
 import hashlib
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from recscale.checkpoint.lineage import list_checkpoints, resolve  # noqa: F401  (this module's API too)
+from recscale.checkpoint.checksum import crc32
 from recscale.checkpoint.manifest import BY_CHUNKS, MANIFEST, CheckpointError, Chunk, FileEntry, Manifest
 from recscale.checkpoint.quantize import Codec
 from recscale.checkpoint.shards import LocalShard, row_state_names
@@ -133,7 +133,7 @@ def read_chunk(storage: Storage, m: Manifest, c: Chunk, stats: ReadStats | None 
     buf = storage.read(f"{m.name}/{c.file}", c.offset, c.length)
     if len(buf) != c.length:
         raise CheckpointError(f"{where}: chunk of table '{c.table}' at byte {c.offset} is cut short (truncated file)")
-    if zlib.crc32(buf) != c.crc32:
+    if crc32(buf) != c.crc32:
         raise CheckpointError(f"{where}: checksum mismatch in a chunk of table '{c.table}' at byte {c.offset}; the file is damaged")
     if stats is not None:
         stats.bytes_read += len(buf)

@@ -15,6 +15,7 @@ import logging
 import mmap
 import os
 import shutil
+import threading
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterator
@@ -276,7 +277,16 @@ def _drop_cache(fd: int, offset: int, nbytes: int) -> None:
 # block size (512 B, 4 KiB).
 DIRECT_ALIGN = 4096
 # Staging for the bytes that are not aligned: copied here and written a full buffer at a time.
-DIRECT_STAGE = 8 << 20
+DIRECT_STAGE = 16 << 20
+# The largest single write: aligned parts longer than this are cut, so that several writes of
+# one large part are in flight at once.
+DIRECT_UNIT = 16 << 20
+# Writes in flight at once, each on its own I/O thread.
+DIRECT_DEPTH = 4
+# The file is extended (fallocate) this far ahead of the writes: on ext4 a direct write that
+# extends the file holds the inode lock until the disk is done, so writes past the end would
+# run one at a time; inside the file they run side by side.
+DIRECT_AHEAD = 256 << 20
 
 
 def _open_direct(path: Path) -> int | None:
@@ -296,36 +306,74 @@ def _address(mv: memoryview) -> int:
     return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data) if len(mv) else 0
 
 
+def _load_fallocate():
+    """libc's ``fallocate`` (Linux; mode 0 allocates blocks and extends the file), or None.
+    Not ``os.posix_fallocate``: where the file system has no fallocate, glibc emulates it by
+    writing zeros, a second write of the whole file."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_fallocate = _load_fallocate()
+
+
+class _Stage:
+    """A page-aligned staging buffer and the parts to copy into it (on the I/O thread)."""
+
+    def __init__(self, size: int) -> None:
+        self.mem = mmap.mmap(-1, size)  # page-aligned
+        self.view = memoryview(self.mem)
+        self.parts: list[tuple[int, memoryview | bytes]] = []  # (offset in the buffer, bytes)
+
+    def close(self) -> None:
+        try:
+            self.view.release()
+            self.mem.close()
+        except BufferError:  # a view still alive somewhere: the mapping goes with it
+            pass
+
+
 class DirectWriter:
     """A file written front to back with direct I/O: the disk reads the bytes from the caller's
     buffers, with no copy into the page cache and no write-back later. Against a buffered file
     this takes a tenth of the CPU per byte, and a checkpoint writer runs on spare cycles.
 
     Aligned parts (address and length multiples of ``DIRECT_ALIGN``, at an aligned file offset:
-    a lossless chunk's rows and state, as snapshots lie in memory) go to the disk as they are;
-    other bytes are copied into one of two aligned staging buffers, written when full. The writes
-    run in order on one I/O thread, up to ``depth`` at once queued, so copying into one staging
-    buffer overlaps the disk writing the other (a direct write returns only once the disk has
-    the bytes). ``close`` writes the last partial block padded, truncates the file to its length
-    and fsyncs: the file is byte for byte what was written. Should the file system refuse a
-    direct write (EINVAL), the file goes on through the page cache from where it is. Parts must
-    stay unchanged until ``close``: the writer keeps a reference, not a copy."""
+    a lossless chunk's rows and state, as snapshots lie in memory) go to the disk as they are,
+    in writes of at most ``unit`` bytes; other bytes are gathered into page-aligned staging
+    buffers, copied there by the I/O thread that writes the buffer once it is full. Up to
+    ``depth`` writes are in flight at once, each on its own I/O thread at its own file offset
+    (``pwrite``): the disk's queue stays full while any one thread waits for a CPU, and the
+    caller's thread only hands out work. The file is extended ahead of the writes (see
+    ``DIRECT_AHEAD``). ``close`` writes the last partial block padded, truncates the file to its
+    length and fsyncs: the file is byte for byte what was written. Should the file system refuse
+    a direct write (EINVAL), the file goes on through the page cache from where it is. Parts
+    must stay unchanged until ``close``: the writer keeps a reference, not a copy."""
 
-    def __init__(self, fd: int, stage: int | None = None, depth: int = 2) -> None:
+    def __init__(self, fd: int, stage: int | None = None, depth: int | None = None, unit: int | None = None) -> None:
         self.fd = fd
         stage = DIRECT_STAGE if stage is None else stage
+        unit = DIRECT_UNIT if unit is None else unit
         self.stage_size = max(DIRECT_ALIGN, stage // DIRECT_ALIGN * DIRECT_ALIGN)
-        self.stages = [mmap.mmap(-1, self.stage_size) for _ in range(2)]  # page-aligned
-        self.stage_views = [memoryview(m) for m in self.stages]
-        self.stage_busy: list[Future | None] = [None, None]  # the write of each staging buffer
-        self.cur = 0  # the staging buffer being filled
-        self.stage_view = self.stage_views[0]
-        self.fill = 0  # bytes in the staging buffer
+        self.unit = max(DIRECT_ALIGN, unit // DIRECT_ALIGN * DIRECT_ALIGN)
+        self.depth = max(1, DIRECT_DEPTH if depth is None else depth)
+        self.stages: list[_Stage] = []  # every staging buffer made (at most depth + 1)
+        self.free: deque[_Stage] = deque()  # those not being filled or written
+        self.cur: _Stage | None = None  # the staging buffer being filled
+        self.fill = 0  # bytes in it; it starts at file offset written - fill (aligned)
         self.written = 0  # bytes accepted
+        self.allocated = 0  # the file's length as extended ahead of the writes
+        self.extend = _fallocate is not None
         self.direct = True
-        self.depth = max(1, depth)
+        self.lock = threading.Lock()
         self.pending: deque[Future] = deque()
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-direct-io")
+        self.pool = ThreadPoolExecutor(self.depth, thread_name_prefix="ckpt-direct-io")
 
     def write(self, data: bytes | memoryview) -> int:
         mv = memoryview(data).cast("B")
@@ -333,54 +381,83 @@ class DirectWriter:
         while len(mv):
             if self.fill == 0 and len(mv) >= DIRECT_ALIGN and _address(mv) % DIRECT_ALIGN == 0:
                 k = len(mv) // DIRECT_ALIGN * DIRECT_ALIGN
-                self._submit(mv[:k])
+                for a in range(0, k, self.unit):
+                    b = min(a + self.unit, k)
+                    self._submit(self.written + a, mv[a:b], None)
+                self.written += k
                 mv = mv[k:]
                 continue
+            if self.cur is None:
+                self.cur = self.free.popleft() if self.free else self._new_stage()
             k = min(len(mv), self.stage_size - self.fill)
-            self.stage_view[self.fill : self.fill + k] = mv[:k]
+            self.cur.parts.append((self.fill, mv[:k]))
             self.fill += k
+            self.written += k
             mv = mv[k:]
             if self.fill == self.stage_size:
-                self.stage_busy[self.cur] = self._submit(self.stage_view)
-                self._next_stage()
-        self.written += n
+                self._submit_stage(self.stage_size)
         return n
 
-    def _submit(self, mv: memoryview) -> Future:
-        while len(self.pending) >= self.depth:
-            self.pending.popleft().result()  # raises the write's error here
-        f = self.pool.submit(self._write_all, mv)
-        self.pending.append(f)
-        return f
+    def _new_stage(self) -> _Stage:
+        s = _Stage(self.stage_size)
+        self.stages.append(s)
+        return s
 
-    def _next_stage(self) -> None:
-        self.cur ^= 1
-        busy = self.stage_busy[self.cur]
-        if busy is not None:
-            busy.result()
-            self.stage_busy[self.cur] = None
-        self.stage_view = self.stage_views[self.cur]
-        self.fill = 0
+    def _submit_stage(self, length: int) -> None:
+        stage, start = self.cur, self.written - self.fill
+        assert stage is not None
+        self.cur, self.fill = None, 0
+        self._submit(start, stage.view[:length], stage)
 
-    def _drain(self) -> None:
-        while self.pending:
-            self.pending.popleft().result()
+    def _submit(self, offset: int, mv: memoryview, stage: _Stage | None) -> None:
+        while self.pending and (len(self.pending) >= self.depth or self.pending[0].done()):
+            self.pending.popleft().result()  # raises a write's error here
+        self._extend_to(offset + len(mv))
+        self.pending.append(self.pool.submit(self._write_at, offset, mv, stage))
 
-    def _write_all(self, mv: memoryview) -> None:
-        while len(mv):
-            try:
-                k = os.write(self.fd, mv)
-            except OSError as e:
-                if e.errno != errno.EINVAL or not self.direct:
-                    raise
-                self._stop_direct()
-                continue
-            mv = mv[k:]
+    def _extend_to(self, end: int) -> None:
+        if not self.extend or end <= self.allocated:
+            return
+        assert _fallocate is not None
+        # Ahead by DIRECT_AHEAD; short of room for that, just as far as the write needs.
+        for new in ((end + DIRECT_AHEAD) // DIRECT_ALIGN * DIRECT_ALIGN, end):
+            if _fallocate(self.fd, 0, self.allocated, new - self.allocated) == 0:
+                self.allocated = new
+                return
+            e = ctypes.get_errno()
+            if e != errno.ENOSPC:
+                self.extend = False  # not on this file system: writes past the end, one at a time
+                return
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def _write_at(self, offset: int, mv: memoryview, stage: _Stage | None) -> None:
+        try:
+            if stage is not None:
+                for at, part in stage.parts:
+                    stage.view[at : at + len(part)] = part
+            retried = False
+            while len(mv):
+                try:
+                    k = os.pwrite(self.fd, mv, offset)
+                except OSError as e:
+                    if e.errno != errno.EINVAL or retried:
+                        raise
+                    self._stop_direct()
+                    retried = True
+                    continue
+                mv, offset = mv[k:], offset + k
+        finally:
+            if stage is not None:
+                stage.parts.clear()
+                self.free.append(stage)
 
     def _stop_direct(self) -> None:
-        log.info("checkpoint storage: a direct write was refused; writing on through the page cache")
-        fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)  # type: ignore[attr-defined]
-        self.direct = False
+        with self.lock:
+            if not self.direct:
+                return
+            log.info("checkpoint storage: a direct write was refused; writing on through the page cache")
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)  # type: ignore[attr-defined]
+            self.direct = False
 
     def fileno(self) -> int:
         return self.fd
@@ -390,12 +467,14 @@ class DirectWriter:
 
     def close(self) -> None:
         """Everything written is durable (fsync) once this returns."""
-        self._drain()
         if self.fill:
             padded = (self.fill + DIRECT_ALIGN - 1) // DIRECT_ALIGN * DIRECT_ALIGN
-            self.stage_view[self.fill : padded] = bytes(padded - self.fill)
-            self._write_all(self.stage_view[:padded])
-            self.fill = 0
+            assert self.cur is not None
+            self.cur.parts.append((self.fill, bytes(padded - self.fill)))
+            self._submit_stage(padded)
+        while self.pending:
+            self.pending.popleft().result()
+        if self.allocated > self.written or self.written % DIRECT_ALIGN:
             os.ftruncate(self.fd, self.written)
         os.fsync(self.fd)
 
@@ -406,9 +485,5 @@ class DirectWriter:
         self.pending.clear()
         self.pool.shutdown(wait=True)
         os.close(self.fd)
-        for view, m in zip(self.stage_views, self.stages):
-            try:
-                view.release()
-                m.close()
-            except BufferError:  # a view still alive somewhere: the mapping goes with it
-                pass
+        for s in self.stages:
+            s.close()
