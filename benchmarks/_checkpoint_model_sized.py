@@ -3,8 +3,9 @@
 26 tables x 1M rows x dim 64 with row-wise Adagrad (about 7 GB of rows and state), one-hot
 Criteo-like ids (Zipf), MLPs 512-256-64 / 512-256-1. Training runs for ``--duration-min``
 minutes with a checkpoint every ``--interval-min`` minutes (intermittent differential, exact
-rows: full baselines and differentials), and as long again without checkpoints, in alternating
-spans so that both see the same machine. It reports:
+rows: full baselines and differentials), in alternating spans of ``--span-s`` seconds with and
+without checkpoints so that both see the same machine (a span with a checkpoint lasts until its
+write is done). It reports:
 
 - this disk's sequential write rate, probed right before and right after each full checkpoint
   (``--probe-differentials``: each differential too) with a file as large as the checkpoint (a
@@ -176,12 +177,15 @@ def run(args) -> dict:
         # A chunk's write calls: its rows (fp32), then the row-wise Adagrad state (one column).
         probes = Probes(args, LocalStorage(root, stream_window, direct), manager,
                         (settings.chunk_rows * args.dim * 4, settings.chunk_rows * 4))
-        interval, span = 60.0 * args.interval_min, 60.0 * args.interval_min / 2
+        # Short alternating spans: the VM's speed drifts over minutes, and spans of seconds see the
+        # same drift with and without checkpoints (at most half an interval each).
+        interval = 60.0 * args.interval_min
+        span = min(args.span_s or 20.0, interval / 2)
         step, stalls, spans = 0, [], {"with": [0.0, 0], "without": [0.0, 0]}
         deadline = time.monotonic() + 60.0 * args.duration_min
         last_ckpt = time.monotonic()
-        # Alternate spans of half an interval: checkpoints are due only in "with" spans, and a
-        # "without" span starts only when no write is in flight, so it sees an idle writer.
+        # Alternate spans: checkpoints are due only in "with" spans, a "with" span lasts until its
+        # write is done (its whole cost falls in it), and a "without" span sees an idle writer.
         # Disk probes pause training: their seconds count in neither span, nor in the run's
         # duration or the checkpoint interval.
         mode = "with"
@@ -193,7 +197,7 @@ def run(args) -> dict:
             t0 = time.perf_counter()
             t_end = time.monotonic() + span
             n, paused = 0, 0.0
-            while time.monotonic() < t_end:
+            while time.monotonic() < t_end or (mode == "with" and not manager.writer.idle()):
                 _step(model, opt, data[step % POOL])
                 step, n = step + 1, n + 1
                 dt = probes.after_if_done()

@@ -286,6 +286,9 @@ def main() -> int:
                          "minutes for --duration-min minutes against the disk's sequential write rate")
     ap.add_argument("--interval-min", type=float, help="criteo-dlrm: minutes between checkpoints (default 5)")
     ap.add_argument("--duration-min", type=float, help="criteo-dlrm: minutes of training (default 20)")
+    ap.add_argument("--span-s", type=float,
+                    help="criteo-dlrm: seconds of each alternating span with and without checkpoints "
+                         "(default 20, at most half an interval)")
     ap.add_argument("--disk-probe-gb", type=float, default=0.0,
                     help="criteo-dlrm: size of every disk probe; 0 (default): as large as the checkpoint it is "
                          "compared with")
