@@ -21,6 +21,8 @@ shape the plan, and ``load_state_dict()`` refuses a state from a different datas
 
 from __future__ import annotations
 
+import multiprocessing as mp
+
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -207,6 +209,10 @@ class _Chunks(Dataset):
         return self.decoder.chunk(self.plan, first, stop)
 
 
+def _worker_context() -> Any:
+    return mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
+
+
 def _one_cpu_worker(_: int) -> None:
     """A loader worker is sized to one CPU (the trainer's threads have the others): pyarrow's
     decoding pool would otherwise start a thread per CPU next to them (torch already runs its
@@ -327,6 +333,9 @@ class ShardedReader:
                 prefetch_factor=self.prefetch,
                 persistent_workers=False,
                 worker_init_fn=_one_cpu_worker,
+                # Workers start from a clean process: a fork of one whose arrow or torch threads
+                # hold a lock at that moment can hang in the child.
+                multiprocessing_context=_worker_context(),
             )
         for chunk in source:
             for batch in chunk.batches():
