@@ -181,19 +181,20 @@ def _fsync_dir(path: Path) -> None:
 _WAIT_BEFORE, _WRITE, _WAIT_AFTER = 1, 2, 4
 
 
-def _load_sync_file_range():
-    """libc's ``sync_file_range`` (Linux), or None where there is none."""
+def _libc_function(name: str, argtypes: list):
+    """libc's function ``name`` returning an int, or None where libc has none."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.sync_file_range
+        fn = getattr(libc, name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.argtypes = argtypes
     fn.restype = ctypes.c_int
     return fn
 
 
-_sync_file_range = _load_sync_file_range()
+# libc's ``sync_file_range`` (Linux), or None where there is none.
+_sync_file_range = _libc_function("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
 
 # Bytes handed to the disk at a time. Large enough for sequential requests, small enough that
 # the disk starts within a fraction of a second and little is dirty at any time.
@@ -306,21 +307,10 @@ def _address(mv: memoryview) -> int:
     return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data) if len(mv) else 0
 
 
-def _load_fallocate():
-    """libc's ``fallocate`` (Linux; mode 0 allocates blocks and extends the file), or None.
-    Not ``os.posix_fallocate``: where the file system has no fallocate, glibc emulates it by
-    writing zeros, a second write of the whole file."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.fallocate
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_fallocate = _load_fallocate()
+# libc's ``fallocate`` (Linux; mode 0 allocates blocks and extends the file), or None. Not
+# ``os.posix_fallocate``: where the file system has no fallocate, glibc emulates it by writing
+# zeros, a second write of the whole file.
+_fallocate = _libc_function("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64])
 
 
 class _Stage:
