@@ -177,9 +177,9 @@ def test_planner_plans_come_after_every_placements_cheap_plans(monkeypatch):
     names = {n for (_, n) in e.plans}
     assert {"greedy-table-wise", "planner", "planner-int8-wire", "planner-tier-aware"} <= names
     full = next(pl for pl, n in e.plans if (pl.buildings, pl.ranks_per_host) == (2, 2))
-    specs = table_specs(load_config(ROOT / "configs" / "synthetic.toml", SMALL + ["comm.forward=int8", "comm.backward=int8"]))
+    int8 = load_config(ROOT / "configs" / "synthetic.toml", SMALL + ["comm.forward=int8", "comm.backward=int8"])
+    specs, wl = table_specs(int8), workload(int8)
     topo = cluster_from_dict(TIERS, "t").topology()
-    wl = workload(load_config(ROOT / "configs" / "synthetic.toml", SMALL + ["comm.forward=int8", "comm.backward=int8"]))
     assert wl != Workload(wl.batch_size)
     assert e.plans[(full, "planner-int8-wire")].to_dict() == plan_tables(specs, topo.hardware, wl).plan.to_dict()
 
