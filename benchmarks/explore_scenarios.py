@@ -3,6 +3,7 @@ MLPerf DLRM-DCNv2 table sets: the best configuration found against each baseline
 simulated), the best that still uses every rank, and the search's rate.
 
     python benchmarks/explore_scenarios.py [--time-budget 120] [--json out/explore.json] [--tables PATH]
+        [--only mlperf_dlrm_dcnv2]
 """
 
 from __future__ import annotations
@@ -18,18 +19,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from simulator_dcnv2 import TABLES, config_text  # noqa: E402
 
+SETS = ("criteo_1tb", "mlperf_dlrm_dcnv2")
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tables", type=Path, default=TABLES, help="criteo_table_sizes.json")
     ap.add_argument("--time-budget", type=float, default=120.0)
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--only", action="append", choices=SETS, help="run only this table set (repeatable)")
     args = ap.parse_args(argv)
     if not args.tables.is_file():
         raise SystemExit(f"no table shapes at {args.tables}: pass --tables PATH")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for which in ("criteo_1tb", "mlperf_dlrm_dcnv2"):
+        for which in args.only or SETS:
             cfg = Path(tmp) / f"{which}.toml"
             cfg.write_text(config_text(args.tables, which))
             for topo in ("two-buildings", "zionex"):

@@ -148,3 +148,43 @@ def test_use_all_ranks_fixes_the_world_size(tmp_path):
     d = json.loads(out.read_text())
     assert {x["launch"]["world_size"] for x in d["candidates"]} == {8}
     assert isinstance(d["search"]["within_budget"], bool) and d["search"]["time_budget_s"] == 60
+
+
+def test_planner_plans_come_after_every_placements_cheap_plans(monkeypatch):
+    """The planner (seconds a plan on a large world) runs after the baselines' plans and every
+    placement's cheap plans, on the most promising placement first; its plans at int8
+    all-to-alls are those train makes with int8 comm; a budget spent on plans drops the
+    planner's plans of the least promising placements, never a placement's cheap plans."""
+    from recscale.planner.cost_model import Workload
+    from recscale.planner.search import plan_tables
+    from recscale.sim import explore as ex
+    from recscale.train.planning import table_specs, workload
+
+    calls: list[tuple] = []
+    real = ex.planner_plans
+
+    def recorded(specs, cfg, topo, names=ex.PLANNER_PLANS):
+        calls.append((topo.world_size, topo.ranks_per_host, tuple(names)))
+        return real(specs, cfg, topo, names)
+
+    monkeypatch.setattr(ex, "planner_plans", recorded)
+    cfg = load_config(ROOT / "configs" / "synthetic.toml", SMALL)
+    e = explore(cfg, cluster_from_dict(TIERS, "t"), time_budget_s=60, top_k=2)
+    placements = {(pl.buildings * 2 * pl.ranks_per_host, pl.ranks_per_host) for pl, _ in e.plans}
+    assert calls[0] == (8, 2, ("planner",)) and len(placements) == 4
+    assert sorted(c[:2] for c in calls[1:]) == sorted(placements)  # then each placement once
+    assert all(c[2] == ex.PLANNER_PLANS[1:] if c[:2] == (8, 2) else ex.PLANNER_PLANS for c in calls[1:])
+    names = {n for (_, n) in e.plans}
+    assert {"greedy-table-wise", "planner", "planner-int8-wire", "planner-tier-aware"} <= names
+    full = next(pl for pl, n in e.plans if (pl.buildings, pl.ranks_per_host) == (2, 2))
+    int8 = load_config(ROOT / "configs" / "synthetic.toml", SMALL + ["comm.forward=int8", "comm.backward=int8"])
+    specs, wl = table_specs(int8), workload(int8)
+    topo = cluster_from_dict(TIERS, "t").topology()
+    assert wl != Workload(wl.batch_size)
+    assert e.plans[(full, "planner-int8-wire")].to_dict() == plan_tables(specs, topo.hardware, wl).plan.to_dict()
+
+    calls.clear()
+    spent = explore(cfg, cluster_from_dict(TIERS, "t"), time_budget_s=1e-6, top_k=2)
+    assert calls == [(8, 2, ("planner",))]  # the baseline's plan alone
+    assert any("planner's plans not made" in n for n in spent.notes)
+    assert isinstance(spent.baselines["recscale-planner"], ex.Scored)

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from recscale.cli import main
 from recscale.data.stats import FeatureCounts
@@ -112,3 +114,15 @@ def test_criteo_file_specs_come_from_its_ids(tmp_path):
     assert specs[1].unique_fraction == pytest.approx(540 * (1 - (1 - 1 / 540) ** 256) / 256, rel=1e-3)
     expect = loads_from_ids(("C3",), train_ids[:, 2:3])["C3"].unique_fraction(256)
     assert specs[2].unique_fraction == pytest.approx(expect) and specs[2].unique_fraction != 0.5
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 5000), st.lists(st.integers(0, 10**9), min_size=1, max_size=300))
+def test_distinct_rows_counts_like_unique(num_rows, raw):
+    """The marked count of distinct rows equals numpy's sorted count, small tables or large."""
+    from recscale.data.synthetic import _distinct
+
+    rows = np.array([x % num_rows for x in raw], dtype=np.int64)
+    assert _distinct(rows, num_rows) == np.unique(rows).size
+    big = np.array(raw, dtype=np.int64) + (1 << 27)  # past the marking bound: the sort counts
+    assert _distinct(big, 1 << 31) == np.unique(big).size

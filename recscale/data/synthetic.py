@@ -116,7 +116,18 @@ def unique_fraction(num_rows: int, pooling: int, zipf_alpha: float, global_batch
     if n == 0 or n > max_ids:
         return None if n else 1.0
     rows = scatter_ranks(zipf_ranks(rng, n, num_rows, zipf_alpha), num_rows, np.uint64(0x9E3779B9))
-    return float(np.unique(rows).size / n)  # rows, not ranks: the scatter merges a few
+    return float(_distinct(rows, num_rows) / n)  # rows, not ranks: the scatter merges a few
+
+
+def _distinct(rows: np.ndarray, num_rows: int) -> int:
+    """How many distinct values ``rows`` (each in ``[0, num_rows)``) holds: a mark per row where
+    the table is small enough for one byte a row (linear, not the sort ``np.unique`` pays),
+    else by sorting."""
+    if num_rows <= max(1 << 26, 8 * rows.size):
+        seen = np.zeros(num_rows, dtype=bool)
+        seen[rows] = True
+        return int(np.count_nonzero(seen))
+    return int(np.unique(rows).size)
 
 
 class SyntheticClickData:

@@ -159,18 +159,45 @@ def plan_variants(specs: list[TableSpec], cfg: Config, topo: ClusterTopology) ->
     host link (no tier awareness) and on the slowest tier's per-rank share, and families that
     replicate the small tables and shard the rest one way (row-split tables reduce inside a host
     before crossing it, so fewer bytes reach the slow link)."""
-    w, r = topo.world_size, topo.ranks_per_host
-    tables = [TableConfig(t.name, t.rows, t.dim, (t.name[2:],)) for t in specs]
-    flat = Topology(w, 0, r)
+    families = family_plans(specs, cfg, topo)
+    return {"greedy-table-wise": families.pop("greedy-table-wise"), **planner_plans(specs, cfg, topo), **families}
+
+
+EARLY_PLANS = 4  # plans of each placement fully simulated before the rest in analytic order
+PLANNER_PLANS = ("planner", "planner-int8-wire", "planner-tier-aware")
+
+
+def planner_plans(specs: list[TableSpec], cfg: Config, topo: ClusterTopology,
+                  names: tuple[str, ...] = PLANNER_PLANS) -> dict[str, ShardingPlan]:
+    """The planner's plans of one placement (of ``names``): costed on the host link (no tier
+    awareness, as its users run it) at fp32 all-to-alls and at int8 ones (what ``recscale
+    train`` plans with ``comm.forward`` and ``comm.backward`` int8: cheaper exchanges favour
+    whole tables over split ones), and, where a tier splits the placement, on the slowest
+    tier's per-rank share. These cost seconds each on a large world, the rest milliseconds."""
+    r = topo.ranks_per_host
     wl = Workload(cfg.train.batch_size)
-    out = {"greedy-table-wise": default_plan(tables, flat, "table_wise")}
-    out["planner"] = plan_tables(specs, topo.hardware, wl).plan
-    if topo.tiers:
+    out = {}
+    if "planner" in names:
+        out["planner"] = plan_tables(specs, topo.hardware, wl).plan
+    if "planner-int8-wire" in names:
+        int8 = _WIRE_BYTES["int8"] + 8.0 / cfg.model.embedding_dim  # the rows' scales, as train plans it
+        out["planner-int8-wire"] = plan_tables(specs, topo.hardware, Workload(cfg.train.batch_size, int8, int8)).plan
+    if "planner-tier-aware" in names and topo.tiers:
         from dataclasses import replace
 
         per_rank = min(t.bandwidth / (t.hosts_per_group * r) for t in topo.tiers)
         slow = replace(topo.hardware, cross_host_bw=min(per_rank, topo.hardware.cross_host_bw))
         out["planner-tier-aware"] = plan_tables(specs, slow, wl).plan
+    return out
+
+
+def family_plans(specs: list[TableSpec], cfg: Config, topo: ClusterTopology) -> dict[str, ShardingPlan]:
+    """The greedy table-wise default and the families that replicate the small tables and shard
+    the rest one way, for one placement."""
+    w, r = topo.world_size, topo.ranks_per_host
+    tables = [TableConfig(t.name, t.rows, t.dim, (t.name[2:],)) for t in specs]
+    flat = Topology(w, 0, r)
+    out = {"greedy-table-wise": default_plan(tables, flat, "table_wise")}
     sizes = sorted({t.rows * t.dim for t in specs})
     cuts = sorted({0, *(sizes[int(q * (len(sizes) - 1))] for q in (0.25, 0.5, 0.75))})
     for kind, cut in itertools.product(("table_wise", "row_wise", "table_row_wise", "column_wise"), cuts):
@@ -236,25 +263,56 @@ def explore(cfg: Config, cluster: TieredCluster, time_budget_s: float = 120.0, t
     else:
         placements = [Placement(b, r) for b in range(cluster.buildings, 0, -1)
                       for r in sorted({cluster.ranks_per_host, max(1, cluster.ranks_per_host // 2)}, reverse=True)]
-    cache: dict[tuple[Placement, str], Pieces] = {}
-    for pl in placements:
-        sub = cluster.shrink(pl.buildings, pl.ranks_per_host)
-        if cfg.train.batch_size % sub.world_size:
-            notes.append(f"{pl}: global batch {cfg.train.batch_size} does not split over {sub.world_size} ranks")
-            continue
-        topo = sub.topology()
-        for name, plan in plan_variants(specs, cfg, topo).items():
-            p = pieces(specs, cfg, topo, plan)
-            if p.fits:
-                cache[(pl, name)] = p
-        if time.perf_counter() - t0 > time_budget_s * 0.3:
-            notes.append(f"placements after {pl} not explored: the time budget's share for plans ran out")
-            break
     precisions = []
     for f, b, dn in itertools.product(WIRES, WIRES, DENSE_WIRES):
         acc = accuracy_cost((f, b, dn))
         if acc is not None and acc[1] <= max_auc_loss:
             precisions.append((f, b, dn, acc))
+    cache: dict[tuple[Placement, str], Pieces] = {}
+    topos: dict[Placement, ClusterTopology] = {}
+    for pl in placements:
+        sub = cluster.shrink(pl.buildings, pl.ranks_per_host)
+        if cfg.train.batch_size % sub.world_size:
+            notes.append(f"{pl}: global batch {cfg.train.batch_size} does not split over {sub.world_size} ranks")
+            continue
+        topos[pl] = sub.topology()
+
+    def add(pl: Placement, plans: dict[str, ShardingPlan]) -> None:
+        for name, plan in plans.items():
+            if (pl, name) in cache:
+                continue
+            p = pieces(specs, cfg, topos[pl], plan)
+            if p.fits:
+                cache[(pl, name)] = p
+
+    def plans_spent() -> bool:
+        return time.perf_counter() - t0 > time_budget_s * 0.3
+
+    # The planner costs seconds a plan on a large world, the other plans milliseconds: the
+    # baselines' plans first, then every placement's cheap plans, then the planner's on the
+    # placements whose cheap plans score best, so a spent budget drops the least promising.
+    all_ranks = Placement(cluster.buildings, cluster.ranks_per_host)
+    families = {}
+    if all_ranks in topos:
+        families[all_ranks] = family_plans(specs, cfg, topos[all_ranks])
+        add(all_ranks, {"greedy-table-wise": families[all_ranks]["greedy-table-wise"]})
+        add(all_ranks, planner_plans(specs, cfg, topos[all_ranks], ("planner",)))
+    for pl in topos:
+        if plans_spent():
+            notes.append(f"placements from {pl} on not explored: the time budget's share for plans ran out")
+            break
+        add(pl, families.get(pl) or family_plans(specs, cfg, topos[pl]))
+
+    def promise(pl: Placement) -> float:
+        return min((analytic_step_s(p, Candidate(pl, name, f, b, dn, pipe)) for (q, name), p in cache.items() if q == pl
+                    for f, b, dn, _ in precisions for pipe in (True, False)), default=float("inf"))
+
+    for pl in sorted(topos, key=promise):
+        if plans_spent():
+            notes.append(f"{pl}: the planner's plans not made: the time budget's share for plans ran out")
+            continue
+        todo = tuple(n for n in PLANNER_PLANS if (pl, n) not in cache)
+        add(pl, planner_plans(specs, cfg, topos[pl], todo))
     ta = time.perf_counter()
     ranked: list[Scored] = []
     pieces_seconds = ta - t0
@@ -266,7 +324,6 @@ def explore(cfg: Config, cluster: TieredCluster, time_budget_s: float = 120.0, t
     analytic_seconds = time.perf_counter() - ta + pieces_seconds  # the cached pieces count too
     ranked.sort(key=lambda s: s.analytic_s)
     full = cluster.shrink(cluster.buildings, cluster.ranks_per_host)
-    all_ranks = Placement(cluster.buildings, cluster.ranks_per_host)
     baselines: dict[str, Scored | str] = {}
     fp32 = ("fp32", "fp32", "fp32")
     for bname, plan_name, wires in (("production-default", "greedy-table-wise", fp32),
@@ -282,11 +339,12 @@ def explore(cfg: Config, cluster: TieredCluster, time_budget_s: float = 120.0, t
     seen: set[tuple] = set()
     # the best of every placement first: what the job gains by using fewer buildings or ranks
     # per host shows next to the best that uses them all
-    # (three plans each: the analytic score orders placements well, plans within one less so)
+    # (four plans each: the analytic score orders placements well, plans within one less so;
+    # the planner's int8-wire plan often scores first there and simulates behind the greedy one)
     firsts: dict[Placement, list[Scored]] = {}
     for s in ranked:
         group = firsts.setdefault(s.candidate.placement, [])
-        if len(group) < 3 and all(g.candidate.plan_name != s.candidate.plan_name for g in group):
+        if len(group) < EARLY_PLANS and all(g.candidate.plan_name != s.candidate.plan_name for g in group):
             group.append(s)
     early = [s for group in firsts.values() for s in group]
     ids = {id(s) for s in early}

@@ -14,7 +14,7 @@ def add_parser(sub) -> None:
                    help="preset (two-buildings, zionex) or a tiers file (JSON/TOML; see docs/explorer.md)")
     s.add_argument("--time-budget", type=float, default=120.0, metavar="S", help="seconds for the whole search")
     s.add_argument("--top", type=int, default=24, help="candidates to run through the full simulation beyond the "
-                   "best three of each placement (the time budget may stop it sooner)")
+                   "best four of each placement (the time budget may stop it sooner)")
     s.add_argument("--max-auc-loss", type=float, default=0.002,
                    help="leave out wire precisions whose measured eval AUC loss exceeds this")
     s.add_argument("--use-all-ranks", action="store_true",
