@@ -7,7 +7,7 @@ bytes). ``adaptive`` first narrows each row's [min, max] by a greedy search that
 in steps of ``range / bins`` toward the other, whichever lowers the L2 error more, for at most
 ``ratio x bins`` steps, and keeps the best range seen (FBGEMM's ``param_search_greedy``); a row's
 search ends early once a few moves in a row found nothing better, and at 2 bits it moves three
-steps at a time and refines the best range by one step (``search_schedule``).
+steps at a time and ends with a least-squares refit of the best range (``search_schedule``).
 ``mixed`` spends ``bits`` per value on average over all the rows a checkpoint writes, but per
 row: each row gets 2, 3, 4 or 8 bits on its [min, max], the rows that matter most the most bits
 (``allocate_widths``), with a 2-bit width tag per row from which a block's size follows.
@@ -180,30 +180,38 @@ _SEARCH_BLOCK = 1024  # rows per block of the range search: its temporaries stay
 class SearchSchedule:
     """How the range search moves: ``move`` steps of ``range / bins`` per move, a row's search
     ending once ``patience`` moves in a row found nothing better, then ``refine`` rounds trying the
-    best range moved by one step at either end, inward and outward. A warm search (from the
-    row's last result) runs one such round per stride in ``warm``, moving that many steps."""
+    best range moved by one step at either end, inward and outward, then ``cold_fits``
+    least-squares refits of the best range (``_refit``). A warm search (from the row's last
+    result) runs one such round per stride in ``warm``, moving that many steps, then ``fits``
+    refits."""
 
     move: int
     patience: int
     refine: int
     warm: tuple[int, ...]
+    fits: int = 0
+    cold_fits: int = 0
 
 
 def search_schedule(bits: int) -> SearchSchedule:
     """At 2 bits the best range of a trained embedding row lies deep inside [min, max] (a third
-    or more clipped): triple moves and two refining rounds find a range of lower error than
-    single moves, with 10 error passes per row instead of 16. From 3 bits on the best range is
-    a step or two in, where single moves are needed, and a search that stops after 3 moves
-    without gain changes the total error by under 0.2%.
+    or more clipped): triple moves find a range of lower error than single moves, with fewer
+    error passes per row. From 3 bits on the best range is a step or two in, where single moves
+    are needed, and a search that stops after 3 moves without gain changes the total error by
+    under 0.2%.
 
-    Warm, on rows trained between checkpoints (dim 128, row-wise Adagrad, a quarter of the rows
-    changed per interval): a row's best range moves a few steps at 2 bits, so a round of 3-step
-    moves comes first, then one of single steps (0.3-1% more total L2 error than the cold
-    search; single steps alone: 3%); at 3 bits 2-step then single-step moves (0.3-0.6%); from 4
-    bits two rounds of single steps (0.3%)."""
+    Each error tried is a pass over the row; a least-squares refit (``_refit``) is one pass too
+    and lands off the grid of steps, nearer the best range than a round of four grid ranges
+    does. Measured on the tables of ``benchmarks/checkpoint.py`` (dim 128, row-wise Adagrad, a
+    quarter of the rows changing per interval, rows kept searched across three checkpoints,
+    mean squared error against the former schedule's): at 2 bits the cold search ends with a
+    refit instead of two refining rounds (8 passes fewer, 1% more error); the warm search, from
+    a row's last result, runs one round of 3-step moves and a refit (3 passes fewer than 3-step
+    then single-step rounds, 0.2-0.3% more error). From 3 bits the warm search runs one round of
+    single steps and a refit (2 passes fewer than two rounds, 0.5-4% less error)."""
     if bits <= 2:
-        return SearchSchedule(3, 2, 2, (3, 1))
-    return SearchSchedule(1, 3, 0, (2, 1) if bits == 3 else (1, 1))
+        return SearchSchedule(3, 2, 0, (3,), fits=1, cold_fits=1)
+    return SearchSchedule(1, 3, 0, (1,), fits=1)
 
 
 def greedy_range(
@@ -227,9 +235,10 @@ def range_search(
 
     A row whose ``start`` (uint8 ``[n, 2]``, a former ``found``) is given and leaves the range at
     least a step wide is searched warm: its range ``start`` steps in is refined by moves at
-    either end (a round per stride of ``search_schedule``'s ``warm``). Between checkpoints a
-    row's best range moves a few steps at most, so this finds a range of about the cold
-    search's error with half of its error passes or fewer. Other rows (``NEVER_SEARCHED``, or no
+    either end (a round per stride of ``search_schedule``'s ``warm``), then by least-squares
+    refits (its ``fits``), which land off the grid of steps (``found``: the nearest steps).
+    Between checkpoints a row's best range moves a few steps at most, so this finds a range of
+    about the cold search's error with a third of its error passes or fewer. Other rows (``NEVER_SEARCHED``, or no
     ``start``) get the cold greedy search. The native kernel (when built; same results)
     searches sixteen rows at a time, one per vector lane, cold and warm rows in separate groups,
     on the calling thread; ``native=False`` runs the PyTorch definition."""
@@ -244,7 +253,7 @@ def range_search(
     if kernels is not None:
         s = torch.empty(0, 2, dtype=torch.uint8) if start is None else start.contiguous()
         return kernels.greedy_range(x.float().contiguous(), levels, bins, steps, plan.move, plan.patience, plan.refine,
-                                    s, plan.warm)
+                                    s, plan.warm, plan.fits, plan.cold_fits)
     x = x.float()
     warm = torch.zeros(n, dtype=torch.bool) if start is None else (
         (start[:, 0] != NEVER_SEARCHED) & (start[:, 0].long() + start[:, 1].long() < bins))
@@ -276,7 +285,7 @@ def search_packed(
     plan = search_schedule(bits)
     s = torch.empty(0, 2, dtype=torch.uint8) if start is None else start.contiguous()
     found, scale, bias, codes = kernels.search_pack(x.float().contiguous(), bits, bins, int(bins * ratio), plan.move,
-                                                    plan.patience, plan.refine, s, plan.warm)
+                                                    plan.patience, plan.refine, s, plan.warm, plan.fits, plan.cold_fits)
     return found, scale, bias, memoryview(codes.numpy())
 
 
@@ -288,6 +297,37 @@ def _pair_errors(xt: torch.Tensor, width: torch.Tensor, lo_a: torch.Tensor, lo_b
     xs = xt * inv.unsqueeze(0)
     ss = s * s
     return _scaled_sq_error(xs, lo_a * inv, levels, buf) * ss, _scaled_sq_error(xs, lo_b * inv, levels, buf) * ss
+
+
+def _refit(xt: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One least-squares refit of each row's range [lo, hi] (``xt``: the block transposed,
+    ``[d, n]``). The row's codes on it, ``c = round(clamp(t, 0, levels))`` with ``t`` the values in
+    units of the scale from ``lo``, are held, and the line ``t ~ alpha + beta * c`` of least
+    squares gives the offset ``lo + s * alpha`` and scale ``s * beta`` of lowest error for those
+    codes: a Lloyd step for an evenly spaced grid. The error never grows (the refit lowers it
+    for the old codes, and each value's nearest code on the new range lowers it again), and
+    from a range near the best one step lands about as close as a search of eight ranges.
+    Sums of ``e = c - t``, ``c``, ``c * c`` and ``e * c`` per row in float32 over its columns in
+    order (as the native kernel sums them); a row whose codes are all equal, or whose fit does
+    not widen (``beta <= 0``), keeps its range."""
+    s = _scale(hi - lo, levels)
+    inv = 1.0 / s
+    t = xt * inv.unsqueeze(0) - (lo * inv).unsqueeze(0)
+    c = t.clamp(0.0, float(levels)).round_()
+    e = c - t
+    se, s1, s2, sec = (torch.zeros_like(lo) for _ in range(4))  # 0 + v is v exactly
+    for ej, cj in zip(e, c):
+        se.add_(ej)
+        s1.add_(cj)
+        s2.add_(cj * cj)
+        sec.add_(ej * cj)
+    nd = float(xt.shape[0])
+    det = nd * s2 - s1 * s1
+    beta = 1.0 - (nd * sec - s1 * se) / det
+    alpha = ((s1 - se) - beta * s1) / nd
+    ok = (det > 0) & (beta > 0)
+    new_lo = torch.where(ok, lo + s * alpha, lo)
+    return new_lo, torch.where(ok, new_lo + (s * beta) * float(levels), hi)
 
 
 @dataclass
@@ -338,24 +378,41 @@ def _search_block(
     mn, mx = x.amin(1), x.amax(1)
     step = (mx - mn) / bins
     if start is None:
-        return _greedy_block(xt, mn, mx, step, levels, bins, steps, plan, buf)
+        b = _greedy_block(xt, mn, mx, step, levels, bins, steps, plan, buf)
+        return _refit_best(xt, b, mn, mx, step, levels, plan.cold_fits)
     k_lo, k_hi = start[:, 0].contiguous(), start[:, 1].contiguous()
     lo, hi = mn + k_lo * step, mx - k_hi * step
-    s = _scale(hi - lo, levels)
-    inv = 1.0 / s
-    b = _Best(_scaled_sq_error(xt * inv.unsqueeze(0), lo * inv, levels, buf) * (s * s), lo, hi, k_lo, k_hi)
-    last, moved = 0, True
-    for m in plan.warm:
-        if m == last and not moved:
-            continue  # it would try the same ranges again
-        moved, last = _refine_round(xt, step, b, levels, bins, m, True, buf), m
-    return b.lo, b.hi, b.k_lo, b.k_hi
+    b = _Best(torch.zeros_like(lo), lo, hi, k_lo, k_hi)
+    if plan.warm:
+        s = _scale(hi - lo, levels)
+        inv = 1.0 / s
+        b.err = _scaled_sq_error(xt * inv.unsqueeze(0), lo * inv, levels, buf) * (s * s)
+        last, moved = 0, True
+        for m in plan.warm:
+            if m == last and not moved:
+                continue  # it would try the same ranges again
+            moved, last = _refine_round(xt, step, b, levels, bins, m, True, buf), m
+    return _refit_best(xt, b, mn, mx, step, levels, plan.fits)
+
+
+def _refit_best(xt: torch.Tensor, b: _Best, mn: torch.Tensor, mx: torch.Tensor, step: torch.Tensor, levels: int,
+                fits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fits`` refits of each row's best range, then its steps in from [min, max] rounded to
+    whole steps (half to even; a constant row, whose step is 0, keeps its steps)."""
+    if fits <= 0:
+        return b.lo, b.hi, b.k_lo, b.k_hi
+    lo, hi = b.lo, b.hi
+    for _ in range(fits):
+        lo, hi = _refit(xt, lo, hi, levels)
+    moves = step > 0
+    return (lo, hi, torch.where(moves, ((lo - mn) / step).round(), b.k_lo),
+            torch.where(moves, ((mx - hi) / step).round(), b.k_hi))
 
 
 def _greedy_block(
     xt: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, step: torch.Tensor, levels: int, bins: int, steps: int,
     plan: SearchSchedule, buf: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> _Best:
     """The cold search of a transposed block ``xt`` from its rows' [min, max] = [lo, hi]."""
     stride = step * float(plan.move)
     s = _scale(hi - lo, levels)
@@ -387,7 +444,7 @@ def _greedy_block(
         bad = torch.where(better, 0, torch.where(alive, bad + 1, bad))
     for _ in range(plan.refine):
         _refine_round(xt, step, b, levels, bins, 1, False, buf)
-    return b.lo, b.hi, b.k_lo, b.k_hi
+    return b
 
 
 # ---------------------------------------------------------------------- mixed widths

@@ -2,8 +2,8 @@
 
 The adaptive quantizer's cold search walks each row's clipping range in from [min, max]: about
 ten passes over the row at 2 bits. Between checkpoints a trained row's best range moves little,
-so starting from where the last search ended and refining by single steps (``range_search``'s
-warm start) finds a range of about the same error for a third of the passes. A row's result is
+so starting from where the last search ended and refining it (``range_search``'s warm start)
+finds a range of about the same error for a third of the passes. A row's result is
 two bytes, the steps of ``range / bins`` its range lies in from its min and from its max, in a
 uint8 ``[rows, 2]`` array per table shard written: 2 bytes per row of the shard.
 

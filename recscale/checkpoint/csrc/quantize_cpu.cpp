@@ -5,10 +5,11 @@
 // For each row: start from [min, max], and for at most `steps` steps move one end by `move`
 // steps of (max - min) / bins toward the other, whichever lowers the squared error of quantizing
 // the row more; keep the range of lowest error seen; stop early once `patience` moves in a row
-// found nothing better; then try the best range moved by one step at either end, `refine` times
-// (quantize.py's `search_schedule` picks move, patience and refine per bit width). A row with a
-// stored start (its last result, in steps in from min and from max) is searched warm instead:
-// that range, then a refining round per stride of `warm` (moves of that many steps).
+// found nothing better; then try the best range moved by one step at either end, `refine` times,
+// then refit it by least squares `cold_fits` times (`refit`; quantize.py's `search_schedule`
+// picks these per bit width). A row with a stored start (its last result, in steps in from min
+// and from max) is searched warm instead: that range, then a refining round per stride of
+// `warm` (moves of that many steps), then `fits` refits.
 // recscale/checkpoint/quantize.py's `range_search` is the one reference definition: every
 // float32 operation below is the same operation, in the same order (no FMA contraction:
 // -ffp-contract=off), each row's error summed in float32 over its columns in order,
@@ -26,7 +27,7 @@
 #include <ATen/ops/zeros.h>
 #include <c10/util/Half.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -137,10 +138,30 @@ inline void transpose16(__m512 r[16]) {
     r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
   }
 }
+#elif defined(__AVX__)
+// In-register transpose of 8 x 8 floats: r[i] holds row i on entry, column i on return.
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int h = 0; h < 8; h += 4) {
+    u[h] = _mm256_shuffle_ps(t[h], t[h + 2], 0x44);
+    u[h + 1] = _mm256_shuffle_ps(t[h], t[h + 2], 0xEE);
+    u[h + 2] = _mm256_shuffle_ps(t[h + 1], t[h + 3], 0x44);
+    u[h + 3] = _mm256_shuffle_ps(t[h + 1], t[h + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
 #endif
 
 // Copies rows idx[0 .. count) transposed into t[d][kLanes] (spare lanes repeat the last row).
-// With AVX-512 in 16 x 16 register blocks (a scalar copy is a fifth of a 2-bit search).
+// With AVX-512 in 16 x 16 register blocks, with AVX in 8 x 8 ones (a scalar copy is a fifth of
+// a 2-bit cold search, more than a warm one).
 inline void load_group(const float* xp, const int64_t* idx, int count, int64_t d, float* t) {
   const float* rows[kLanes];
   for (int k = 0; k < kLanes; ++k) rows[k] = xp + idx[std::min(k, count - 1)] * d;
@@ -151,6 +172,15 @@ inline void load_group(const float* xp, const int64_t* idx, int count, int64_t d
     for (int k = 0; k < 16; ++k) r[k] = _mm512_loadu_ps(rows[k] + j0);
     transpose16(r);
     for (int j = 0; j < 16; ++j) _mm512_storeu_ps(t + (j0 + j) * kLanes, r[j]);
+  }
+#elif defined(__AVX__)
+  for (; j0 + 8 <= d; j0 += 8) {
+    for (int h = 0; h < kLanes; h += 8) {
+      __m256 r[8];
+      for (int k = 0; k < 8; ++k) r[k] = _mm256_loadu_ps(rows[h + k] + j0);
+      transpose8(r);
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(t + (j0 + j) * kLanes + h, r[j]);
+    }
   }
 #endif
   for (int k = 0; k < kLanes; ++k) {
@@ -164,6 +194,7 @@ struct Search {
   float mv;
   int64_t patience, refine;
   std::vector<int64_t> warm;  // strides of the warm search's rounds
+  int64_t fits, cold_fits;    // least-squares refits ending a warm and a cold search
 };
 
 // One group's lanes: each row's [min, max], its step, and the best range seen with its error
@@ -173,14 +204,38 @@ struct Lanes {
 };
 
 inline void min_max(const float* t, int64_t d, Lanes& L, float nb) {
-  for (int k = 0; k < kLanes; ++k) L.mn[k] = L.mx[k] = t[k];
-  for (int64_t j = 1; j < d; ++j) {
+  float mn[kLanes], mx[kLanes];
+  int64_t j = 1;
+  for (int k = 0; k < kLanes; ++k) mn[k] = mx[k] = t[k];
+#if defined(__AVX__)
+  // Explicitly vectorized: compiled without AVX-512 the plain loop below stays scalar, and took
+  // more time than a refit. min_ps(v, m) is v < m ? v : m, the loop's selection.
+  static_assert(kLanes == 16, "two 8-float registers per row of lanes");
+  __m256 mn0 = _mm256_loadu_ps(mn), mn1 = _mm256_loadu_ps(mn + 8), mx0 = mn0, mx1 = mn1;
+  for (; j < d; ++j) {
+    const __m256 v0 = _mm256_loadu_ps(t + j * kLanes), v1 = _mm256_loadu_ps(t + j * kLanes + 8);
+    mn0 = _mm256_min_ps(v0, mn0);
+    mn1 = _mm256_min_ps(v1, mn1);
+    mx0 = _mm256_max_ps(v0, mx0);
+    mx1 = _mm256_max_ps(v1, mx1);
+  }
+  _mm256_storeu_ps(mn, mn0);
+  _mm256_storeu_ps(mn + 8, mn1);
+  _mm256_storeu_ps(mx, mx0);
+  _mm256_storeu_ps(mx + 8, mx1);
+#endif
+  for (; j < d; ++j) {
     for (int k = 0; k < kLanes; ++k) {
-      L.mn[k] = std::min(L.mn[k], t[j * kLanes + k]);
-      L.mx[k] = std::max(L.mx[k], t[j * kLanes + k]);
+      const float v = t[j * kLanes + k];
+      mn[k] = v < mn[k] ? v : mn[k];
+      mx[k] = v > mx[k] ? v : mx[k];
     }
   }
-  for (int k = 0; k < kLanes; ++k) L.step[k] = (L.mx[k] - L.mn[k]) / nb;
+  for (int k = 0; k < kLanes; ++k) {
+    L.mn[k] = mn[k];
+    L.mx[k] = mx[k];
+    L.step[k] = (mx[k] - mn[k]) / nb;
+  }
 }
 
 // Error of each lane's range [lo, hi] alone.
@@ -235,6 +290,61 @@ inline bool refine_round(const float* t, int64_t d, Lanes& L, float lv, float nb
   return any;
 }
 
+// One refit of each lane's range [lo, hi] (scale s): the codes c = round(clamp(t, 0, levels)) of
+// the row on it (t = x / s - lo / s, as scaled_sq_errors computes them), then the line
+// t ~ alpha + beta * c of least squares over the row, from the sums of e = c - t, c, c * c and
+// e * c (each lane's in float32 over its columns in order): with N columns and
+// det = N * sum(c * c) - sum(c)^2, beta = 1 - (N * sum(e * c) - sum(c) * sum(e)) / det and
+// alpha = ((sum(c) - sum(e)) - beta * sum(c)) / N. The new range starts at lo + s * alpha with
+// scale s * beta: for these codes, the offset and scale of least squared error, so the error
+// never grows (then each value's nearest code only lowers it). A lane whose codes are all
+// equal (det 0) or whose fit is not a widening line (beta <= 0) keeps its range.
+inline void refit(const float* t, int64_t d, const float* lo, const float* hi, float lv, float* n_lo, float* n_hi) {
+  float sc[kLanes], iv[kLanes], aa[kLanes];
+  for (int k = 0; k < kLanes; ++k) {
+    sc[k] = scale_of(hi[k] - lo[k], lv);
+    iv[k] = 1.0f / sc[k];
+    aa[k] = lo[k] * iv[k];
+  }
+  float se[kLanes] = {0.0f}, sc1[kLanes] = {0.0f}, sc2[kLanes] = {0.0f}, sec[kLanes] = {0.0f};
+  for (int64_t j = 0; j < d; ++j) {
+    const float* v = t + j * kLanes;
+    for (int k = 0; k < kLanes; ++k) {
+      const float ta = v[k] * iv[k] - aa[k];
+      float ca = ta < 0.0f ? 0.0f : ta;
+      ca = lv < ca ? lv : ca;
+      const float c = std::nearbyint(ca);
+      const float e = c - ta;
+      se[k] += e;
+      sc1[k] += c;
+      sc2[k] += c * c;
+      sec[k] += e * c;
+    }
+  }
+  const float nd = static_cast<float>(d);
+  for (int k = 0; k < kLanes; ++k) {
+    const float det = nd * sc2[k] - sc1[k] * sc1[k];
+    const float beta = 1.0f - (nd * sec[k] - sc1[k] * se[k]) / det;
+    const float alpha = ((sc1[k] - se[k]) - beta * sc1[k]) / nd;
+    const bool ok = det > 0.0f && beta > 0.0f;
+    const float h = hi[k];
+    n_lo[k] = ok ? lo[k] + sc[k] * alpha : lo[k];
+    n_hi[k] = ok ? n_lo[k] + (sc[k] * beta) * lv : h;
+  }
+}
+
+// `fits` refits of each lane's best range, then its steps in from [min, max] rounded to whole
+// steps (half to even; a constant row, whose step is 0, keeps its steps).
+inline void refit_lanes(const float* t, int64_t d, float lv, int64_t fits, Lanes& L) {
+  if (fits <= 0) return;
+  for (int64_t f = 0; f < fits; ++f) refit(t, d, L.b_lo, L.b_hi, lv, L.b_lo, L.b_hi);
+  for (int k = 0; k < kLanes; ++k) {
+    const bool moves = L.step[k] > 0.0f;
+    L.k_lo[k] = moves ? std::nearbyint((L.b_lo[k] - L.mn[k]) / L.step[k]) : L.k_lo[k];
+    L.k_hi[k] = moves ? std::nearbyint((L.mx[k] - L.b_hi[k]) / L.step[k]) : L.k_hi[k];
+  }
+}
+
 // The cold search of one group: from [min, max], moves of `mv` steps, at most `moves` of them; a
 // lane stops once `patience` moves in a row found nothing better than its best, the group when
 // every lane has. Then `refine` rounds.
@@ -279,12 +389,13 @@ void cold_group(const float* t, int64_t d, const Search& p, Lanes& L) {
     }
   }
   for (int64_t r = 0; r < p.refine; ++r) refine_round(t, d, L, p.lv, p.nb, 1.0f, false);
+  refit_lanes(t, d, p.lv, p.cold_fits, L);
 }
 
 // The warm search of one group: from the range `start` steps in from [min, max] (the row's
-// last result), a bounded refining round of `warm[r]` steps for each r; a round is skipped when
-// the one before it had the same stride and found nothing better in any lane (it would try the
-// same ranges again).
+// last result), a bounded refining round of `warm[r]` steps for each r (a round is skipped when
+// the one before it had the same stride and found nothing better in any lane: it would try the
+// same ranges again), then `fits` refits.
 void warm_group(const float* t, int64_t d, const Search& p, const float* s_lo, const float* s_hi, Lanes& L) {
   for (int k = 0; k < kLanes; ++k) {
     L.k_lo[k] = s_lo[k];
@@ -292,15 +403,18 @@ void warm_group(const float* t, int64_t d, const Search& p, const float* s_lo, c
     L.b_lo[k] = L.mn[k] + s_lo[k] * L.step[k];
     L.b_hi[k] = L.mx[k] - s_hi[k] * L.step[k];
   }
-  single_error(t, d, L.b_lo, L.b_hi, p.lv, L.best);
-  float last = 0.0f;
-  bool moved = true;
-  for (size_t r = 0; r < p.warm.size(); ++r) {
-    const float m = static_cast<float>(p.warm[r]);
-    if (m == last && !moved) continue;
-    moved = refine_round(t, d, L, p.lv, p.nb, m, true);
-    last = m;
+  if (!p.warm.empty()) {
+    single_error(t, d, L.b_lo, L.b_hi, p.lv, L.best);
+    float last = 0.0f;
+    bool moved = true;
+    for (size_t r = 0; r < p.warm.size(); ++r) {
+      const float m = static_cast<float>(p.warm[r]);
+      if (m == last && !moved) continue;
+      moved = refine_round(t, d, L, p.lv, p.nb, m, true);
+      last = m;
+    }
   }
+  refit_lanes(t, d, p.lv, p.fits, L);
 }
 
 inline uint8_t steps_byte(float k) { return static_cast<uint8_t>(k < 0.0f ? 0.0f : (k > 254.0f ? 254.0f : k)); }
@@ -446,12 +560,14 @@ using Searched = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::
 // codes: empty tensors otherwise).
 Searched search_rows(const at::Tensor& x, int64_t levels, int64_t bins, int64_t steps, int64_t move,
                      int64_t patience, int64_t refine, const at::Tensor& start,
-                     const std::vector<int64_t>& warm_strides, int64_t bits) {
+                     const std::vector<int64_t>& warm_strides, int64_t fits, int64_t cold_fits,
+                     int64_t bits) {
   if (x.dim() != 2 || x.scalar_type() != at::kFloat || !x.is_contiguous() || x.device().type() != at::kCPU) {
     throw std::invalid_argument("greedy_range: x must be a contiguous 2-d float32 CPU tensor");
   }
-  if (levels < 1 || bins < 1 || steps < 0 || move < 1 || patience < 1 || refine < 0) {
-    throw std::invalid_argument("greedy_range: levels, bins, move, patience >= 1; steps, refine >= 0");
+  if (levels < 1 || bins < 1 || steps < 0 || move < 1 || patience < 1 || refine < 0 || fits < 0 ||
+      cold_fits < 0) {
+    throw std::invalid_argument("greedy_range: levels, bins, move, patience >= 1; steps, refine, fits, cold_fits >= 0");
   }
   for (int64_t m : warm_strides) {
     if (m < 1) throw std::invalid_argument("greedy_range: warm strides must be >= 1");
@@ -485,7 +601,7 @@ Searched search_rows(const at::Tensor& x, int64_t levels, int64_t bins, int64_t 
   float* bhi = best_hi.data_ptr<float>();
   uint8_t* fp = found.data_ptr<uint8_t>();
   const Search p{static_cast<float>(levels), static_cast<float>(bins), steps / move, static_cast<float>(move),
-                 patience, refine, warm_strides};
+                 patience, refine, warm_strides, fits, cold_fits};
   // Cold and warm rows go in separate groups, each in row order: a group runs one schedule.
   int64_t cold[kLanes], hot[kLanes];
   int nc = 0, nh = 0;
@@ -506,8 +622,9 @@ Searched search_rows(const at::Tensor& x, int64_t levels, int64_t bins, int64_t 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_range(const at::Tensor& x, int64_t levels, int64_t bins,
                                                             int64_t steps, int64_t move, int64_t patience,
                                                             int64_t refine, const at::Tensor& start,
-                                                            const std::vector<int64_t>& warm_strides) {
-  auto r = search_rows(x, levels, bins, steps, move, patience, refine, start, warm_strides, 0);
+                                                            const std::vector<int64_t>& warm_strides,
+                                                            int64_t fits, int64_t cold_fits) {
+  auto r = search_rows(x, levels, bins, steps, move, patience, refine, start, warm_strides, fits, cold_fits, 0);
   return {std::get<0>(r), std::get<1>(r), std::get<2>(r)};
 }
 
@@ -515,9 +632,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_range(const at::Tensor& x,
 // the group's rows are in cache: one pass over the rows instead of the search's and pack_codes'.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> search_pack(
     const at::Tensor& x, int64_t bits, int64_t bins, int64_t steps, int64_t move, int64_t patience, int64_t refine,
-    const at::Tensor& start, const std::vector<int64_t>& warm_strides) {
+    const at::Tensor& start, const std::vector<int64_t>& warm_strides, int64_t fits, int64_t cold_fits) {
   if (bits < 1 || bits > 8) throw std::invalid_argument("search_pack: bits must be 1 to 8");
-  auto r = search_rows(x, (1 << bits) - 1, bins, steps, move, patience, refine, start, warm_strides, bits);
+  auto r = search_rows(x, (1 << bits) - 1, bins, steps, move, patience, refine, start, warm_strides, fits,
+                       cold_fits, bits);
   return {std::get<2>(r), std::get<3>(r), std::get<4>(r), std::get<5>(r)};
 }
 
