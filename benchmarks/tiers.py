@@ -62,12 +62,15 @@ from _cgroup import CgroupError, MemoryCgroup  # noqa: E402
 from _common import environment, format_table, set_threads, write_json, zipf_ids  # noqa: E402
 
 from recscale.embedding import RowWiseAdagrad, TableBatchedEmbeddingBags, TableConfig  # noqa: E402
-from recscale.embedding.tier_file import CHUNK_BLOCKS, PAGE, RowFile  # noqa: E402
+from recscale.embedding.tier_file import RowFile  # noqa: E402
 from recscale.embedding.tier_hooks import (  # noqa: E402
     announce_batch, begin_batch, close_tiers, tier_stats, tiered_storages,
 )
 from recscale.embedding.tier_sim import belady_hit_rate, replay_hit_rate  # noqa: E402
-from recscale.embedding.tiered import TierRam, TierSettings, tier_ram, tiered_storage_factory  # noqa: E402
+from recscale.embedding.tiered import (  # noqa: E402
+    TierRam, TierSettings, TierStepRam, tier_ram, tier_step_ram, tiered_storage_factory,
+)
+from recscale.host_memory import return_freed_memory  # noqa: E402
 from recscale.planner.miss_curve import zipf_access  # noqa: E402
 from recscale.sparse import JaggedBatch  # noqa: E402
 
@@ -195,17 +198,17 @@ def tier_ram_bytes(rows: int, cache: int, dim: int, state_cols: int = 1, pool_mb
     return tier_ram(rows, cache, 4 * dim + 4 * state_cols, "lookahead", int(pool_mb * 2**20))
 
 
-def in_flight_bytes(low: int, dim: int, prefetch: int, io_threads: int, state_cols: int = 1) -> int:
-    """RAM of the reads in flight, all tables together, at most: the records of one batch's
-    distinct rows (``low``, per table) for each batch read ahead and the one training, and a
-    chunk of blocks per reading thread (``CHUNK_BLOCKS``)."""
-    return (prefetch + 1) * low * (4 * dim + 4 * state_cols) + io_threads * CHUNK_BLOCKS * PAGE
+def step_ram(tables: int, low: int, dim: int, cache: int, window: int, prefetch: int, state_cols: int = 1) -> TierStepRam:
+    """RAM a step's tier work holds beyond ``tier_ram``, all tables (``tier_step_ram``): reads
+    in flight, the announced window, one admission and one table's eviction ranks; ``low`` a
+    batch's most distinct rows of one table."""
+    return tier_step_ram(tables, low, 4 * dim + 4 * state_cols, cache, "lookahead", window, prefetch, 8)
 
 
 def choose_cache(tables: list[TableConfig], low: int, budget_mb: int, reserved: int = 0) -> int:
     """The throughput runs' cache rows per table: ``TRAIN_SHARE`` of the rows, or the most
     the tier budget holds (cache, bookkeeping and block pool of every table, and ``reserved``
-    bytes for the reads in flight) if that is less."""
+    bytes for the step's tier work: reads in flight, announced rows, admission, ranks) if that is less."""
     rows, dim, n = tables[0].num_rows, tables[0].dim, len(tables)
     cache = max(low, int(TRAIN_SHARE * rows))
     budget = (budget_mb << 20) - reserved
@@ -283,6 +286,9 @@ def tier_runs(tables: list[TableConfig], trace: Trace, cache: int, ssd_dir: str,
               warmup: int | None = None, duration_s: float = 0.0, progress=None, done=None) -> dict:
     """The two tier throughput runs (with and without prefetch) at ``cache`` rows per table;
     ``done(name, figures)`` gets each as soon as it ends, ``progress`` its progress lines."""
+    # Freed blocks go back to the OS: the process's resident memory (what a cgroup counts) is
+    # then the tier's and the step's, not glibc's retained past peaks (~100-150 MiB at 1M rows).
+    return_freed_memory()
     place = {t.name: ("ssd", cache) for t in tables}
     warm = max(2, len(trace) // 6) if warmup is None else warmup
     out: dict = {}
@@ -383,16 +389,22 @@ def throughput(tables: list[TableConfig], steps: int, batch: int, pooling: int, 
     trace = Trace(tables, steps, batch, pooling, 1.05, seed=3)
     rows, dim = tables[0].num_rows, tables[0].dim
     low = max(trace.distinct(i, k).size for i in range(len(trace)) for k in range(len(tables)))
-    flight = in_flight_bytes(low, dim, prefetch, 8)
-    cache = choose_cache(tables, low, budget_mb, flight)
+    # the step's share is reserved at the largest cache (its eviction ranks grow with the slots)
+    step = step_ram(len(tables), low, dim, max(low, int(TRAIN_SHARE * rows)), window, prefetch)
+    cache = choose_cache(tables, low, budget_mb, step.total)
+    step = step_ram(len(tables), low, dim, cache, window, prefetch)
     ram = tier_ram_bytes(rows, cache, dim)
     mib, n = 2**20, len(tables)
     parts = {"cache_mb": n * ram.cache / mib, "slot_bookkeeping_mb": n * ram.slots / mib,
-             "row_bookkeeping_mb": n * ram.rows / mib, "block_pool_mb": n * ram.pool / mib, "reads_in_flight_mb": flight / mib}
+             "row_bookkeeping_mb": n * ram.rows / mib, "block_pool_mb": n * ram.pool / mib,
+             "reads_in_flight_mb": step.reads / mib, "announced_window_mb": step.window / mib,
+             "admission_mb": step.admission / mib, "eviction_ranks_mb": step.ranking / mib}
     total = sum(parts.values())
     print(f"tier: {cache:,} cached rows per table ({cache / rows:.1%} of {rows:,}); cache {parts['cache_mb']:,.0f} MiB + "
           f"bookkeeping {parts['slot_bookkeeping_mb']:,.0f} MiB per slot, {parts['row_bookkeeping_mb']:,.0f} MiB per row + "
-          f"block pool {parts['block_pool_mb']:,.0f} MiB + reads in flight {flight / mib:,.0f} MiB = {total:,.0f} MiB "
+          f"block pool {parts['block_pool_mb']:,.0f} MiB + the step's reads in flight {step.reads / mib:,.0f} MiB, "
+          f"announced rows {step.window / mib:,.0f} MiB, admission {step.admission / mib:,.0f} MiB, eviction ranks "
+          f"{step.ranking / mib:,.0f} MiB ({low:,} distinct rows a table and batch at most) = {total:,.0f} MiB "
           f"of the {budget_mb:,} MiB tier budget", flush=True)
     result["throughput_cache"] = {"cache_rows": cache, "share": cache / rows, **parts, "total_mb": total,
                                   "tier_budget_mb": budget_mb}
