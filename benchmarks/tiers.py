@@ -27,17 +27,28 @@ test checks), and offline Belady in numpy; they count distinct rows per batch, a
 The throughput runs' cache is 25% of each table's rows, or the most that ``--tier-budget-mb``
 (default 2048) holds, counting the cache's rows and optimizer state, the tier's bookkeeping (per
 slot and per table row, ``recscale.embedding.tiered.tier_ram``) and pool of known blocks of
-every table, and the reads in flight; each part is printed. ``--warmup`` steps fill the cache
-untimed (at 4M rows a sixth of the steps is too few for a steady state). ``--cgroup-mb N``
+every table, and what a step's tier work holds besides (``tier_step_ram``: the reads in flight
+of every table, the announced rows, one admission, one table's eviction ranks); each part is
+printed. The tier runs return freed blocks to the OS (``host_memory.return_freed_memory``), so
+what a cgroup counts is what they hold. ``--warmup`` steps fill the cache untimed (at 4M rows a
+sixth of the steps is too few for a steady state); ``--duration-s`` ends a run's timing at the
+first step past it (the second tier run then times the same batches), and the table says how
+many steps each run timed after how many warm-up steps. Every ``--progress-s`` seconds (30) a
+run prints its step, samples/s, hit rate, io stall share and RSS; the ``--json`` file is
+rewritten (write, then rename) on each such line and as each run ends, so a run stopped early
+still leaves its figures (``progress``: the latest line of each run). ``--cgroup-mb N``
 (Linux, root) runs the tier runs, and nothing else, in a child process inside a memory cgroup
 of N MiB that this script creates and removes (cgroup v1 ``memory.limit_in_bytes``, which
 counts the page cache; v2 ``memory.max`` where v2 is mounted); ``--cgroup-mb auto`` sets the
 limit to the tier budget + the child's measured baseline (Python, torch, the trace) + 256 MiB
-for the step. It prints the limit, the baseline, the cgroup's maximum usage and failcnt, and
+for the rest of the step (the operator's ids, outputs and gradients, page cache of the I/O in
+flight). It prints the limit, the baseline, the cgroup's maximum usage and failcnt, and
 whether the child finished inside it (a child the OOM killer ends is a FAILED line and exit
-code 1). The all-in-RAM run stays outside (it holds every row). The full size:
+code 1). The all-in-RAM run stays outside (it holds every row). The full size, in about 20
+minutes:
 
-    python benchmarks/tiers.py --ssd-dir /mnt/nvme/tmp --cgroup-mb auto --json tiers.json
+    python benchmarks/tiers.py --ssd-dir /mnt/nvme/tmp --parts train --cgroup-mb auto \
+        --steps 160 --warmup 32 --duration-s 300 --json tiers.json
 """
 
 from __future__ import annotations
