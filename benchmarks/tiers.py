@@ -213,7 +213,7 @@ def step_ram(tables: int, low: int, dim: int, cache: int, window: int, prefetch:
     """RAM a step's tier work holds beyond ``tier_ram``, all tables (``tier_step_ram``): reads
     in flight, the announced window, one admission and one table's eviction ranks; ``low`` a
     batch's most distinct rows of one table."""
-    return tier_step_ram(tables, low, 4 * dim + 4 * state_cols, cache, "lookahead", window, prefetch, 8)
+    return tier_step_ram(tables, low, 4 * dim + 4 * state_cols, cache, window, prefetch, 8)
 
 
 def choose_cache(tables: list[TableConfig], low: int, budget_mb: int, reserved: int = 0) -> int:
@@ -297,14 +297,15 @@ def tier_runs(tables: list[TableConfig], trace: Trace, cache: int, ssd_dir: str,
               warmup: int | None = None, duration_s: float = 0.0, progress=None, done=None) -> dict:
     """The two tier throughput runs (with and without prefetch) at ``cache`` rows per table;
     ``done(name, figures)`` gets each as soon as it ends, ``progress`` its progress lines."""
-    # Freed blocks go back to the OS: the process's resident memory (what a cgroup counts) is
-    # then the tier's and the step's, not glibc's retained past peaks (~100-150 MiB at 1M rows).
-    return_freed_memory()
     place = {t.name: ("ssd", cache) for t in tables}
     warm = max(2, len(trace) // 6) if warmup is None else warmup
     out: dict = {}
     stop = None
     for name, k in (("tier, prefetch", prefetch), ("tier, no prefetch", 0)):
+        # Freed blocks go back to the OS, and what the run before left free in the heaps too:
+        # the resident memory (what a cgroup counts) is then the tier's and the step's, not
+        # glibc's retained past peaks (~100-200 MiB at 1M rows).
+        return_freed_memory()
         settings = TierSettings(ssd_dir, "lookahead", window, 8, k, int(POOL_MB * 2**20))
         # the second run times the same batches as the first (a --duration-s bound ends the first)
         out[name] = {"prefetch_batches": k, **train_rate(tables, trace, place, settings, window, warm,

@@ -128,19 +128,20 @@ _ADMIT_COPIES = 5
 _RANK_ARRAYS = 8
 
 
-def tier_step_ram(tables: int, distinct_rows: int, record_bytes: int, cache_rows: int, policy: str = "lookahead",
-                  lookahead_batches: int = 2, prefetch_batches: int | None = None, io_threads: int = 8) -> TierStepRam:
+def tier_step_ram(tables: int, distinct_rows: int, record_bytes: int, cache_rows: int, lookahead_batches: int = 2,
+                  prefetch_batches: int | None = None, io_threads: int = 8) -> TierStepRam:
     """What a step holds beyond ``tier_ram`` on ``tables`` SSD tables behind caches of
     ``cache_rows`` slots, a batch looking up at most ``distinct_rows`` distinct rows of each
     (``TierSettings``' lookahead, prefetch and readers). It grows with the batch (distinct
     rows), the record size and the prefetch depth, not with the table: a budget for the tier
-    must hold it besides the cache. ``prefetch_batches`` None: every announced batch is read."""
+    must hold it besides the cache. ``prefetch_batches`` None: every announced batch is read.
+    The ranks are counted as ``lookahead``'s, the policy that holds the most arrays."""
     ahead = lookahead_batches if prefetch_batches is None else min(prefetch_batches, lookahead_batches)
     # the batches read ahead and the one training (its reads are freed at the next batch)
     reads = (ahead + 1 if ahead else 0) * tables * distinct_rows * (record_bytes + _PLAN_BYTES)
     if ahead and io_threads:
         reads += io_threads * CHUNK_BLOCKS * PAGE
-    window = lookahead_batches * tables * distinct_rows * 8 if policy == "lookahead" else 0
+    window = lookahead_batches * tables * distinct_rows * 8  # announced for prefetch too, whatever the policy
     return TierStepRam(reads, window, _ADMIT_COPIES * distinct_rows * record_bytes, _RANK_ARRAYS * 8 * cache_rows)
 
 
