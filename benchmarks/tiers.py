@@ -162,8 +162,8 @@ def train_rate(tables, trace: Trace, placement, settings, lookahead: int, warmup
     def figures(steps: int, seconds: float, since: tuple[float, int, int], done: int) -> dict:
         stall, lookups, hits = (a - b for a, b in zip(counters(), since))
         rss, peak = rss_mb()
-        return {"step": done, "steps": len(trace), "timed": i >= warmup, "samples_per_s": steps * trace.batch_size / max(seconds, 1e-9),
-                "io_stall_fraction": stall / max(seconds, 1e-9), "hit_rate": hits / lookups if lookups else None,
+        return {"step": done, "steps": len(trace), "timed": i >= warmup,
+                "samples_per_s": steps * trace.batch_size / max(seconds, 1e-9), "io_stall_fraction": stall / max(seconds, 1e-9), "hit_rate": hits / lookups if lookups else None,
                 "missed_rows_per_step": (lookups - hits) / max(steps, 1), "rss_mb": rss, "peak_rss_mb": peak}
 
     start, t0, ahead, timed = zero, time.perf_counter(), 0, 0
@@ -209,7 +209,8 @@ def tier_ram_bytes(rows: int, cache: int, dim: int, state_cols: int = 1, pool_mb
     return tier_ram(rows, cache, 4 * dim + 4 * state_cols, "lookahead", int(pool_mb * 2**20))
 
 
-def step_ram(tables: int, low: int, dim: int, cache: int, window: int, prefetch: int, state_cols: int = 1) -> TierStepRam:
+def step_ram(tables: int, low: int, dim: int, cache: int, window: int, prefetch: int,
+             state_cols: int = 1) -> TierStepRam:
     """RAM a step's tier work holds beyond ``tier_ram``, all tables (``tier_step_ram``): reads
     in flight, the announced window, one admission and one table's eviction ranks; ``low`` a
     batch's most distinct rows of one table."""
@@ -333,8 +334,8 @@ def _child_main(spec: str) -> None:
     def send(key: str):
         return lambda *a: print(_CHILD_TAG + json.dumps({key: a}), flush=True)
 
-    tier_runs(tables, trace, p["cache"], p["ssd_dir"], p["window"], p["prefetch"], p.get("warmup"), p.get("duration_s", 0.0),
-              send("progress"), send("run"))
+    tier_runs(tables, trace, p["cache"], p["ssd_dir"], p["window"], p["prefetch"], p.get("warmup"),
+              p.get("duration_s", 0.0), send("progress"), send("run"))
     print(_CHILD_TAG + json.dumps({"finished": True}), flush=True)
 
 

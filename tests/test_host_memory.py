@@ -124,7 +124,8 @@ print(json.dumps({"returned": before - rss()}))
 
 
 def _returned(fixed: bool) -> int:
-    done = run([sys.executable, "-c", _RETURN_PROBE, "1" if fixed else "0"], timeout=120, capture_output=True, check=True)
+    done = run([sys.executable, "-c", _RETURN_PROBE, "1" if fixed else "0"], timeout=120, capture_output=True,
+               check=True)
     return json.loads(done.stdout.decode().strip().splitlines()[-1])["returned"]
 
 

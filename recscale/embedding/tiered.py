@@ -36,7 +36,9 @@ import torch
 from recscale.embedding.config import TableConfig
 from recscale.embedding.eviction import EvictionPolicy
 from recscale.embedding.storage import DenseRowStorage, RowStorage
-from recscale.embedding.tier_file import CHUNK_BLOCKS, DEFAULT_POOL_BYTES, FLUSH_BYTES, PAGE, BlockRead, RowFile, TierError, TierFileMeta, decode, encode
+from recscale.embedding.tier_file import (
+    CHUNK_BLOCKS, DEFAULT_POOL_BYTES, FLUSH_BYTES, PAGE, BlockRead, RowFile, TierError, TierFileMeta, decode, encode,
+)
 from recscale.sparse import SparseInputError
 
 Placement = Literal["ram", "ssd"]
