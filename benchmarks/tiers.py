@@ -13,6 +13,7 @@ Prints, on Zipf-like multi-hot ids:
     python benchmarks/tiers.py --quick --json out.json     # seconds: small tables
     python benchmarks/tiers.py --ssd-dir /mnt/nvme/tmp      # 8 tables of 4M rows, dim 64
     python benchmarks/tiers.py --rows 500000 --steps 24 --parts train,disk   # a few minutes
+    python benchmarks/tiers.py --parts train --steps 200 --warmup 32 --duration-s 300   # bounded
 
 ``--parts`` picks among the hit rates (``hits``), the throughput runs (``train``) and the disk
 probe (``disk``); the disk part also reads records the way the tier does (a batch of pages
@@ -26,17 +27,28 @@ test checks), and offline Belady in numpy; they count distinct rows per batch, a
 The throughput runs' cache is 25% of each table's rows, or the most that ``--tier-budget-mb``
 (default 2048) holds, counting the cache's rows and optimizer state, the tier's bookkeeping (per
 slot and per table row, ``recscale.embedding.tiered.tier_ram``) and pool of known blocks of
-every table, and the reads in flight; each part is printed. ``--warmup`` steps fill the cache
-untimed (at 4M rows a sixth of the steps is too few for a steady state). ``--cgroup-mb N``
+every table, and what a step's tier work holds besides (``tier_step_ram``: the reads in flight
+of every table, the announced rows, one admission, one table's eviction ranks); each part is
+printed. The tier runs return freed blocks to the OS (``host_memory.return_freed_memory``), so
+what a cgroup counts is what they hold. ``--warmup`` steps fill the cache untimed (at 4M rows a
+sixth of the steps is too few for a steady state); ``--duration-s`` ends a run's timing at the
+first step past it (the second tier run then times the same batches), and the table says how
+many steps each run timed after how many warm-up steps. Every ``--progress-s`` seconds (30) a
+run prints its step, samples/s, hit rate, io stall share and RSS; the ``--json`` file is
+rewritten (write, then rename) on each such line and as each run ends, so a run stopped early
+still leaves its figures (``progress``: the latest line of each run). ``--cgroup-mb N``
 (Linux, root) runs the tier runs, and nothing else, in a child process inside a memory cgroup
 of N MiB that this script creates and removes (cgroup v1 ``memory.limit_in_bytes``, which
 counts the page cache; v2 ``memory.max`` where v2 is mounted); ``--cgroup-mb auto`` sets the
 limit to the tier budget + the child's measured baseline (Python, torch, the trace) + 256 MiB
-for the step. It prints the limit, the baseline, the cgroup's maximum usage and failcnt, and
+for the rest of the step (the operator's ids, outputs and gradients, page cache of the I/O in
+flight). It prints the limit, the baseline, the cgroup's maximum usage and failcnt, and
 whether the child finished inside it (a child the OOM killer ends is a FAILED line and exit
-code 1). The all-in-RAM run stays outside (it holds every row). The full size:
+code 1). The all-in-RAM run stays outside (it holds every row). The full size, in about 20
+minutes:
 
-    python benchmarks/tiers.py --ssd-dir /mnt/nvme/tmp --cgroup-mb auto --json tiers.json
+    python benchmarks/tiers.py --ssd-dir /mnt/nvme/tmp --parts train --cgroup-mb auto \
+        --steps 160 --warmup 32 --duration-s 300 --json tiers.json
 """
 
 from __future__ import annotations
@@ -61,18 +73,22 @@ from _cgroup import CgroupError, MemoryCgroup  # noqa: E402
 from _common import environment, format_table, set_threads, write_json, zipf_ids  # noqa: E402
 
 from recscale.embedding import RowWiseAdagrad, TableBatchedEmbeddingBags, TableConfig  # noqa: E402
-from recscale.embedding.tier_file import CHUNK_BLOCKS, PAGE, RowFile  # noqa: E402
+from recscale.embedding.tier_file import RowFile  # noqa: E402
 from recscale.embedding.tier_hooks import (  # noqa: E402
     announce_batch, begin_batch, close_tiers, tier_stats, tiered_storages,
 )
 from recscale.embedding.tier_sim import belady_hit_rate, replay_hit_rate  # noqa: E402
-from recscale.embedding.tiered import TierRam, TierSettings, tier_ram, tiered_storage_factory  # noqa: E402
+from recscale.embedding.tiered import (  # noqa: E402
+    TierRam, TierSettings, TierStepRam, tier_ram, tier_step_ram, tiered_storage_factory,
+)
+from recscale.host_memory import return_freed_memory  # noqa: E402
 from recscale.planner.miss_curve import zipf_access  # noqa: E402
 from recscale.sparse import JaggedBatch  # noqa: E402
 
 SHARES = (0.05, 0.10, 0.25, 0.50)
 TRAIN_SHARE = 0.25  # the throughput runs' cache: this share of each table, if the budget holds it
 POOL_MB = 16.0  # per table: the pool of known block images (``TierSettings.block_pool_bytes``)
+PROGRESS_S = 30.0  # seconds between progress lines of a training run
 HEADROOM_MB = 256  # --cgroup-mb auto: the step's working memory above the baseline and the tier
 _CHILD_TAG = "@@tier-child "
 
@@ -110,35 +126,81 @@ def policy_hit_rate(rows: int, uniq: list[torch.Tensor], cache: int, policy: str
     return replay_hit_rate(rows, uniq, cache, policy, lookahead)
 
 
-def train_rate(tables, trace: Trace, placement, settings, lookahead: int, warmup: int) -> tuple[float, float, float, int]:
-    """(samples/s, io_stall_fraction, missed rows per step, blocks a write-back had to re-read)
-    of forward + fused backward over ``trace``."""
+def rss_mb() -> tuple[float, float]:
+    """(resident, peak resident) MiB of this process, from ``/proc/self/status`` (0 elsewhere)."""
+    got = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                got[key] = int(value.split()[0]) / 1024
+    except OSError:
+        pass
+    return got.get("VmRSS", 0.0), got.get("VmHWM", 0.0)
+
+
+def train_rate(tables, trace: Trace, placement, settings, lookahead: int, warmup: int, duration_s: float = 0.0,
+               progress=None, label: str = "", stop: int | None = None) -> dict:
+    """Figures of forward + fused backward over ``trace``: samples/s, io_stall_fraction, hit
+    rate and missed rows per step over the steps after ``warmup``, blocks a write-back had to
+    re-read, how many steps were timed (``duration_s`` > 0: timing stops at the first step
+    ending past it, the rest of the trace is not run; ``stop``: only the first ``stop`` steps
+    run) and the peak RSS. Every ``PROGRESS_S``
+    seconds ``progress`` (if given) gets the figures so far, so a run stopped early still says
+    what it measured."""
     fac = tiered_storage_factory(placement, settings, seed=0) if placement else None
+    t_start = time.perf_counter()
     m = TableBatchedEmbeddingBags(tables, RowWiseAdagrad(lr=0.01), storage_factory=fac)
-    stall0, miss0, t0 = 0.0, 0, 0.0
-    ahead = 0
-    for i in range(len(trace)):
+    build_s = time.perf_counter() - t_start
+    warmup = min(warmup, len(trace) - 1)
+    zero = (0.0, 0, 0)  # stall seconds, lookups, hits
+
+    def counters() -> tuple[float, int, int]:
+        st = tier_stats(m)
+        return (st.stall_seconds, st.lookups, st.hits) if st else zero
+
+    def figures(steps: int, seconds: float, since: tuple[float, int, int], done: int) -> dict:
+        stall, lookups, hits = (a - b for a, b in zip(counters(), since))
+        rss, peak = rss_mb()
+        return {"step": done, "steps": len(trace), "timed": i >= warmup,
+                "samples_per_s": steps * trace.batch_size / max(seconds, 1e-9), "io_stall_fraction": stall / max(seconds, 1e-9), "hit_rate": hits / lookups if lookups else None,
+                "missed_rows_per_step": (lookups - hits) / max(steps, 1), "rss_mb": rss, "peak_rss_mb": peak}
+
+    start, t0, ahead, timed = zero, time.perf_counter(), 0, 0
+    shown_at, shown_step, shown = t0, 0, zero
+    for i in range(len(trace) if stop is None else min(stop, len(trace))):
         if i == warmup:
-            st = tier_stats(m)
-            stall0, miss0 = (st.stall_seconds, st.lookups - st.hits) if st else (0.0, 0)
-            t0 = time.perf_counter()
+            start, t0 = counters(), time.perf_counter()
         while placement and ahead < min(len(trace), i + 1 + lookahead):
             announce_batch(m, trace.batch(ahead))
             ahead += 1
         if placement:
             begin_batch(m)
         m(trace.batch(i)).sum().backward()
+        now = time.perf_counter()
+        timed = i + 1 - warmup if i >= warmup else 0
+        if progress is not None and now - shown_at >= PROGRESS_S:
+            # the figures of the steps since the last line (hit rate, stall, rate), the RSS now
+            line = figures(i + 1 - shown_step, now - shown_at, shown, i + 1)
+            line.update(run=label, elapsed_s=now - t_start, interval_s=now - shown_at)
+            if timed:
+                line["timed_samples_per_s"] = timed * trace.batch_size / (now - t0)
+            progress(line)
+            shown_at, shown_step, shown = now, i + 1, counters()
+        if duration_s and timed and now - t0 >= duration_s:
+            break
     seconds = time.perf_counter() - t0
-    st = tier_stats(m)
-    stall = (st.stall_seconds - stall0) if st else 0.0
-    misses = (st.lookups - st.hits - miss0) if st else 0
-    rereads = sum(seg.file.rereads for _, s in tiered_storages(m) for seg in s.segments)
+    out = figures(timed, seconds, start, i + 1)
+    out.pop("timed")
+    out.pop("step")
+    out.pop("steps")
+    out.update(measured_steps=timed, warmup_steps=warmup, seconds=seconds, build_s=build_s)
+    out["write_back_page_rereads"] = sum(seg.file.rereads for _, s in tiered_storages(m) for seg in s.segments)
     if placement:
         close_tiers(m)
     del m
     gc.collect()  # the module holds reference cycles: free its rows before the next run starts
-    samples = (len(trace) - warmup) * trace.batch_size
-    return samples / seconds, stall / seconds, misses / (len(trace) - warmup), rereads
+    return out
 
 
 def tier_ram_bytes(rows: int, cache: int, dim: int, state_cols: int = 1, pool_mb: float = POOL_MB) -> TierRam:
@@ -147,17 +209,18 @@ def tier_ram_bytes(rows: int, cache: int, dim: int, state_cols: int = 1, pool_mb
     return tier_ram(rows, cache, 4 * dim + 4 * state_cols, "lookahead", int(pool_mb * 2**20))
 
 
-def in_flight_bytes(low: int, dim: int, prefetch: int, io_threads: int, state_cols: int = 1) -> int:
-    """RAM of the reads in flight, all tables together, at most: the records of one batch's
-    distinct rows (``low``, per table) for each batch read ahead and the one training, and a
-    chunk of blocks per reading thread (``CHUNK_BLOCKS``)."""
-    return (prefetch + 1) * low * (4 * dim + 4 * state_cols) + io_threads * CHUNK_BLOCKS * PAGE
+def step_ram(tables: int, low: int, dim: int, cache: int, window: int, prefetch: int,
+             state_cols: int = 1) -> TierStepRam:
+    """RAM a step's tier work holds beyond ``tier_ram``, all tables (``tier_step_ram``): reads
+    in flight, the announced window, one admission and one table's eviction ranks; ``low`` a
+    batch's most distinct rows of one table."""
+    return tier_step_ram(tables, low, 4 * dim + 4 * state_cols, cache, window, prefetch, 8)
 
 
 def choose_cache(tables: list[TableConfig], low: int, budget_mb: int, reserved: int = 0) -> int:
     """The throughput runs' cache rows per table: ``TRAIN_SHARE`` of the rows, or the most
     the tier budget holds (cache, bookkeeping and block pool of every table, and ``reserved``
-    bytes for the reads in flight) if that is less."""
+    bytes for the step's tier work: reads in flight, announced rows, admission, ranks) if that is less."""
     rows, dim, n = tables[0].num_rows, tables[0].dim, len(tables)
     cache = max(low, int(TRAIN_SHARE * rows))
     budget = (budget_mb << 20) - reserved
@@ -198,68 +261,129 @@ def hit_rates(table: TableConfig, sim_steps: int, batch: int, pooling: int, wind
     print()
 
 
+class Recorder:
+    """The figures of a run, written to ``--json`` (atomically: write, then rename) each time a
+    part or a progress line adds to them, so a run stopped early still leaves what it measured."""
+
+    def __init__(self, result: dict, path: str) -> None:
+        self.result, self.path = result, path
+
+    def save(self) -> None:
+        if self.path:
+            write_json(self.path, self.result)
+
+    def progress(self, line: dict) -> None:
+        """A progress line of a training run: printed, and kept as that run's latest."""
+        phase = "timed" if line["timed"] else "warm-up"
+        rate = line.get("timed_samples_per_s")
+        print(f"progress: {line['run']}: step {line['step']}/{line['steps']} ({phase}), {line['elapsed_s']:,.0f} s; "
+              f"last {line['interval_s']:.0f} s: {line['samples_per_s']:,.0f} samples/s, hit rate "
+              + (f"{line['hit_rate']:.3f}" if line["hit_rate"] is not None else "-")
+              + f", io stall {line['io_stall_fraction']:.2f}; " + (f"timed so far {rate:,.0f} samples/s; " if rate else "")
+              + f"RSS {line['rss_mb']:,.0f} MiB (peak {line['peak_rss_mb']:,.0f})", flush=True)
+        self.result.setdefault("progress", {})[line["run"]] = line
+        self.save()
+
+    def run_done(self, name: str, figures: dict) -> None:
+        tp = self.result["throughput"]
+        if "ram" in tp and name != "ram":
+            figures["share_of_ram"] = figures["samples_per_s"] / tp["ram"]["samples_per_s"]
+        tp[name] = figures
+        print(f"done: {name}: {figures['samples_per_s']:,.0f} samples/s over {figures['measured_steps']} timed steps "
+              f"after {figures['warmup_steps']} warm-up steps ({figures['seconds']:,.0f} s timed)", flush=True)
+        self.save()
+
+
 def tier_runs(tables: list[TableConfig], trace: Trace, cache: int, ssd_dir: str, window: int, prefetch: int,
-              warmup: int | None = None) -> dict:
-    """The two tier throughput runs (with and without prefetch) at ``cache`` rows per table."""
+              warmup: int | None = None, duration_s: float = 0.0, progress=None, done=None) -> dict:
+    """The two tier throughput runs (with and without prefetch) at ``cache`` rows per table;
+    ``done(name, figures)`` gets each as soon as it ends, ``progress`` its progress lines."""
     place = {t.name: ("ssd", cache) for t in tables}
     warm = max(2, len(trace) // 6) if warmup is None else warmup
-    out = {}
+    out: dict = {}
+    stop = None
     for name, k in (("tier, prefetch", prefetch), ("tier, no prefetch", 0)):
+        # Freed blocks go back to the OS, and what the run before left free in the heaps too:
+        # the resident memory (what a cgroup counts) is then the tier's and the step's, not
+        # glibc's retained past peaks (~100-200 MiB at 1M rows).
+        return_freed_memory()
         settings = TierSettings(ssd_dir, "lookahead", window, 8, k, int(POOL_MB * 2**20))
-        rate, stall, misses, rereads = train_rate(tables, trace, place, settings, window, warm)
-        out[name] = {"prefetch_batches": k, "samples_per_s": rate, "io_stall_fraction": stall,
-                     "missed_rows_per_step": misses, "write_back_page_rereads": rereads}
+        # the second run times the same batches as the first (a --duration-s bound ends the first)
+        out[name] = {"prefetch_batches": k, **train_rate(tables, trace, place, settings, window, warm,
+                                                         duration_s if stop is None else 0.0, progress, name, stop)}
+        stop = warm + out[name]["measured_steps"]
+        if done is not None:
+            done(name, out[name])
     return out
 
 
 def _child_main(spec: str) -> None:
     """The tier runs in a child process (placed in the memory cgroup by the parent): make the
-    trace, say so and wait for the go (the parent measures the baseline in between), run."""
+    trace, say so and wait for the go (the parent measures the baseline in between), run;
+    progress lines and each run's figures go to the parent as they come."""
+    global PROGRESS_S
     p = json.loads(spec)
+    PROGRESS_S = p["progress_s"]
     set_threads(p["threads"])
     tables = [TableConfig(f"t{i}", p["rows"], p["dim"], (f"f{i}",)) for i in range(p["tables"])]
     trace = Trace(tables, p["steps"], p["batch"], p["pooling"], 1.05, seed=3)
     print(_CHILD_TAG + json.dumps({"ready": True}), flush=True)
     if sys.stdin.readline().strip() != "go":
         return
-    runs = tier_runs(tables, trace, p["cache"], p["ssd_dir"], p["window"], p["prefetch"], p.get("warmup"))
-    print(_CHILD_TAG + json.dumps({"runs": runs}), flush=True)
+
+    def send(key: str):
+        return lambda *a: print(_CHILD_TAG + json.dumps({key: a}), flush=True)
+
+    tier_runs(tables, trace, p["cache"], p["ssd_dir"], p["window"], p["prefetch"], p.get("warmup"),
+              p.get("duration_s", 0.0), send("progress"), send("run"))
+    print(_CHILD_TAG + json.dumps({"finished": True}), flush=True)
 
 
-def tier_runs_in_cgroup(spec: dict, cgroup_mb: int | None, budget_mb: int, result: dict) -> dict | None:
+def tier_runs_in_cgroup(spec: dict, cgroup_mb: int | None, budget_mb: int, rec: Recorder) -> dict | None:
     """Run ``tier_runs`` in a child inside a fresh memory cgroup of ``cgroup_mb`` MiB (None:
     the tier budget + the child's measured baseline + ``HEADROOM_MB``); print what the cgroup
-    saw. None if the child did not finish inside it."""
+    saw. None if the child did not finish inside it (the runs it finished are recorded)."""
     args = [sys.executable, str(Path(__file__).resolve()), "--tier-child", json.dumps(spec)]
+    runs: dict = {}
+    base, finished = 0, False
     with MemoryCgroup("recscale-tiers", cgroup_mb) as cg:
         proc = cg.popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        got: dict = {}
         for line in proc.stdout:
             if not line.startswith(_CHILD_TAG):
                 sys.stdout.write(line)
+                sys.stdout.flush()
                 continue
-            got.update(json.loads(line[len(_CHILD_TAG):]))
-            if "ready" in got and "baseline" not in got:
-                got["baseline"] = cg.current_bytes()
+            got = json.loads(line[len(_CHILD_TAG):])
+            if "ready" in got:
+                base = cg.current_bytes()
                 if cgroup_mb is None:
-                    cg.set_limit(budget_mb + -(-got["baseline"] // 2**20) + HEADROOM_MB)
+                    cg.set_limit(budget_mb + -(-base // 2**20) + HEADROOM_MB)
                 proc.stdin.write("go\n")
                 proc.stdin.flush()
+            elif "progress" in got:
+                line_ = got["progress"][0]
+                line_["cgroup_usage_mb"] = cg.current_bytes() / 2**20
+                rec.progress(line_)
+            elif "run" in got:
+                name, figures = got["run"]
+                runs[name] = figures
+                rec.run_done(name, figures)
+            finished = finished or "finished" in got
         code = proc.wait()
         usage = cg.usage()
     mib = 2**20
-    base = got.get("baseline", 0)
     info = {"limit_mb": usage.limit_bytes // mib, "max_usage_mb": usage.max_usage_bytes / mib, "failcnt": usage.failcnt,
             "oom_kills": usage.oom_kills, "baseline_mb": base / mib, "tier_budget_mb": budget_mb, "exit_code": code,
-            "finished_inside": code == 0 and "runs" in got}
-    result["cgroup"] = info
+            "finished_inside": code == 0 and finished}
+    rec.result["cgroup"] = info
+    rec.save()
     print(f"cgroup: limit {info['limit_mb']:,} MiB = {budget_mb:,} MiB for the tier + {base / mib:,.0f} MiB process baseline "
           f"(Python, torch, the trace) + {info['limit_mb'] - budget_mb - base / mib:,.0f} MiB for the step; "
           f"max usage {info['max_usage_mb']:,.0f} MiB, failcnt {usage.failcnt} (limit reached, page cache reclaimed), "
           f"OOM kills {usage.oom_kills}")
     if info["finished_inside"]:
         print("cgroup: the tier runs finished inside the limit")
-        return got["runs"]
+        return runs
     why = "killed by the OOM killer" if usage.oom_kills or code == -signal.SIGKILL else f"exit code {code}"
     print(f"FAILED: the tier runs did not finish inside the {info['limit_mb']:,} MiB cgroup ({why}); "
           "raise --cgroup-mb or lower --tier-budget-mb")
@@ -267,47 +391,58 @@ def tier_runs_in_cgroup(spec: dict, cgroup_mb: int | None, budget_mb: int, resul
 
 
 def throughput(tables: list[TableConfig], steps: int, batch: int, pooling: int, ssd_dir: str, window: int, prefetch: int,
-               threads: int, budget_mb: int, cgroup: str, result: dict, warmup: int | None = None) -> bool:
+               threads: int, budget_mb: int, cgroup: str, rec: Recorder, warmup: int | None = None,
+               duration_s: float = 0.0) -> bool:
     """Training throughput at a 25% cache (or the most ``budget_mb`` holds), Zipf 1.05: all in
     RAM, the tier with and without prefetch (``window`` batches announced to eviction either
-    way); the tier runs in a memory cgroup if ``cgroup`` ('auto' or MiB) is given. False if
-    they did not finish inside it."""
+    way); the tier runs in a memory cgroup if ``cgroup`` ('auto' or MiB) is given. Each run
+    times the steps after ``warmup`` (default a sixth of ``steps``), for at most about
+    ``duration_s`` seconds if given. False if the tier runs did not finish inside the cgroup."""
+    result = rec.result
     trace = Trace(tables, steps, batch, pooling, 1.05, seed=3)
     rows, dim = tables[0].num_rows, tables[0].dim
     low = max(trace.distinct(i, k).size for i in range(len(trace)) for k in range(len(tables)))
-    flight = in_flight_bytes(low, dim, prefetch, 8)
-    cache = choose_cache(tables, low, budget_mb, flight)
+    # the step's share is reserved at the largest cache (its eviction ranks grow with the slots)
+    step = step_ram(len(tables), low, dim, max(low, int(TRAIN_SHARE * rows)), window, prefetch)
+    cache = choose_cache(tables, low, budget_mb, step.total)
+    step = step_ram(len(tables), low, dim, cache, window, prefetch)
     ram = tier_ram_bytes(rows, cache, dim)
     mib, n = 2**20, len(tables)
     parts = {"cache_mb": n * ram.cache / mib, "slot_bookkeeping_mb": n * ram.slots / mib,
-             "row_bookkeeping_mb": n * ram.rows / mib, "block_pool_mb": n * ram.pool / mib, "reads_in_flight_mb": flight / mib}
+             "row_bookkeeping_mb": n * ram.rows / mib, "block_pool_mb": n * ram.pool / mib,
+             "reads_in_flight_mb": step.reads / mib, "announced_window_mb": step.window / mib,
+             "admission_mb": step.admission / mib, "eviction_ranks_mb": step.ranking / mib}
     total = sum(parts.values())
     print(f"tier: {cache:,} cached rows per table ({cache / rows:.1%} of {rows:,}); cache {parts['cache_mb']:,.0f} MiB + "
           f"bookkeeping {parts['slot_bookkeeping_mb']:,.0f} MiB per slot, {parts['row_bookkeeping_mb']:,.0f} MiB per row + "
-          f"block pool {parts['block_pool_mb']:,.0f} MiB + reads in flight {flight / mib:,.0f} MiB = {total:,.0f} MiB "
-          f"of the {budget_mb:,} MiB tier budget")
+          f"block pool {parts['block_pool_mb']:,.0f} MiB + the step's reads in flight {step.reads / mib:,.0f} MiB, "
+          f"announced rows {step.window / mib:,.0f} MiB, admission {step.admission / mib:,.0f} MiB, eviction ranks "
+          f"{step.ranking / mib:,.0f} MiB ({low:,} distinct rows a table and batch at most) = {total:,.0f} MiB "
+          f"of the {budget_mb:,} MiB tier budget", flush=True)
     result["throughput_cache"] = {"cache_rows": cache, "share": cache / rows, **parts, "total_mb": total,
                                   "tier_budget_mb": budget_mb}
-    ram_rate, _, _, _ = train_rate(tables, trace, None, None, 0, max(2, steps // 6) if warmup is None else warmup)
-    result["throughput"]["ram"] = {"samples_per_s": ram_rate}
+    warm = max(2, steps // 6) if warmup is None else warmup
+    rec.run_done("ram", train_rate(tables, trace, None, None, 0, warm, duration_s, rec.progress, "ram"))
     if cgroup:
         del trace  # the child makes its own (the same seed: the same batches)
         spec = {"threads": threads, "tables": len(tables), "rows": rows, "dim": dim, "steps": steps, "batch": batch,
                 "pooling": pooling, "cache": cache, "ssd_dir": ssd_dir, "window": window, "prefetch": prefetch,
-                "warmup": warmup}
-        runs = tier_runs_in_cgroup(spec, None if cgroup == "auto" else int(cgroup), budget_mb, result)
+                "warmup": warm, "duration_s": duration_s, "progress_s": PROGRESS_S}
+        runs = tier_runs_in_cgroup(spec, None if cgroup == "auto" else int(cgroup), budget_mb, rec)
     else:
-        runs = tier_runs(tables, trace, cache, ssd_dir, window, prefetch, warmup)
-    tp_rows = [["all in RAM", f"{ram_rate:,.0f}", "1.00", "-", "-"]]
-    for name, r in (runs or {}).items():
-        r["share_of_ram"] = r["samples_per_s"] / ram_rate
-        result["throughput"][name] = r
+        runs = tier_runs(tables, trace, cache, ssd_dir, window, prefetch, warm, duration_s, rec.progress, rec.run_done)
+    ram_run = result["throughput"]["ram"]
+    tp_rows = [["all in RAM", f"{ram_run['samples_per_s']:,.0f}", "1.00", "-", "-", "-",
+                f"{ram_run['measured_steps']} ({ram_run['warmup_steps']})"]]
+    for name, r in result["throughput"].items():
+        if name == "ram":
+            continue
         k = r["prefetch_batches"]
         label = f"{name} ({k}, window {window})" if k else name
         tp_rows.append([label, f"{r['samples_per_s']:,.0f}", f"{r['share_of_ram']:.2f}", f"{r['io_stall_fraction']:.3f}",
-                        f"{r['missed_rows_per_step']:,.0f}"])
-    print(format_table([f"run ({cache / rows:.0%} cache, zipf 1.05)", "samples/s", "share", "io_stall_fraction",
-                        "missed rows/step"], tp_rows))
+                        f"{r['hit_rate']:.3f}", f"{r['missed_rows_per_step']:,.0f}", f"{r['measured_steps']} ({r['warmup_steps']})"])
+    print(format_table([f"run ({cache / rows:.0%} cache, zipf 1.05)", "samples/s", "share", "io_stall_fraction", "hit rate",
+                        "missed rows/step", "timed steps (warm-up)"], tp_rows))
     print()
     return runs is not None
 
@@ -386,6 +521,7 @@ def _interrupt(signum, frame) -> None:
 
 
 def main() -> None:
+    global PROGRESS_S
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small tables, seconds")
     ap.add_argument("--ssd-dir", default="", help="directory of the tier files (default: a temporary one)")
@@ -398,9 +534,15 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=None, help="embedding dim (default 64; --quick 16)")
     ap.add_argument("--batch", type=int, default=None, help="batch size (default 4096; --quick 128)")
     ap.add_argument("--pooling", type=int, default=None, help="ids per sample and table (default 20; --quick 8)")
-    ap.add_argument("--steps", type=int, default=None, help="timed training steps (default 120; --quick 16)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="training steps of each throughput run, warm-up included (default 120; --quick 16)")
     ap.add_argument("--warmup", type=int, default=None,
                     help="of --steps, the first ones not timed: the cache filling (default a sixth)")
+    ap.add_argument("--duration-s", type=float, default=0.0,
+                    help="stop each throughput run's timing at the first step ending this many seconds after its "
+                         "warm-up (the rest of --steps is not run; default 0: every step)")
+    ap.add_argument("--progress-s", type=float, default=PROGRESS_S,
+                    help="seconds between the progress lines of a training run (default 30)")
     ap.add_argument("--sim-steps", type=int, default=None, help="batches of the hit-rate trace (default 200; --quick 24)")
     ap.add_argument("--parts", default="hits,train,disk", help="comma list of the parts to run: hits, train, disk")
     ap.add_argument("--tier-budget-mb", type=int, default=2048,
@@ -431,19 +573,27 @@ def main() -> None:
     result: dict = {"environment": environment(), "threads": threads, "window": args.window, "prefetch": args.prefetch, "rows": rows, "tables": n_tables, "dim": dim,
                     "batch": batch, "pooling": pooling, "hit_rate": {}, "throughput": {}}
 
+    if args.duration_s < 0:
+        ap.error(f"--duration-s: expected seconds >= 0, got {args.duration_s}")
+    if args.warmup is not None and not 0 <= args.warmup < steps:
+        ap.error(f"--warmup: expected 0 <= warmup < --steps ({steps}), got {args.warmup}")
+    PROGRESS_S = args.progress_s
+    rec = Recorder(result, args.json)
     ok = True
-    if "hits" in parts:
-        hit_rates(tables[0], sim_steps, batch, pooling, args.window, result)
-    if "train" in parts:
-        try:
-            ok = throughput(tables, steps, batch, pooling, ssd_dir, args.window, args.prefetch, threads, args.tier_budget_mb,
-                            args.cgroup_mb, result, args.warmup)
-        except CgroupError as e:
-            ap.error(str(e))
-    if "disk" in parts:
-        disk(ssd_dir, rows, dim, 1_000 if args.quick else 50_000, result)
-    if args.json:
-        write_json(args.json, result)
+    try:
+        if "hits" in parts:
+            hit_rates(tables[0], sim_steps, batch, pooling, args.window, result)
+            rec.save()
+        if "train" in parts:
+            try:
+                ok = throughput(tables, steps, batch, pooling, ssd_dir, args.window, args.prefetch, threads,
+                                args.tier_budget_mb, args.cgroup_mb, rec, args.warmup, args.duration_s)
+            except CgroupError as e:
+                ap.error(str(e))
+        if "disk" in parts:
+            disk(ssd_dir, rows, dim, 1_000 if args.quick else 50_000, result)
+    finally:
+        rec.save()  # what was measured, also when stopped early
     if not ok:
         sys.exit(1)
 

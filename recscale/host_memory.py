@@ -58,6 +58,35 @@ def retain_freed_memory(limit_bytes: int = DEFAULT_LIMIT) -> bool:
     return True
 
 
+# glibc's own start values: blocks from 128 KiB up are mapped, and unmapped when freed.
+RETURN_LIMIT = 128 << 10
+
+
+def return_freed_memory(limit_bytes: int = RETURN_LIMIT) -> bool:
+    """The opposite of ``retain_freed_memory``: blocks of ``limit_bytes`` and more are mapped
+    and unmapped when freed, and the heap top above it is trimmed, with the thresholds fixed
+    (glibc otherwise raises them after each large free, up to 32 MiB, so later blocks come
+    from the heap, where freed ones stay resident and fragment). For a process held to a RAM
+    budget (a memory cgroup counts resident pages): its resident memory is then what it
+    uses, not its past peaks. Costs a page fault per page of each large block. Returns True
+    when in effect, False where it does not apply (not Linux with glibc)."""
+    if not 0 < limit_bytes < 2**31:
+        raise ValueError(f"limit_bytes must be in (0, 2**31), got {limit_bytes}")
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        lib = _libc()
+        mallopt, trim = lib.mallopt, lib.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    if mallopt(_M_MMAP_THRESHOLD, limit_bytes) != 1 or mallopt(_M_TRIM_THRESHOLD, limit_bytes) != 1:
+        return False
+    trim(0)  # what is free in the heap now goes back too
+    return True
+
+
 # Transparent huge pages (Linux): an embedding table is read and written at random rows, so with
 # 4 KiB pages nearly every row touched is also a TLB miss, and a page walk on a virtual machine
 # (nested paging) costs several memory reads more. 2 MiB pages cover a 512 MiB table with 256

@@ -96,3 +96,47 @@ def test_embedding_weights_and_state_sit_on_huge_pages_when_the_kernel_offers_th
     # 51 MB each: all but the unaligned ends (and pages the kernel could not make huge) are huge
     assert got["weight_share"] > 0.5 and got["state_share"] > 0.5, got
     assert got["values_same"] and got["state_zero"]  # the values are the same as without the advice
+
+
+# A 20 MB block freed raises glibc's dynamic mmap threshold to 20 MB; 64 blocks of 1 MB then
+# come from the heap, each followed by a small block still in use (so they cannot merge into
+# the heap top and be trimmed): freed, they stay resident unless ``return_freed_memory`` fixed
+# the threshold first.
+_RETURN_PROBE = r"""
+import json, sys, torch
+if sys.argv[1] == "1":
+    from recscale.host_memory import return_freed_memory
+    assert return_freed_memory()
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+x = torch.ones(5 << 20)
+del x
+blocks, pins = [], []
+for _ in range(64):
+    blocks.append(torch.ones(1 << 18))
+    pins.append(bytearray(4096))
+before = rss()
+del blocks
+print(json.dumps({"returned": before - rss()}))
+"""
+
+
+def _returned(fixed: bool) -> int:
+    done = run([sys.executable, "-c", _RETURN_PROBE, "1" if fixed else "0"], timeout=120, capture_output=True,
+               check=True)
+    return json.loads(done.stdout.decode().strip().splitlines()[-1])["returned"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
+def test_return_freed_memory_gives_freed_blocks_back_to_the_os():
+    assert _returned(fixed=False) < 16 << 20  # kept in the heap, resident
+    assert _returned(fixed=True) > 48 << 20  # unmapped on free
+
+
+def test_bad_return_limit_is_refused():
+    from recscale.host_memory import return_freed_memory
+
+    with pytest.raises(ValueError, match="limit_bytes"):
+        return_freed_memory(0)

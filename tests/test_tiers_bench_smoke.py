@@ -5,6 +5,8 @@ trace makes Belady's choices. No timing assertions."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -83,3 +85,47 @@ def test_tiers_benchmark_tier_runs_in_a_cgroup(tmp_path: Path) -> None:
     assert cg["finished_inside"] and cg["oom_kills"] == 0 and 0 < cg["max_usage_mb"] <= cg["limit_mb"]
     assert cg["limit_mb"] >= cg["tier_budget_mb"] + cg["baseline_mb"]
     assert {"ram", "tier, prefetch", "tier, no prefetch"} == set(data["throughput"])
+
+
+def test_tiers_benchmark_progress_and_bounded_length(tmp_path: Path) -> None:
+    """Progress lines while a run trains; ``--duration-s`` ends the first tier run's timing early
+    and the second times the same batches; the figures say how many steps were timed after how
+    many untimed ones, and the JSON holds them."""
+    out = tmp_path / "tiers.json"
+    proc = proc_utils.run(
+        [sys.executable, "benchmarks/tiers.py", "--quick", "--threads", "1", "--parts", "train", "--steps", "400",
+         "--warmup", "4", "--duration-s", "0.5", "--progress-s", "0", "--ssd-dir", str(tmp_path), "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "progress: tier, prefetch: step 1/400 (warm-up)" in proc.stdout
+    assert "timed steps (warm-up)" in proc.stdout
+    data = json.loads(out.read_text())
+    first, second = data["throughput"]["tier, prefetch"], data["throughput"]["tier, no prefetch"]
+    assert first["warmup_steps"] == second["warmup_steps"] == 4
+    assert first["measured_steps"] >= 1 and second["measured_steps"] == first["measured_steps"]
+    assert 0 < first["hit_rate"] <= 1 and first["peak_rss_mb"] > 0
+    assert data["progress"]["tier, no prefetch"]["step"] >= 1
+
+
+def test_tiers_benchmark_stopped_early_keeps_finished_parts(tmp_path: Path) -> None:
+    """A run stopped (SIGTERM) after its first tier run has already written that run's figures."""
+    out = tmp_path / "tiers.json"
+    args = [sys.executable, "benchmarks/tiers.py", "--quick", "--threads", "1", "--parts", "train", "--steps", "100000",
+            "--warmup", "2", "--duration-s", "0.3", "--ssd-dir", str(tmp_path), "--json", str(out)]
+    with subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True) as proc:
+        try:
+            seen = []
+            for line in proc.stdout:  # the second run trains 0.3 s of steps too: stop it there
+                seen.append(line)
+                if line.startswith("done: tier, prefetch"):
+                    proc.send_signal(signal.SIGTERM)
+                    break
+            proc.wait(timeout=120)
+        finally:
+            proc_utils.kill_group(proc.pid)
+    assert any(line.startswith("done: tier, prefetch") for line in seen), "".join(seen)
+    data = json.loads(out.read_text())
+    assert {"ram", "tier, prefetch"} <= set(data["throughput"])
+    assert data["throughput"]["tier, prefetch"]["measured_steps"] >= 1

@@ -36,7 +36,9 @@ import torch
 from recscale.embedding.config import TableConfig
 from recscale.embedding.eviction import EvictionPolicy
 from recscale.embedding.storage import DenseRowStorage, RowStorage
-from recscale.embedding.tier_file import DEFAULT_POOL_BYTES, FLUSH_BYTES, PAGE, BlockRead, RowFile, TierError, TierFileMeta, decode, encode
+from recscale.embedding.tier_file import (
+    CHUNK_BLOCKS, DEFAULT_POOL_BYTES, FLUSH_BYTES, PAGE, BlockRead, RowFile, TierError, TierFileMeta, decode, encode,
+)
 from recscale.sparse import SparseInputError
 
 Placement = Literal["ram", "ssd"]
@@ -96,6 +98,53 @@ def tier_ram(num_rows: int, cache_rows: int, record_bytes: int, policy: str = "l
     block_bytes = PAGE if record_bytes <= PAGE else -(-record_bytes // PAGE) * PAGE
     pool = min(max(1, pool_bytes // block_bytes), blocks) * block_bytes  # at most every block
     return TierRam(cache_rows * record_bytes, cache_rows * per_slot, num_rows * per_row + blocks * per + blocks * 8, pool)
+
+
+@dataclass(frozen=True)
+class TierStepRam:
+    """RAM a training step's tier work holds at most, over ``tier_ram`` (bytes, all SSD tables
+    together): the records of the reads in flight (the batches read ahead and the one
+    training, every table, each distinct row missing at worst), their block plans and a chunk
+    of blocks per reading thread (``reads``); the distinct rows of the announced batches
+    (``window``); one table's admission at a time (``admission``: its records, decoded rows
+    and state, the victims' copies and their encoding); the eviction ranks over one table's
+    slots (``ranking``)."""
+
+    reads: int
+    window: int
+    admission: int
+    ranking: int
+
+    @property
+    def total(self) -> int:
+        return self.reads + self.window + self.admission + self.ranking
+
+
+# Per row read: its record and the plan's arrays (row, slot, position, block; int64).
+_PLAN_BYTES = 32
+# An admission holds about this many copies of its rows' records at once: the records read
+# or staged, the decoded rows and state, the victims' rows and state and their encoding.
+_ADMIT_COPIES = 5
+# Eviction ranks hold about this many int64 arrays over a table's slots at once (ages, next
+# use, use counts, the key, the selection's copy).
+_RANK_ARRAYS = 8
+
+
+def tier_step_ram(tables: int, distinct_rows: int, record_bytes: int, cache_rows: int, lookahead_batches: int = 2,
+                  prefetch_batches: int | None = None, io_threads: int = 8) -> TierStepRam:
+    """What a step holds beyond ``tier_ram`` on ``tables`` SSD tables behind caches of
+    ``cache_rows`` slots, a batch looking up at most ``distinct_rows`` distinct rows of each
+    (``TierSettings``' lookahead, prefetch and readers). It grows with the batch (distinct
+    rows), the record size and the prefetch depth, not with the table: a budget for the tier
+    must hold it besides the cache. ``prefetch_batches`` None: every announced batch is read.
+    The ranks are counted as ``lookahead``'s, the policy that holds the most arrays."""
+    ahead = lookahead_batches if prefetch_batches is None else min(prefetch_batches, lookahead_batches)
+    # the batches read ahead and the one training (its reads are freed at the next batch)
+    reads = (ahead + 1 if ahead else 0) * tables * distinct_rows * (record_bytes + _PLAN_BYTES)
+    if ahead and io_threads:
+        reads += io_threads * CHUNK_BLOCKS * PAGE
+    window = lookahead_batches * tables * distinct_rows * 8  # announced for prefetch too, whatever the policy
+    return TierStepRam(reads, window, _ADMIT_COPIES * distinct_rows * record_bytes, _RANK_ARRAYS * 8 * cache_rows)
 
 
 @dataclass(frozen=True)
@@ -485,13 +534,17 @@ class TieredRowStorage(RowStorage):
         self._issued = max(self._issued, self._seq)  # a batch begun unread is not read now
         for seg in self.segments:
             for rid in [r for r, read in seg.reads.items() if read.seq < self._seq]:
-                read = seg.reads.pop(rid)
-                read.wait()
-                if read.plan is not None:
-                    seg.file.plan_done(read.plan)
-                still = seg.stage_key[read.rows] == rid
-                seg.stage_key[read.rows[still]] = -1
+                self._drop_read(seg, rid)
         self._issue_reads()
+
+    def _drop_read(self, seg: _Segment, rid: int) -> None:
+        """Forget read ``rid`` of ``seg``: its records, and the staged copies it still holds."""
+        read = seg.reads.pop(rid)
+        read.wait()
+        if read.plan is not None:
+            seg.file.plan_done(read.plan)
+        still = seg.stage_key[read.rows] == rid
+        seg.stage_key[read.rows[still]] = -1
 
     def forget_announced(self) -> None:
         """Batches announced but never to run (a pipeline stopped early) leave the window, and
