@@ -17,11 +17,12 @@ generation says whether a copy read earlier is still its content). The map is wr
 
 The page cache is kept from becoming a second, unbounded cache with ``posix_fadvise`` rather
 than ``O_DIRECT``: direct I/O fails on tmpfs. The file is opened ``POSIX_FADV_RANDOM`` (no
-read-ahead). The reads that admit rows drop each chunk's pages as soon as it is read, and
-request at most ``ADVISE_BLOCKS`` ahead; a write-back is flushed (``fdatasync``) and its pages
-dropped when its job ends. Every other page a read or write touches is counted, and once
-``FLUSH_BYTES`` of them have been touched the file is flushed and all its pages dropped
-(``DONTNEED``), so the page cache holds at most that much of the file plus the I/O in flight.
+read-ahead). The reads that admit rows drop each chunk's pages once the next chunk is read
+(one call over the chunk's span), and request at most ``ADVISE_BLOCKS`` ahead; a write-back
+is flushed (``fdatasync``) and its pages dropped when its job ends. Every other page a read
+or write touches is counted, and once ``FLUSH_BYTES`` of them have been touched the file is
+flushed and all its pages dropped (``DONTNEED``), so the page cache holds at most that much of
+the file plus the I/O in flight.
 
 Only the roomiest blocks a read brings in keep their images (``BlockRead``), in a pool of at
 most ``pool_blocks`` per file: write-backs fill its blocks and patch the pooled images, which
@@ -378,7 +379,7 @@ class RowFile:
 
     def read_blocks(self, plan: BlockRead, out: np.ndarray, advise: bool = True) -> None:
         """Run ``plan``: its blocks (adjacent blocks one read each, requested ``ADVISE_BLOCKS``
-        ahead, at most ``CHUNK_BLOCKS`` in RAM at a time and their pages dropped once read),
+        ahead, at most ``CHUNK_BLOCKS`` in RAM at a time and their pages dropped a chunk later),
         its rows' records into ``out`` ``[n, record_bytes]``,
         the held blocks' images to the pool of known blocks (``_offer``)."""
         per, rec, bb = self.per_block, self.record_bytes, self.block_bytes
