@@ -17,11 +17,12 @@ generation says whether a copy read earlier is still its content). The map is wr
 
 The page cache is kept from becoming a second, unbounded cache with ``posix_fadvise`` rather
 than ``O_DIRECT``: direct I/O fails on tmpfs. The file is opened ``POSIX_FADV_RANDOM`` (no
-read-ahead). The reads that admit rows drop each chunk's pages as soon as it is read, and
-request at most ``ADVISE_BLOCKS`` ahead; a write-back is flushed (``fdatasync``) and its pages
-dropped when its job ends. Every other page a read or write touches is counted, and once
-``FLUSH_BYTES`` of them have been touched the file is flushed and all its pages dropped
-(``DONTNEED``), so the page cache holds at most that much of the file plus the I/O in flight.
+read-ahead). The reads that admit rows drop each chunk's pages once the next chunk is read
+(one call over the chunk's span), and request at most ``ADVISE_BLOCKS`` ahead; a write-back
+is flushed (``fdatasync``) and its pages dropped when its job ends. Every other page a read
+or write touches is counted, and once ``FLUSH_BYTES`` of them have been touched the file is
+flushed and all its pages dropped (``DONTNEED``), so the page cache holds at most that much of
+the file plus the I/O in flight.
 
 Only the roomiest blocks a read brings in keep their images (``BlockRead``), in a pool of at
 most ``pool_blocks`` per file: write-backs fill its blocks and patch the pooled images, which
@@ -378,32 +379,51 @@ class RowFile:
 
     def read_blocks(self, plan: BlockRead, out: np.ndarray, advise: bool = True) -> None:
         """Run ``plan``: its blocks (adjacent blocks one read each, requested ``ADVISE_BLOCKS``
-        ahead, at most ``CHUNK_BLOCKS`` in RAM at a time and their pages dropped once read),
+        ahead, at most ``CHUNK_BLOCKS`` in RAM at a time and their pages dropped a chunk later),
         its rows' records into ``out`` ``[n, record_bytes]``,
         the held blocks' images to the pool of known blocks (``_offer``)."""
         per, rec, bb = self.per_block, self.record_bytes, self.block_bytes
+        n = plan.blocks.size
         by_block = np.argsort(plan.where, kind="stable")  # rows in block order
-        row_at = np.searchsorted(plan.where[by_block], np.arange(plan.blocks.size + 1))
+        row_at = np.searchsorted(plan.where[by_block], np.arange(n + 1))
         held_at = np.searchsorted(plan.blocks, plan.held)  # each held block's position in ``blocks``
-        scratch = np.empty((min(CHUNK_BLOCKS, plan.blocks.size), bb), dtype=np.uint8)
-        pieces = [(a, min(b0, a + CHUNK_BLOCKS)) for a0, b0 in _runs(plan.blocks) for a in range(a0, b0, CHUNK_BLOCKS)]
+        scratch = np.empty((min(CHUNK_BLOCKS, n), bb), dtype=np.uint8)
         asked = 0  # blocks requested ahead so far: at most ADVISE_BLOCKS beyond those read
-        for a, b in pieces:
-            if advise and plan.blocks.size > 1 and asked < min(plan.blocks.size, b + ADVISE_BLOCKS):
-                upto = min(plan.blocks.size, b + ADVISE_BLOCKS)
+        done: list[tuple[int, int]] = []  # (offset, bytes) of the runs read, their pages to drop
+        # A chunk is CHUNK_BLOCKS blocks of the plan, adjacent or not: one pread per run of
+        # adjacent blocks, then its records and held images taken at once (numpy per chunk,
+        # not per block: the blocks of a random batch are mostly runs of one).
+        for a in range(0, n, CHUNK_BLOCKS):
+            b = min(n, a + CHUNK_BLOCKS)
+            if advise and n > 1 and asked < min(n, b + ADVISE_BLOCKS):
+                upto = min(n, b + ADVISE_BLOCKS)
                 self._advise(plan.blocks[asked:upto])
                 asked = upto
+            # Read once: the previous chunk's pages go now, not at the next flush (the page cache
+            # is RAM too), in one call over its span: a DONTNEED per block cost more than its
+            # read. A chunk late: pages just read may still sit in a CPU's LRU batch, which
+            # DONTNEED drains on every CPU before it can drop them.
+            self._drop_span(done)
+            blocks = plan.blocks[a:b]
+            offs = (HEADER_BYTES + blocks.astype(np.int64) * bb).tolist()
+            done = []
+            for i, j in _runs(blocks):
+                _pread_all(self.fd, memoryview(scratch[i:j]).cast("B"), offs[i], self.meta.table, self.path)
+                done.append((offs[i], (j - i) * bb))
             buf = scratch[: b - a]
-            off = HEADER_BYTES + int(plan.blocks[a]) * bb
-            _pread_all(self.fd, memoryview(buf).cast("B"), off, self.meta.table, self.path)
-            # Read once: its pages go now, not at the next flush (the page cache is RAM too).
-            os.posix_fadvise(self.fd, off, (b - a) * bb, os.POSIX_FADV_DONTNEED)
             sel = by_block[row_at[a] : row_at[b]]
             out[sel] = _records(buf, per, rec)[plan.where[sel] - a, plan.slots[sel] % per]
             h0, h1 = np.searchsorted(held_at, [a, b])
             for h in range(h0, h1):
                 self._offer(int(plan.held[h]), int(plan.gens[h]), buf[held_at[h] - a])
+        self._drop_span(done)
         self._count_blocks(plan.blocks)
+
+    def _drop_span(self, runs: list[tuple[int, int]]) -> None:
+        """Drop the pages from the first to the last of ``runs`` (offset, bytes; ascending)."""
+        if runs:
+            start = runs[0][0]
+            os.posix_fadvise(self.fd, start, runs[-1][0] + runs[-1][1] - start, os.POSIX_FADV_DONTNEED)
 
     def place(self, rows: np.ndarray, data: np.ndarray) -> WriteJob:
         """Give ``rows`` (cached, to be written back) new slots and their records ``data``:
