@@ -29,7 +29,7 @@ from recscale.sim.step import (StepInputs, StepResult, _volumes, gradient_links,
 from recscale.sim.tiers import TieredCluster
 from recscale.sim.topology import ClusterTopology
 from recscale.train.config import Config
-from recscale.train.planning import _WIRE_BYTES, table_specs
+from recscale.train.planning import _WIRE_BYTES, table_specs, wire_bytes
 
 # Accuracy of a wire precision applied to the forward and backward all-to-alls and the dense
 # all-reduce together (int8: bf16 for the dense sums), DLRM on configs/criteo_10k.toml, 2 ranks,
@@ -180,7 +180,7 @@ def planner_plans(specs: list[TableSpec], cfg: Config, topo: ClusterTopology,
     if "planner" in names:
         out["planner"] = plan_tables(specs, topo.hardware, wl).plan
     if "planner-int8-wire" in names:
-        int8 = _WIRE_BYTES["int8"] + 8.0 / cfg.model.embedding_dim  # the rows' scales, as train plans it
+        int8 = wire_bytes("int8", cfg.model.embedding_dim)  # as train plans it
         out["planner-int8-wire"] = plan_tables(specs, topo.hardware, Workload(cfg.train.batch_size, int8, int8)).plan
     if "planner-tier-aware" in names and topo.tiers:
         from dataclasses import replace
@@ -242,8 +242,8 @@ class Exploration:
 
 
 def _simulate(specs: list[TableSpec], cfg: Config, p: Pieces, c: Candidate) -> StepResult:
-    wl = Workload(cfg.train.batch_size, _WIRE_BYTES[c.forward] + (8.0 / cfg.model.embedding_dim if c.forward == "int8" else 0.0),
-                  _WIRE_BYTES[c.backward] + (8.0 / cfg.model.embedding_dim if c.backward == "int8" else 0.0))
+    dim = cfg.model.embedding_dim
+    wl = Workload(cfg.train.batch_size, wire_bytes(c.forward, dim), wire_bytes(c.backward, dim))
     m = cfg.model
     d = DenseModel.of(NUM_DENSE, m.bottom_mlp, m.top_mlp, len(specs), m.embedding_dim)
     return simulate_step(StepInputs(specs, wl, p.plan, d, c.pipeline, _DENSE_WIRE[c.dense], cfg.checkpoint.interval_steps), p.topo)

@@ -50,10 +50,15 @@ def table_specs(cfg: Config, data: DataSplits | None = None) -> list[TableSpec]:
     ]
 
 
+def wire_bytes(precision: str, dim: int) -> float:
+    """Bytes per pooled element on the wire at ``precision``: int8 rows carry a scale and an
+    offset (8 bytes) per row of ``dim`` elements."""
+    return _WIRE_BYTES[precision] + (8.0 / dim if precision == "int8" else 0.0)
+
+
 def workload(cfg: Config) -> Workload:
     dim = cfg.model.embedding_dim
-    wire = {k: v + (8.0 / dim if k == "int8" else 0.0) for k, v in _WIRE_BYTES.items()}
-    return Workload(cfg.train.batch_size, wire[cfg.comm.forward], wire[cfg.comm.backward])
+    return Workload(cfg.train.batch_size, wire_bytes(cfg.comm.forward, dim), wire_bytes(cfg.comm.backward, dim))
 
 
 def training_hardware(cfg: Config, world_size: int, ranks_per_host: int, gpu: bool) -> Hardware:
