@@ -71,6 +71,25 @@ sys.exit(1 if diff or not b.get('resumed_from') else 0)" "$LOG_DIR/train_dot.jso
 step train_dcn_bf16 150 "$PY" -m recscale train "${common[@]}" --set model.interaction=dcn \
   --set model.dcn_low_rank=64 --set model.mlp_precision=bf16 --set train.max_steps=32 \
   --summary-json "$LOG_DIR/train_dcn_bf16.json"
+# Tables on the SSD tier serve CPU training only: train.device = cuda is refused with the fix in
+# one line, and "auto" trains them on the CPU with the same updates as in RAM.
+mkdir -p "$LOG_DIR/tier"
+small=(--config configs/synthetic.toml --set data.num_samples=16384 --set data.eval_samples=4096
+       --set train.max_steps=16 --set train.progress=false)
+tier=(--set tiers.ram_budget_mb=24 --set tiers.ssd_dir="$LOG_DIR/tier")
+step tiered_cuda_refused 60 bash -c "! $PY -m recscale train ${small[*]} ${tier[*]} --set train.device=cuda > '$LOG_DIR/tiered_cuda.out' 2>&1 \
+  && cat '$LOG_DIR/tiered_cuda.out' && grep -q \"'train.device'.*SSD tier\" '$LOG_DIR/tiered_cuda.out' && ! grep -q Traceback '$LOG_DIR/tiered_cuda.out'"
+step train_ram_cpu 150 "$PY" -m recscale train "${small[@]}" --set train.device=cpu --summary-json "$LOG_DIR/train_ram_cpu.json"
+step train_tiered_auto 150 "$PY" -m recscale train "${small[@]}" "${tier[@]}" --summary-json "$LOG_DIR/train_tiered_auto.json"
+step tiered_equal 30 "$PY" -c "
+import json, sys
+a, b = (json.load(open(sys.argv[i])) for i in (1, 2))
+keys = ('eval_auc', 'eval_logloss', 'train_logloss', 'steps', 'samples')
+diff = {k: (a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)}
+print('device', b.get('device'), 'tier files:', sys.argv[3], 'differences from the run in RAM:', diff)
+sys.exit(1 if diff or not str(b.get('device')).startswith('cpu') else 0)" \
+  "$LOG_DIR/train_ram_cpu.json" "$LOG_DIR/train_tiered_auto.json" "$(ls "$LOG_DIR/tier" | wc -l)"
+rm -rf "$LOG_DIR/tier"
 find "$LOG_DIR/ckpt" -maxdepth 3 -printf "%s %p\\n" > "$LOG_DIR/ckpt_files.txt" 2>&1
 rm -rf "$LOG_DIR/ckpt"  # model-sized files: their listing is kept
 

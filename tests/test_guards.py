@@ -85,6 +85,18 @@ def test_cuda_without_a_gpu_is_a_one_line_error(capsys):
     assert "'train.device'" in one_line_error(["train"] + sets("train.device=cuda"), capsys)
 
 
+@pytest.mark.parametrize("cuda", [False, True])
+def test_ssd_tier_trains_on_the_cpu_and_refuses_cuda_with_the_fix(cuda):
+    from recscale.train.config import ConfigError
+    from recscale.train.model_factory import pick_device
+
+    # The tier's cache and files live in host memory: "auto" stays on the CPU with tiers on.
+    assert pick_device("auto", tiers=True, cuda_available=cuda).type == "cpu"
+    assert pick_device("auto", tiers=False, cuda_available=cuda).type == ("cuda" if cuda else "cpu")
+    with pytest.raises(ConfigError, match="'train.device'.*(SSD tier|no CUDA device)"):
+        pick_device("cuda", tiers=True, cuda_available=cuda)
+
+
 @pytest.mark.parametrize("args,expect", [
     (["--replica-error", "-5"], "--replica-error"),
     (["--world-size", "0"], "--world-size"),

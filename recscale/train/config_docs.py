@@ -98,7 +98,7 @@ MEANINGS: dict[str, str] = {
     "train.epochs": "passes over the training data",
     "train.eval_batch_size": "samples per evaluation batch",
     "train.seed": "seeds weights, shuffling and synthetic data (unless data.seed is set); equal seeds give bitwise-equal runs",
-    "train.device": "`auto`: CUDA when present",
+    "train.device": "`auto`: CUDA when present, except with tables on the SSD tier (CPU only)",
     "train.progress": "show the progress bar",
     "sharding.default": "`auto`: the cost-model planner chooses type and ranks per table (tables "
                         "listed in `[sharding.tables]` keep their type); otherwise the type of "

@@ -51,7 +51,7 @@ def train(cfg: Config, log: Callable[[str], None] = print, replay: Replay | None
     if replay is not None:
         check_world_size(replay, topology.world_size)  # before any rank waits for another
     tuning = _tune(cfg, topology.ranks_per_host)
-    device = pick_device(cfg.train.device)
+    device = pick_device(cfg.train.device, tiers=cfg.tiers.enabled())
     groups = init_process_groups(topology, cfg.dist.timeout_s, device=device, shared_memory=cfg.dist.shared_memory)
     try:
         return _train(cfg, groups, log if groups.rank == 0 else (lambda _: None), replay, tuning)

@@ -27,11 +27,19 @@ from recscale.train.replay import Replay
 from recscale.train.tiers import tier_factory
 
 
-def pick_device(name: str) -> torch.device:
+def pick_device(name: str, tiers: bool = False, cuda_available: bool | None = None) -> torch.device:
+    """The training device for ``train.device``. ``tiers``: tables on the SSD tier, whose cache
+    and files live in host memory and which serves CPU training only, so "auto" stays on the CPU
+    and "cuda" is refused with the fix rather than failing inside the first batch."""
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
+        return torch.device("cuda" if cuda and not tiers else "cpu")
+    if name == "cuda" and not cuda:
         raise ConfigError("config key 'train.device': 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
+    if name == "cuda" and tiers:
+        raise ConfigError("config key 'train.device': 'cuda' with tables on the SSD tier, which serves CPU training "
+                          "only; set train.device = 'cpu' (or 'auto'), or keep every table in memory "
+                          "(tiers.ram_budget_mb = 0 and no tiers.tables placement 'ssd')")
     return torch.device(name)
 
 
