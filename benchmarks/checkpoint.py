@@ -20,8 +20,24 @@ latest checkpoint needs). Per setting:
   thread's CPU time vs that of the runs without checkpoints (snapshots included, waiting for a
   write slot not; it moves little with other load on the machine, wall time moves a lot).
 
+``--paired A,B`` (two labels of one policy and state, different quantization) measures the
+slowdown of B against A in one run instead of two: one model trains on the same batches and
+writes one checkpoint chain whose codec alternates per checkpoint (A B B A within each cycle of
+the policy's kinds, a full and the differentials after it, and cycles alternating with their
+mirror, so every position in the cycle is written in A and B alike and a linear drift of the
+machine's speed cancels). Each interval (its steps, the stall of the save ending it, any wait
+for a write slot) is charged to the codec of the checkpoint at its start, whose background work
+overlaps it; the first interval is left out. B - A per balanced unit (pairs of cycles) is given
+in points of the no-checkpoint interval (runs of the same batches before and after), with its
+standard error and 95% interval, on wall time, on the training thread's CPU time and on the
+quantizing thread's CPU; the last checkpoint, its chain mixing both codecs, is restored and its
+error reported. Adaptive range hints carry over only between adaptive checkpoints, so its rows
+are searched warm somewhat less often than in a run of adaptive alone (the share is printed per
+checkpoint, as the plain mode does): the comparison leans, if at all, against adaptive.
+
     python benchmarks/checkpoint.py                 # 8 tables x 100k rows x dim 128, 10 intervals
     python benchmarks/checkpoint.py --quick --json results/checkpoint.json
+    python benchmarks/checkpoint.py --paired intermittent/uniform2/state-fp16,intermittent/adaptive2/state-fp16
 """
 
 from __future__ import annotations
@@ -361,6 +377,13 @@ def paired_summary(run: dict, base_wall: float, base_cpu: float) -> dict:
                  for u in units]
         out[f"{key}_points_per_unit"] = diffs
         out[f"{key}_points"] = mean_ci(diffs)
+    # The quantizing thread's CPU per checkpoint, in points of the training thread's interval: the
+    # slowdown it would cost if it took training's core rather than a spare one (little noise).
+    enc = [100.0 * float(np.mean([cks[j]["encode_thread_cpu_s"] or 0.0 for j in u if cks[j]["codec"] == 1])
+                         - np.mean([cks[j]["encode_thread_cpu_s"] or 0.0 for j in u if cks[j]["codec"] == 0])) / base_cpu
+           for u in units]
+    out["encode_cpu_points_per_unit"] = enc
+    out["encode_cpu_points"] = mean_ci(enc)
     return out
 
 
@@ -407,7 +430,8 @@ def paired_main(args, batches, spi: int) -> int:
 
     print(f"B - A ({run['codecs'][1]} - {run['codecs'][0]}) per unit, {len(summary['units'])} {summary['unit_kind']}, "
           f"in points of the no-checkpoint interval ({base_wall:.3f} s wall, {base_cpu:.3f} s thread CPU): "
-          f"wall {line(summary['wall_points'])}; thread CPU {line(summary['cpu_points'])}")
+          f"wall {line(summary['wall_points'])}; thread CPU {line(summary['cpu_points'])}; quantizing thread's "
+          f"CPU per checkpoint (of the training thread's interval) {line(summary['encode_cpu_points'])}")
     ws = [f"{run['codecs'][c['codec']]}:{c['kind'][0]}" + ("" if c["warm_share"] is None else f" {100 * c['warm_share']:.0f}%")
           for c in run["checkpoints"]]
     print("checkpoints (codec:kind, adaptive warm rows): " + ", ".join(ws))
@@ -607,6 +631,10 @@ def main() -> int:
             print(f"{s.label}: mean over {len(mine)} runs: slowdown {100 * np.mean([r['slowdown'] for r in mine]):+.1f}%, "
                   f"stall {100 * np.mean([r['stall_share'] for r in mine]):.2f}%, "
                   f"training thread CPU {100 * np.mean([r['train_cpu_increase'] for r in mine]):+.1f}%")
+    for r in results:
+        if any(w is not None for w in r["warm_share"]):
+            print(f"{r['setting']}: rows searched warm per checkpoint: "
+                  + ", ".join("-" if w is None else f"{100 * w:.0f}%" for w in r["warm_share"]))
     inc = next((r for r in results if r["policy"] == "incremental"), None)
     if inc:
         per = inc["changed_fraction"][1:]
