@@ -288,10 +288,11 @@ def mean_ci(xs: list[float]) -> dict:
 
 
 def run_paired(args, pair: tuple[Setting, Setting], batches, spi: int, root: Path) -> dict:
-    """One model, one training run, one checkpoint chain; checkpoint ``j`` is written in the
-    codec of ``pair[abba(j)]``. Interval ``j`` (the steps after checkpoint ``j - 1``, the stall of
-    the save ending it, its wait for a write slot) is charged to checkpoint ``j - 1``'s codec:
-    its background quantization and writing overlap that interval."""
+    """One model, one training run, one checkpoint chain; each checkpoint is written in the codec
+    of ``pair[paired_codec(cycle, position)]``, its place in the policy's cycle known before the
+    save (``next_kind``). Interval ``j`` (the steps after checkpoint ``j - 1``, the stall of the
+    save ending it, its wait for a write slot) is charged to checkpoint ``j - 1``'s codec: its
+    background quantization and writing overlap that interval."""
     model, opt = build(args)
     storage = LocalStorage(root)
     settings = pair[0].settings(str(root), args.chunk_rows, args.max_in_flight)
@@ -329,7 +330,8 @@ def run_paired(args, pair: tuple[Setting, Setting], batches, spi: int, root: Pat
         raise RuntimeError("--paired: a checkpoint's kind differs from the one announced before its save")
     return {"pair": [s.label for s in pair], "codecs": [c.name for c in codecs], "intervals": intervals,
             "checkpoints": checkpoints, "restore_bytes_read": stats.bytes_read, "restore_seconds": restore_s,
-            "restored_rel_l2_error": error, "restored_chain_codecs": [Codec.from_dict(m.weight_codec).name for m in chain]}
+            "restored_rel_l2_error": error,
+            "restored_chain_codecs": [Codec.from_dict(m.weight_codec).name for m in chain]}
 
 
 def paired_units(checkpoints: list[dict]) -> tuple[list[list[int]], str]:
@@ -357,7 +359,12 @@ def paired_summary(run: dict, base_wall: float, base_cpu: float) -> dict:
     units, unit_kind = paired_units(cks)
     after = {iv["interval"] - 1: iv for iv in run["intervals"][1:]}  # checkpoint -> the interval it is charged
     used = sorted(j for u in units for j in u)
-    out: dict = {"units": units, "unit_kind": unit_kind, "base_interval_wall_s": base_wall, "base_interval_cpu_s": base_cpu, "codecs": []}
+    out: dict = {"units": units, "unit_kind": unit_kind, "base_interval_wall_s": base_wall,
+                 "base_interval_cpu_s": base_cpu, "codecs": []}
+
+    def enc(j: int) -> float:
+        return cks[j]["encode_thread_cpu_s"] or 0.0
+
     for which in (0, 1):
         mine = [j for j in used if cks[j]["codec"] == which]
         shares = [cks[j]["warm_share"] for j in mine if cks[j]["warm_share"] is not None]
@@ -367,7 +374,7 @@ def paired_summary(run: dict, base_wall: float, base_cpu: float) -> dict:
             "rows_written": float(np.mean([cks[j]["rows_written"] for j in mine])) if mine else None,
             "wall_s": float(np.mean([after[j]["wall_s"] for j in mine])) if mine else None,
             "cpu_s": float(np.mean([after[j]["cpu_s"] for j in mine])) if mine else None,
-            "encode_thread_cpu_s": float(np.mean([cks[j]["encode_thread_cpu_s"] or 0.0 for j in mine])) if mine else None,
+            "encode_thread_cpu_s": float(np.mean([enc(j) for j in mine])) if mine else None,
             "background_s": float(np.mean([cks[j]["background_s"] for j in mine])) if mine else None,
             "warm_share": float(np.mean(shares)) if shares else None,
         })
@@ -379,11 +386,10 @@ def paired_summary(run: dict, base_wall: float, base_cpu: float) -> dict:
         out[f"{key}_points"] = mean_ci(diffs)
     # The quantizing thread's CPU per checkpoint, in points of the training thread's interval: the
     # slowdown it would cost if it took training's core rather than a spare one (little noise).
-    enc = [100.0 * float(np.mean([cks[j]["encode_thread_cpu_s"] or 0.0 for j in u if cks[j]["codec"] == 1])
-                         - np.mean([cks[j]["encode_thread_cpu_s"] or 0.0 for j in u if cks[j]["codec"] == 0])) / base_cpu
-           for u in units]
-    out["encode_cpu_points_per_unit"] = enc
-    out["encode_cpu_points"] = mean_ci(enc)
+    enc_diffs = [100.0 * float(np.mean([enc(j) for j in u if cks[j]["codec"] == 1])
+                               - np.mean([enc(j) for j in u if cks[j]["codec"] == 0])) / base_cpu for u in units]
+    out["encode_cpu_points_per_unit"] = enc_diffs
+    out["encode_cpu_points"] = mean_ci(enc_diffs)
     return out
 
 
@@ -432,8 +438,8 @@ def paired_main(args, batches, spi: int) -> int:
           f"in points of the no-checkpoint interval ({base_wall:.3f} s wall, {base_cpu:.3f} s thread CPU): "
           f"wall {line(summary['wall_points'])}; thread CPU {line(summary['cpu_points'])}; quantizing thread's "
           f"CPU per checkpoint (of the training thread's interval) {line(summary['encode_cpu_points'])}")
-    ws = [f"{run['codecs'][c['codec']]}:{c['kind'][0]}" + ("" if c["warm_share"] is None else f" {100 * c['warm_share']:.0f}%")
-          for c in run["checkpoints"]]
+    ws = [f"{run['codecs'][c['codec']]}:{c['kind'][0]}"
+          + ("" if c["warm_share"] is None else f" {100 * c['warm_share']:.0f}%") for c in run["checkpoints"]]
     print("checkpoints (codec:kind, adaptive warm rows): " + ", ".join(ws))
     print(f"restored the last checkpoint (chain {' + '.join(run['restored_chain_codecs'])}): "
           f"relative L2 error {run['restored_rel_l2_error']:.2e}, {run['restore_bytes_read'] / 1e6:,.1f} MB read; "
