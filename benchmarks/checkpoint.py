@@ -441,7 +441,9 @@ def paired_main(args, batches, spi: int) -> int:
     ws = [f"{run['codecs'][c['codec']]}:{c['kind'][0]}"
           + ("" if c["warm_share"] is None else f" {100 * c['warm_share']:.0f}%") for c in run["checkpoints"]]
     print("checkpoints (codec:kind, adaptive warm rows): " + ", ".join(ws))
-    print(f"restored the last checkpoint (chain {' + '.join(run['restored_chain_codecs'])}): "
+    chain = run["restored_chain_codecs"]
+    print(f"restored the last checkpoint (chain of {len(chain)}: "
+          f"{', '.join(f'{chain.count(c)} {c}' for c in run['codecs'] if c in chain)}): "
           f"relative L2 error {run['restored_rel_l2_error']:.2e}, {run['restore_bytes_read'] / 1e6:,.1f} MB read; "
           f"training without checkpoints before/after: {base_runs[0]:.2f} / {base_runs[1]:.2f} s")
     if args.json:
