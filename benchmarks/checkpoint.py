@@ -20,8 +20,24 @@ latest checkpoint needs). Per setting:
   thread's CPU time vs that of the runs without checkpoints (snapshots included, waiting for a
   write slot not; it moves little with other load on the machine, wall time moves a lot).
 
+``--paired A,B`` (two labels of one policy and state, different quantization) measures the
+slowdown of B against A in one run instead of two: one model trains on the same batches and
+writes one checkpoint chain whose codec alternates per checkpoint (A B B A within each cycle of
+the policy's kinds, a full and the differentials after it, and cycles alternating with their
+mirror, so every position in the cycle is written in A and B alike and a linear drift of the
+machine's speed cancels). Each interval (its steps, the stall of the save ending it, any wait
+for a write slot) is charged to the codec of the checkpoint at its start, whose background work
+overlaps it; the first interval is left out. B - A per balanced unit (pairs of cycles) is given
+in points of the no-checkpoint interval (runs of the same batches before and after), with its
+standard error and 95% interval, on wall time, on the training thread's CPU time and on the
+quantizing thread's CPU; the last checkpoint, its chain mixing both codecs, is restored and its
+error reported. Adaptive range hints carry over only between adaptive checkpoints, so its rows
+are searched warm somewhat less often than in a run of adaptive alone (the share is printed per
+checkpoint, as the plain mode does): the comparison leans, if at all, against adaptive.
+
     python benchmarks/checkpoint.py                 # 8 tables x 100k rows x dim 128, 10 intervals
     python benchmarks/checkpoint.py --quick --json results/checkpoint.json
+    python benchmarks/checkpoint.py --paired intermittent/uniform2/state-fp16,intermittent/adaptive2/state-fp16
 """
 
 from __future__ import annotations
@@ -46,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import environment, format_table, set_threads, write_json, zipf_batches  # noqa: E402
 
 from recscale.checkpoint.manager import CheckpointManager  # noqa: E402
-from recscale.checkpoint.quantize import Codec, range_search  # noqa: E402
+from recscale.checkpoint.quantize import Codec, make_codec, range_search  # noqa: E402
 from recscale.checkpoint.restore import load_chain, load_manifest, restore_shards  # noqa: E402
 from recscale.checkpoint.settings import CheckpointSettings  # noqa: E402
 from recscale.checkpoint.shards import local_shards  # noqa: E402
@@ -140,18 +156,55 @@ def step(model, opt, b: Batch) -> None:
     opt.step()
 
 
-def train_only(args, batches, track: bool = False, cpu: list[float] | None = None) -> float:
+def train_only(args, batches, track: bool = False, cpu: list[float] | None = None,
+               steps_per_interval: int = 0, intervals: list[tuple[float, float]] | None = None) -> float:
     """Seconds to train ``batches`` without checkpoints (``track``: with the row tracker on);
-    the training thread's CPU seconds are appended to ``cpu``."""
+    the training thread's CPU seconds are appended to ``cpu``, and with ``steps_per_interval``
+    each interval's (wall, CPU) seconds to ``intervals``."""
     model, opt = build(args)
     if track:
         RowTracker(local_shards(model.embeddings))
     t0, c0 = time.perf_counter(), time.thread_time()
-    for b in batches:
+    ti, ci = t0, c0
+    for i, b in enumerate(batches, 1):
         step(model, opt, b)
+        if intervals is not None and steps_per_interval and i % steps_per_interval == 0:
+            t, c = time.perf_counter(), time.thread_time()
+            intervals.append((t - ti, c - ci))
+            ti, ci = t, c
     if cpu is not None:
         cpu.append(time.thread_time() - c0)
     return time.perf_counter() - t0
+
+
+def dense_state(model, opt) -> bytes:
+    """The rank's small state a checkpoint carries beside the tables: dense weights and optimizer."""
+    buf = io.BytesIO()
+    torch.save({"dense": {k: v.detach().clone() for k, v in model.named_parameters() if "embeddings" not in k},
+                "opt": opt.state_dict()}, buf)
+    return buf.getvalue()
+
+
+def restore_check(args, model, storage: LocalStorage, name: str) -> tuple:
+    """Restore checkpoint ``name`` onto a fresh model: (read stats, seconds, the restored tables'
+    relative L2 error against ``model``'s, the chain's manifests)."""
+    fresh, _ = build(args)
+    chain = load_chain(storage, load_manifest(storage, name))
+    t1 = time.perf_counter()
+    stats = restore_shards(storage, chain, local_shards(fresh.embeddings))
+    seconds = time.perf_counter() - t1
+    num = den = 0.0
+    for t in model.embeddings.tables:
+        a, b = model.embeddings.table_weight(t.name).double(), fresh.embeddings.table_weight(t.name).double()
+        num += float((a - b).square().sum())
+        den += float(a.square().sum())
+    return stats, seconds, (num / den) ** 0.5, chain
+
+
+def warm_share(r) -> float | None:
+    """Share of an adaptive checkpoint's range-searched rows that started from an earlier search."""
+    n = r.phases.get("searched_rows")
+    return r.phases.get("warm_rows", 0) / n if n else None
 
 
 def run_setting(args, s: Setting, batches, steps_per_interval: int, root: Path) -> dict:
@@ -167,11 +220,9 @@ def run_setting(args, s: Setting, batches, steps_per_interval: int, root: Path) 
     for i, b in enumerate(batches, 1):
         step(model, opt, b)
         if i % steps_per_interval == 0:
-            buf = io.BytesIO()
-            torch.save({"dense": {k: v.detach().clone() for k, v in model.named_parameters() if "embeddings" not in k},
-                        "opt": opt.state_dict()}, buf)
-            state_bytes = len(buf.getvalue())
-            stalls.append(manager.save(i, buf.getvalue(), {"step": i, "embedding_step": i}))
+            state = dense_state(model, opt)
+            state_bytes = len(state)
+            stalls.append(manager.save(i, state, {"step": i, "embedding_step": i}))
     train_wall = time.perf_counter() - t0
     train_cpu = time.thread_time() - c0
     reports = manager.finish()
@@ -180,28 +231,228 @@ def run_setting(args, s: Setting, batches, steps_per_interval: int, root: Path) 
     by_name = {r.name: r.extra["bytes_written"] for r in reports}
     stored_peak = max(sum(by_name[n] for n in r.extra["chain"]) for r in reports)
     # Restore the last checkpoint onto a fresh model: bytes read and error of the restored rows.
-    fresh, _ = build(args)
-    latest = load_manifest(storage, reports[-1].name)
+    stats, restore_s, error, _ = restore_check(args, model, storage, reports[-1].name)
     changed = [r.extra.get("rows_written", 0) for r in reports]
-    t1 = time.perf_counter()
-    stats = restore_shards(storage, load_chain(storage, latest), local_shards(fresh.embeddings))
-    restore_s = time.perf_counter() - t1
-    num = den = 0.0
-    for t in model.embeddings.tables:
-        a, b = model.embeddings.table_weight(t.name).double(), fresh.embeddings.table_weight(t.name).double()
-        num += float((a - b).square().sum())
-        den += float(a.square().sum())
     return {
         "setting": s.label, "policy": s.policy, "quantization": s.quantization, "state": s.state,
         "kinds": [r.kind for r in reports], "bytes_written": written,
         "full_fp32_reference_bytes": reports[0].extra["full_fp32_bytes"] + state_bytes, "rows_written": changed,
         "changed_fraction": [r.extra["changed_fraction"] for r in reports],
         "bytes_written_total": sum(written), "stored_peak_bytes": stored_peak, "restore_bytes_read": stats.bytes_read,
-        "restore_seconds": restore_s, "restored_rel_l2_error": (num / den) ** 0.5,
+        "restore_seconds": restore_s, "restored_rel_l2_error": error,
         "stall_seconds": stalls, "stall_total_s": sum(stalls), "train_wall_s": train_wall, "train_cpu_s": train_cpu,
         "drain_s": drain,
         "background_s": [r.background_s for r in reports],
+        "warm_share": [warm_share(r) for r in reports],
     }
+
+
+def parse_setting(label: str) -> Setting:
+    parts = label.strip().split("/")
+    if len(parts) != 3 or not parts[2].startswith("state-"):
+        raise SystemExit(f"--paired: '{label}' is not a setting label policy/quantization/state-X "
+                         "(e.g. intermittent/uniform2/state-fp16)")
+    return Setting(parts[0], parts[1], parts[2][len("state-"):])
+
+
+def abba(j: int) -> int:
+    """0 (A) or 1 (B) for the ``j``-th of a sequence in blocks A B B A: a linear drift over a
+    block and the order within it cancel in B - A."""
+    return 0 if j % 4 in (0, 3) else 1
+
+
+def paired_codec(cycle: int, position: int) -> int:
+    """The codec (0: A, 1: B) of the checkpoint at ``position`` in the ``cycle``-th run of
+    checkpoints from a full one. The policy's kinds repeat with the cycle (intermittent: a full,
+    then differentials growing until the next full), so each position gets A and B alike: within
+    a cycle the codecs go A B B A, and cycles alternate with their mirror B A A B in A B B A order
+    (every position A B B A over four cycles, whatever the cycle's length); without fulls
+    (one_shot, incremental) it is A B B A along the chain."""
+    return abba(cycle) ^ abba(position)
+
+
+# two-sided 95% quantiles of Student's t by degrees of freedom (between entries: the next lower, wider)
+_T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 12: 2.18,
+         15: 2.13, 20: 2.09, 25: 2.06, 30: 2.04, 40: 2.02, 60: 2.00}
+
+
+def mean_ci(xs: list[float]) -> dict:
+    """Mean, standard error and 95% interval (Student's t) of ``xs``."""
+    n = len(xs)
+    m = float(np.mean(xs)) if n else float("nan")
+    if n < 2:
+        return {"n": n, "mean": m, "se": float("nan"), "ci95": [float("nan"), float("nan")]}
+    se = float(np.std(xs, ddof=1) / np.sqrt(n))
+    half = _T975[max(k for k in _T975 if k <= n - 1)] * se
+    return {"n": n, "mean": m, "se": se, "ci95": [m - half, m + half]}
+
+
+def run_paired(args, pair: tuple[Setting, Setting], batches, spi: int, root: Path) -> dict:
+    """One model, one training run, one checkpoint chain; each checkpoint is written in the codec
+    of ``pair[paired_codec(cycle, position)]``, its place in the policy's cycle known before the
+    save (``next_kind``). Interval ``j`` (the steps after checkpoint ``j - 1``, the stall of the
+    save ending it, its wait for a write slot) is charged to checkpoint ``j - 1``'s codec: its
+    background quantization and writing overlap that interval."""
+    model, opt = build(args)
+    storage = LocalStorage(root)
+    settings = pair[0].settings(str(root), args.chunk_rows, args.max_in_flight)
+    manager = CheckpointManager(settings, storage, local_shards(model.embeddings), init_seed=0)
+    codecs = []
+    for s in pair:  # each setting's codec as the manager would build it for this model
+        cs = s.settings(str(root), args.chunk_rows)
+        cs.validate()
+        codecs.append(make_codec(cs.quantization, manager.weight_codec.dtype, cs.effective_bits, cs.adaptive_bins,
+                                 cs.adaptive_ratio))
+    intervals: list[dict] = []
+    order: list[tuple[int, int, int]] = []  # per checkpoint: its cycle, position in it, codec
+    cycle = position = -1
+    t_prev, c_prev = time.perf_counter(), time.thread_time()
+    for i, b in enumerate(batches, 1):
+        step(model, opt, b)
+        if i % spi == 0:
+            j = i // spi - 1
+            # The kind this save will write (the policy's rule; the codec does not enter it).
+            cycle, position = (cycle + 1, 0) if manager.next_kind() == "full" else (cycle, position + 1)
+            order.append((cycle, position, paired_codec(cycle, position)))
+            stall = manager.save(i, dense_state(model, opt), {"step": i, "embedding_step": i},
+                                 weight_codec=codecs[order[-1][2]])
+            t, c = time.perf_counter(), time.thread_time()
+            intervals.append({"interval": j, "wall_s": t - t_prev, "cpu_s": c - c_prev, "stall_s": stall,
+                              "codec": None if j == 0 else order[j - 1][2]})
+            t_prev, c_prev = t, c
+    reports = sorted(manager.finish(), key=lambda r: r.step)
+    stats, restore_s, error, chain = restore_check(args, model, storage, reports[-1].name)
+    checkpoints = [{"checkpoint": j, "cycle": order[j][0], "position": order[j][1], "codec": order[j][2],
+                    "kind": r.kind, "bytes_written": r.bytes_written, "rows_written": r.rows_written,
+                    "background_s": r.background_s, "encode_thread_cpu_s": r.phases.get("encode_thread_cpu_s"),
+                    "warm_share": warm_share(r), "phases": r.phases} for j, r in enumerate(reports)]
+    if [c["kind"] == "full" for c in checkpoints] != [c["position"] == 0 for c in checkpoints]:
+        raise RuntimeError("--paired: a checkpoint's kind differs from the one announced before its save")
+    return {"pair": [s.label for s in pair], "codecs": [c.name for c in codecs], "intervals": intervals,
+            "checkpoints": checkpoints, "restore_bytes_read": stats.bytes_read, "restore_seconds": restore_s,
+            "restored_rel_l2_error": error,
+            "restored_chain_codecs": [Codec.from_dict(m.weight_codec).name for m in chain]}
+
+
+def paired_units(checkpoints: list[dict]) -> tuple[list[list[int]], str]:
+    """The checkpoints (each charged with the interval after it) grouped into units with as many
+    A as B: pairs of whole cycles (each position once in A, once in B) when there are at least two
+    such pairs, else A B B A blocks of four positions within a cycle."""
+    charged = checkpoints[:-1]  # the last one has no interval after it
+    cycles: dict[int, list[int]] = {}
+    for c in charged:
+        cycles.setdefault(c["cycle"], []).append(c["checkpoint"])
+    whole = [k for k in cycles if k + 1 in cycles or k + 1 == checkpoints[-1]["cycle"]]
+    pairs = [cycles[k] + cycles[k + 1] for k in whole if k % 2 == 0 and k + 1 in whole]
+    if len(pairs) >= 2:
+        return pairs, "cycle pairs"
+    blocks: dict[tuple[int, int], list[int]] = {}
+    for c in charged:
+        blocks.setdefault((c["cycle"], c["position"] // 4), []).append(c["checkpoint"])
+    return [v for v in blocks.values() if len(v) == 4], "blocks of four"
+
+
+def paired_summary(run: dict, base_wall: float, base_cpu: float) -> dict:
+    """Per codec the mean interval; B - A per unit (``paired_units``) in points of slowdown
+    (100 x seconds / the no-checkpoint interval), its mean, standard error and 95% interval."""
+    cks = run["checkpoints"]
+    units, unit_kind = paired_units(cks)
+    after = {iv["interval"] - 1: iv for iv in run["intervals"][1:]}  # checkpoint -> the interval it is charged
+    used = sorted(j for u in units for j in u)
+    out: dict = {"units": units, "unit_kind": unit_kind, "base_interval_wall_s": base_wall,
+                 "base_interval_cpu_s": base_cpu, "codecs": []}
+
+    def enc(j: int) -> float:
+        return cks[j]["encode_thread_cpu_s"] or 0.0
+
+    for which in (0, 1):
+        mine = [j for j in used if cks[j]["codec"] == which]
+        shares = [cks[j]["warm_share"] for j in mine if cks[j]["warm_share"] is not None]
+        out["codecs"].append({
+            "setting": run["pair"][which], "codec": run["codecs"][which], "intervals": len(mine),
+            "fulls": sum(cks[j]["kind"] == "full" for j in mine),
+            "rows_written": float(np.mean([cks[j]["rows_written"] for j in mine])) if mine else None,
+            "wall_s": float(np.mean([after[j]["wall_s"] for j in mine])) if mine else None,
+            "cpu_s": float(np.mean([after[j]["cpu_s"] for j in mine])) if mine else None,
+            "encode_thread_cpu_s": float(np.mean([enc(j) for j in mine])) if mine else None,
+            "background_s": float(np.mean([cks[j]["background_s"] for j in mine])) if mine else None,
+            "warm_share": float(np.mean(shares)) if shares else None,
+        })
+    for key, base in (("wall", base_wall), ("cpu", base_cpu)):
+        diffs = [100.0 * float(np.mean([after[j][f"{key}_s"] for j in u if cks[j]["codec"] == 1])
+                               - np.mean([after[j][f"{key}_s"] for j in u if cks[j]["codec"] == 0])) / base
+                 for u in units]
+        out[f"{key}_points_per_unit"] = diffs
+        out[f"{key}_points"] = mean_ci(diffs)
+    # The quantizing thread's CPU per checkpoint, in points of the training thread's interval: the
+    # slowdown it would cost if it took training's core rather than a spare one (little noise).
+    enc_diffs = [100.0 * float(np.mean([enc(j) for j in u if cks[j]["codec"] == 1])
+                               - np.mean([enc(j) for j in u if cks[j]["codec"] == 0])) / base_cpu for u in units]
+    out["encode_cpu_points_per_unit"] = enc_diffs
+    out["encode_cpu_points"] = mean_ci(enc_diffs)
+    return out
+
+
+def paired_main(args, batches, spi: int) -> int:
+    labels = [x for x in args.paired.split(",") if x.strip()]
+    if len(labels) != 2:
+        raise SystemExit(f"--paired: expected two setting labels A,B, got {len(labels)}")
+    a, b = (parse_setting(x) for x in labels)
+    if (a.policy, a.state) != (b.policy, b.state) or a.quantization == b.quantization:
+        raise SystemExit(f"--paired: A and B must share policy and state and differ in quantization, got "
+                         f"{a.label} and {b.label}")
+    if args.intervals < 5:
+        raise SystemExit(f"--paired: --intervals must be at least 5 (one A B B A block after the first), "
+                         f"got {args.intervals}")
+    train_only(args, batches[:2])  # untimed: a first use compiles the native kernels
+    base_ivs: list[tuple[float, float]] = []
+    base_runs = [train_only(args, batches, steps_per_interval=spi, intervals=base_ivs)]
+    work = Path(tempfile.mkdtemp(prefix="recscale-ckpt-paired-"))
+    try:
+        run = run_paired(args, (a, b), batches, spi, work / "paired")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    base_runs.append(train_only(args, batches, steps_per_interval=spi, intervals=base_ivs))
+    # Each baseline run's first interval left out, as the paired run's is.
+    n = args.intervals
+    kept = base_ivs[1:n] + base_ivs[n + 1 :]
+    base_wall, base_cpu = float(np.mean([w for w, _ in kept])), float(np.mean([c for _, c in kept]))
+    summary = paired_summary(run, base_wall, base_cpu)
+    if not summary["units"]:
+        raise SystemExit("--paired: no unit with as many A as B intervals; raise --intervals")
+    rows = []
+    for c in summary["codecs"]:
+        rows.append([
+            c["setting"], f"{c['intervals']} ({c['fulls']} full)", f"{c['rows_written']:,.0f}", f"{c['wall_s']:.3f}",
+            f"{100 * (c['wall_s'] / base_wall - 1):+.1f}%", f"{c['cpu_s']:.3f}",
+            f"{100 * (c['cpu_s'] / base_cpu - 1):+.1f}%", f"{c['background_s']:.3f}", f"{c['encode_thread_cpu_s']:.3f}",
+            "-" if c["warm_share"] is None else f"{100 * c['warm_share']:.0f}%",
+        ])
+    print(format_table(["setting (checkpoint at interval start)", "intervals", "rows written", "wall s", "slowdown",
+                        "thread CPU s", "CPU increase", "background s", "encode CPU s", "warm rows"], rows))
+
+    def line(x: dict) -> str:
+        return f"{x['mean']:+.2f} points (SE {x['se']:.2f}, 95% [{x['ci95'][0]:+.2f}, {x['ci95'][1]:+.2f}])"
+
+    print(f"B - A ({run['codecs'][1]} - {run['codecs'][0]}) per unit, {len(summary['units'])} {summary['unit_kind']}, "
+          f"in points of the no-checkpoint interval ({base_wall:.3f} s wall, {base_cpu:.3f} s thread CPU): "
+          f"wall {line(summary['wall_points'])}; thread CPU {line(summary['cpu_points'])}; quantizing thread's "
+          f"CPU per checkpoint (of the training thread's interval) {line(summary['encode_cpu_points'])}")
+    ws = [f"{run['codecs'][c['codec']]}:{c['kind'][0]}"
+          + ("" if c["warm_share"] is None else f" {100 * c['warm_share']:.0f}%") for c in run["checkpoints"]]
+    print("checkpoints (codec:kind, adaptive warm rows): " + ", ".join(ws))
+    chain = run["restored_chain_codecs"]
+    print(f"restored the last checkpoint (chain of {len(chain)}: "
+          f"{', '.join(f'{chain.count(c)} {c}' for c in run['codecs'] if c in chain)}): "
+          f"relative L2 error {run['restored_rel_l2_error']:.2e}, {run['restore_bytes_read'] / 1e6:,.1f} MB read; "
+          f"training without checkpoints before/after: {base_runs[0]:.2f} / {base_runs[1]:.2f} s")
+    if args.json:
+        write_json(args.json, {
+            "environment": environment(), "args": vars(args), "steps_per_interval": spi,
+            "baseline_train_s": base_runs, "baseline_intervals": [{"wall_s": w, "cpu_s": c} for w, c in base_ivs],
+            "paired": run, "summary": summary,
+        })
+    return 0
 
 
 def quantizer_throughput(dim: int, rows: int = 32768, repeats: int = 3) -> list[dict]:
@@ -265,7 +516,11 @@ def main() -> int:
                     help="small (embeddings dominate the model) or mlperf (MLPerf DLRM's MLPs: longer steps)")
     ap.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent of the id stream")
     ap.add_argument("--target", type=float, default=0.26, help="share of rows changing per interval")
-    ap.add_argument("--intervals", type=int, default=10)
+    ap.add_argument("--intervals", type=int,
+                    help="checkpoint intervals (default 10; with --paired 41, --quick --paired 9)")
+    ap.add_argument("--paired", metavar="A,B",
+                    help="two labels of one policy and state, different quantization: one run whose checkpoints "
+                         "alternate A B B A; prints B - A per block in points of slowdown with its 95%% interval")
     ap.add_argument("--chunk-rows", type=int, default=65536)
     ap.add_argument("--threads", type=int, default=1,
                     help="training threads (default 1: the checkpoint writer uses the other core, as Check-N-Run "
@@ -311,6 +566,8 @@ def main() -> int:
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.intervals is None:
+        args.intervals = (9 if args.quick else 41) if args.paired else 10
     threads = set_threads(args.threads)
     if args.quantizer_only:
         quant = quantizer_throughput(args.dim)
@@ -323,6 +580,11 @@ def main() -> int:
     spi = steps_for_fraction(args.rows, args.alpha, args.batch, args.target)
     total = spi * args.intervals
     batches = make_batches(args, total)
+    if args.paired:
+        print(f"{args.tables} tables x {args.rows:,} rows x dim {args.dim}, batch {args.batch}, Zipf {args.alpha}: "
+              f"{spi} steps per interval (expected {args.target:.0%} of rows changed), {args.intervals} intervals, "
+              f"{threads} training thread(s), {args.mlp} MLPs; paired {args.paired}")
+        return paired_main(args, batches, spi)
     chosen = SETTINGS if not args.settings else [s for s in SETTINGS if s.label in args.settings.split(",")]
     print(f"{args.tables} tables x {args.rows:,} rows x dim {args.dim}, batch {args.batch}, Zipf {args.alpha}: "
           f"{spi} steps per interval (expected {args.target:.0%} of rows changed), {args.intervals} intervals, "
@@ -377,6 +639,10 @@ def main() -> int:
             print(f"{s.label}: mean over {len(mine)} runs: slowdown {100 * np.mean([r['slowdown'] for r in mine]):+.1f}%, "
                   f"stall {100 * np.mean([r['stall_share'] for r in mine]):.2f}%, "
                   f"training thread CPU {100 * np.mean([r['train_cpu_increase'] for r in mine]):+.1f}%")
+    for r in results:
+        if any(w is not None for w in r["warm_share"]):
+            print(f"{r['setting']}: rows searched warm per checkpoint: "
+                  + ", ".join("-" if w is None else f"{100 * w:.0f}%" for w in r["warm_share"]))
     inc = next((r for r in results if r["policy"] == "incremental"), None)
     if inc:
         per = inc["changed_fraction"][1:]

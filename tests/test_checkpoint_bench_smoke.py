@@ -107,3 +107,32 @@ def test_checkpoint_accuracy_synthetic_smoke(tmp_path):
     assert by["none"]["bitwise_equal"] and by["none"]["max_abs_rel"] == 0.0
     assert not by["adaptive3:bf16"]["bitwise_equal"] and by["adaptive3:bf16"]["max_abs_rel"] > 0
     assert d["spread_rel_std"] > 0 and len(d["uninterrupted"]) == 2
+
+
+def test_paired_checkpoint_benchmark_smoke(tmp_path):
+    """``--paired``: one run whose checkpoints alternate two codecs, each position in the
+    policy's cycle written in both alike; the chain mixing them restores; structure only."""
+    out = tmp_path / "paired.json"
+    a, b = "intermittent/uniform2/state-fp16", "intermittent/adaptive2/state-fp16"
+    proc_utils.run(
+        [sys.executable, "benchmarks/checkpoint.py", "--quick", "--tables", "2", "--rows", "2000", "--dim", "16",
+         "--batch", "128", "--intervals", "17", "--paired", f"{a},{b}", "--json", str(out)],
+        check=True, cwd=ROOT, timeout=120, capture_output=True,
+    )
+    d = json.loads(out.read_text())
+    run, summary = d["paired"], d["summary"]
+    assert run["codecs"] == ["uniform2", "adaptive2"]
+    assert len(run["intervals"]) == 17 and run["intervals"][0]["codec"] is None
+    cks = run["checkpoints"]
+    assert all((c["kind"] == "full") == (c["position"] == 0) for c in cks)
+    assert all((c["warm_share"] is not None) == (c["codec"] == 1) for c in cks)
+    assert summary["unit_kind"] == "cycle pairs" and len(summary["units"]) >= 2
+    for unit in summary["units"]:  # each position of the cycle once in A and once in B
+        for which in (0, 1):
+            assert sorted(cks[j]["position"] for j in unit if cks[j]["codec"] == which) == \
+                sorted(cks[j]["position"] for j in unit if cks[j]["codec"] == 1 - which)
+    assert [c["setting"] for c in summary["codecs"]] == [a, b]
+    assert summary["codecs"][0]["intervals"] == summary["codecs"][1]["intervals"] > 0
+    assert summary["wall_points"]["n"] == summary["cpu_points"]["n"] == len(summary["units"])
+    assert set(run["restored_chain_codecs"]) <= {"uniform2", "adaptive2"}
+    assert 0 < run["restored_rel_l2_error"] < 1

@@ -22,7 +22,7 @@ import torch
 from recscale.checkpoint.lineage import RUN_FILE, RunContext, list_checkpoints, prune_parent
 from recscale.checkpoint.manifest import CheckpointError, Manifest, TableMeta, checkpoint_name
 from recscale.checkpoint.policy import Policy
-from recscale.checkpoint.quantize import Codec, make_codec, state_codec
+from recscale.checkpoint.quantize import CODEC_METHODS, Codec, make_codec, state_codec
 from recscale.checkpoint.range_memory import RangeMemory
 from recscale.checkpoint.restore import load_manifest
 from recscale.checkpoint.settings import CheckpointSettings
@@ -114,8 +114,14 @@ class CheckpointManager:
         return self.policy.decide(changed / max(total, 1.0))
 
     @torch.no_grad()
-    def save(self, step: int, rank_state: bytes, training: dict) -> float:
-        """Snapshot now, write in the background; returns the stall in seconds."""
+    def save(self, step: int, rank_state: bytes, training: dict, weight_codec: Codec | None = None) -> float:
+        """Snapshot now, write in the background; returns the stall in seconds. ``weight_codec``:
+        this checkpoint's embedding rows in this codec instead of the settings' (each manifest
+        names its own codec, so a chain may mix them; adaptive range hints carry over only
+        between adaptive checkpoints of the same bits); every rank must pass the same one."""
+        codec = self.weight_codec if weight_codec is None else weight_codec
+        if codec.method not in CODEC_METHODS:
+            raise ValueError(f"save: weight_codec method '{codec.method}' is unknown; choose one of {CODEC_METHODS}")
         t0 = time.perf_counter()
         self.writer.wait_for_slot()
         cand = self.policy.candidate_kind()
@@ -143,17 +149,17 @@ class CheckpointManager:
         manifest = Manifest(
             initial_rows=self._initial_rows_meta() if skip else None,
             name=name, step=step, kind=kind, chain=chain, policy=self.settings.policy,
-            weight_codec=self.weight_codec.to_dict(), state_codec=self.state_codec.to_dict(),
+            weight_codec=codec.to_dict(), state_codec=self.state_codec.to_dict(),
             world_size=self.world_size, plan=self.plan, tables=self._table_meta(),
             optimizer=self._optimizer_meta(), files=[], chunks=[],
             training={**training, "changed_fraction": fraction},
             run=self.run.info.run if self.run else "", parent=self.run.info.parent if self.run else None,
         )
         job = WriteJob(
-            manifest, self.rank, self.world_size, snaps, rank_state, self.weight_codec, self.state_codec,
+            manifest, self.rank, self.world_size, snaps, rank_state, codec, self.state_codec,
             self.settings.chunk_rows, stall, self._full_fp32_bytes(), self.init_seed if scan else None,
             on_done=lambda: self.snapshots.release(held),
-            ranges=self.ranges if self.weight_codec.method == "adaptive" else None,
+            ranges=self.ranges if codec.method == "adaptive" else None,
         )
         self.writer.submit(job)
         self.last_step, self.last_time = step, time.monotonic()

@@ -590,8 +590,11 @@ def unpack_bits(buf: bytes | memoryview, bits: int, count: int) -> np.ndarray:
     return (planes << np.arange(bits, dtype=np.uint8)).sum(1).astype(np.uint8)
 
 
+CODEC_METHODS = ("none", "fp16", "bf16", "uniform", "adaptive", "mixed")
+
+
 def make_codec(method: str, storage_dtype: str, bits: int = 8, bins: int = 25, ratio: float = 0.6) -> Codec:
-    if method not in ("none", "fp16", "bf16", "uniform", "adaptive", "mixed"):
+    if method not in CODEC_METHODS:
         raise ValueError(f"quantization '{method}' is unknown; choose none, fp16, bf16, uniform, adaptive or mixed")
     return Codec(method, storage_dtype, bits, bins, ratio)
 

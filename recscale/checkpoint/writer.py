@@ -27,7 +27,7 @@ import torch
 from recscale import faults
 from recscale.checkpoint.checksum import crc32
 from recscale.checkpoint.manifest import BY_CHUNKS, MANIFEST, Chunk, CheckpointError, FileEntry, Manifest, tmp_name
-from recscale.checkpoint.quantize import Codec, allocate_widths, row_importance
+from recscale.checkpoint.quantize import NEVER_SEARCHED, Codec, allocate_widths, row_importance
 from recscale.checkpoint.range_memory import RangeMemory
 from recscale.checkpoint.storage import Storage
 from recscale.embedding import TableConfig
@@ -84,6 +84,8 @@ class WriteReport:
     extra: dict = field(default_factory=dict)
     # Where the background seconds went (``write_rank``): encode (rows out of the snapshot,
     # encoding, crc32; its own thread), the writes, the closing fsync, the small files, commit.
+    # ``adaptive`` also counts rows here: ``searched_rows`` range-searched, ``warm_rows`` of them
+    # started from an earlier search's result.
     phases: dict = field(default_factory=dict)
 
 
@@ -186,10 +188,14 @@ def width_tags(job: WriteJob, blocks: list[_Block]) -> list[torch.Tensor]:
     return list(torch.split(tags, [blk.n for blk in blocks]))
 
 
-def _encode_warm(codec: Codec, ranges: RangeMemory, blk: _Block, weight: torch.Tensor) -> bytes:
-    """``adaptive``: each row's range search starts from its last result, and leaves its own."""
+def _encode_warm(codec: Codec, ranges: RangeMemory, blk: _Block, weight: torch.Tensor, ph: dict) -> bytes:
+    """``adaptive``: each row's range search starts from its last result, and leaves its own;
+    ``ph`` counts the rows searched and those that start warm (``range_search``'s rule)."""
     key, rows = (blk.sh.table, blk.sh.row_offset, blk.sh.col_offset), blk.local_rows()
     found = ranges.start(codec, key, blk.sh.num_rows, rows)
+    warm = (found[:, 0] != NEVER_SEARCHED) & (found[:, 0].long() + found[:, 1].long() < codec.bins)
+    ph["searched_rows"] = ph.get("searched_rows", 0) + int(found.shape[0])
+    ph["warm_rows"] = ph.get("warm_rows", 0) + int(warm.sum())
     w = codec.encode(weight, ranges=found)
     ranges.store(key, rows, found)
     return w
@@ -219,7 +225,7 @@ def encode_chunks(job: WriteJob, file: str, phases: dict | None = None, checksum
         if t is not None:
             w = job.weight_codec.encode(weight, t)
         elif job.ranges is not None and job.weight_codec.method == "adaptive":
-            w = _encode_warm(job.weight_codec, job.ranges, blk, weight)
+            w = _encode_warm(job.weight_codec, job.ranges, blk, weight, ph)
         else:
             w = job.weight_codec.encode_view(weight)
         parts: list[bytes | memoryview] = [ids, w]
