@@ -1,0 +1,62 @@
+"""How a calibration spends its minutes: one build of a probe's collection for all its batch
+sizes, and one start of the local processes for a whole round of probes, with the same
+timings as probe by probe."""
+
+from __future__ import annotations
+
+import pytest
+
+from recscale.comm.process_group import Topology
+from recscale.embedding import TableConfig
+from recscale.planner import calibrate
+from recscale.planner.cost_model import TableSpec
+from recscale.planner.measure import synthetic_batches, time_plans, time_plans_side_by_side
+from recscale.sharding.default_plan import default_plan
+
+TABLES = [TableSpec("a", 300, 8, 2), TableSpec("b", 50, 4, 1)]
+
+
+def _plan(world: int, kind: str):
+    return default_plan([TableConfig(t.name, t.rows, t.dim) for t in TABLES], Topology(world, 0, world), kind)
+
+
+def test_probes_of_one_plan_are_grouped_by_batch_size_and_none_is_lost():
+    cases = calibrate.compute_cases((512, 2048), quick=True)
+    jobs = calibrate._by_plan(cases)
+    assert sorted(c[0] for job in jobs for c in job) == sorted(c[0] for c in cases)
+    for job in jobs:
+        assert len({c[0].rsplit("/B", 1)[0] for c in job}) == 1
+        assert [c[0].rsplit("/B", 1)[1] for c in job] == ["512", "2048"]
+        assert {(tuple(t.rows for t in c[2]), tuple(t.dim for t in c[2])) for c in job} == {
+            (tuple(t.rows for t in job[0][2]), tuple(t.dim for t in job[0][2]))}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_time_plans_gives_a_time_per_job_and_batch_set(world):
+    small, big = synthetic_batches(TABLES, 64, 2, seed=1), synthetic_batches(TABLES, 256, 2, seed=2)
+    jobs = [(_plan(world, "table_wise"), TABLES, [small, big]), (_plan(world, "row_wise"), TABLES, [small])]
+    got = time_plans(jobs, steps=2)
+    assert [len(t) for t in got] == [2, 1]
+    assert all(t > 0 for ts in got for t in ts)
+    with pytest.raises(ValueError, match="same number of ranks"):
+        time_plans([jobs[0], (_plan(3 - world, "table_wise"), TABLES, [small])])
+
+
+def test_side_by_side_times_every_job_on_one_start():
+    gb = synthetic_batches(TABLES, 64, 2, seed=1)
+    got = time_plans_side_by_side([(_plan(1, "table_wise"), TABLES, gb), (_plan(1, "data_parallel"), TABLES, gb)], 2, 2)
+    assert len(got) == 2 and all(t > 0 for t in got)
+
+
+def test_a_calibration_round_times_each_plan_once_for_all_batch_sizes(monkeypatch):
+    seen = []
+
+    def fake(jobs, steps, threads=None):
+        seen.append(len(jobs))
+        return [[1e-3] * len(j[2]) for j in jobs]
+
+    monkeypatch.setattr(calibrate, "time_plans", fake)
+    times = calibrate.measure_compute(1, (512, 2048), 1, quick=True, rounds=2)
+    cases = calibrate.compute_cases((512, 2048), quick=True)
+    assert seen == [len(cases) // 2] * 2
+    assert {len(v) for v in times.values()} == {2} and set(times) == {c[0] for c in cases}
