@@ -60,3 +60,18 @@ def test_a_calibration_round_times_each_plan_once_for_all_batch_sizes(monkeypatc
     cases = calibrate.compute_cases((512, 2048), quick=True)
     assert seen == [len(cases) // 2] * 2
     assert {len(v) for v in times.values()} == {2} and set(times) == {c[0] for c in cases}
+
+
+def test_calibrate_times_under_trainings_openmp_policy():
+    # training lets idle OpenMP threads sleep; a calibration timed with spinning threads on a busy
+    # machine prices the embeddings several times dearer than training pays
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, sys; from recscale.cli import _prefer_passive_openmp_for_train as f; f(sys.argv[1:]); "
+            "print(os.environ.get('OMP_WAIT_POLICY'))")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = [subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, check=True).stdout.strip()
+           for args in (["calibrate", "--ranks", "2"], ["plan"])]
+    assert out == ["PASSIVE", "None"]
