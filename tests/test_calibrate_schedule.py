@@ -10,7 +10,7 @@ from recscale.comm.process_group import Topology
 from recscale.embedding import TableConfig
 from recscale.planner import calibrate
 from recscale.planner.cost_model import TableSpec
-from recscale.planner.measure import synthetic_batches, time_plans, time_plans_side_by_side
+from recscale.planner.measure import synthetic_batches, time_contention, time_plans
 from recscale.sharding.default_plan import default_plan
 
 TABLES = [TableSpec("a", 300, 8, 2), TableSpec("b", 50, 4, 1)]
@@ -42,10 +42,12 @@ def test_time_plans_gives_a_time_per_job_and_batch_set(world):
         time_plans([jobs[0], (_plan(3 - world, "table_wise"), TABLES, [small])])
 
 
-def test_side_by_side_times_every_job_on_one_start():
+def test_contention_times_every_job_alone_and_side_by_side_in_every_round_on_one_start():
     gb = synthetic_batches(TABLES, 64, 2, seed=1)
-    got = time_plans_side_by_side([(_plan(1, "table_wise"), TABLES, gb), (_plan(1, "data_parallel"), TABLES, gb)], 2, 2)
-    assert len(got) == 2 and all(t > 0 for t in got)
+    alone, together = time_contention([(_plan(1, "table_wise"), TABLES, gb), (_plan(1, "data_parallel"), TABLES, gb)],
+                                      2, steps=2, rounds=2)
+    assert [len(a) for a in alone] == [2, 2] and [len(t) for t in together] == [2, 2]
+    assert all(x > 0 for xs in alone + together for x in xs)
 
 
 def test_a_calibration_round_times_each_plan_once_for_all_batch_sizes(monkeypatch):

@@ -50,7 +50,7 @@ from recscale.comm.shared_memory import enable_shared_memory, shared_memory_want
 from recscale.embedding import TableConfig
 from recscale.planner.cost_model import TableSpec, Workload, cold_fraction, groups_per_rank
 from recscale.planner.hardware import Hardware
-from recscale.planner.measure import shard_loads, synthetic_batches, time_plans, time_plans_side_by_side
+from recscale.planner.measure import shard_loads, synthetic_batches, time_contention, time_plans
 from recscale.sharding.default_plan import TableSharding, default_plan, single_rank_plan
 from recscale.sharding.plan import ShardingPlan
 
@@ -284,17 +284,14 @@ def measure_contention(world_size: int, batch: int = 4096, steps: int = 5, round
         cases.append((f"{set_name}/{kind}/B{batch}", plan, tables, synthetic_batches(tables, batch, 2, seed=batch)))
     alone: dict[str, list[float]] = {name: [] for name, *_ in cases}
     together: dict[str, list[float]] = {name: [] for name, *_ in cases}
-    jobs = [(plan, tables, gb) for _, plan, tables, gb in cases]
-    for r in range(1 if quick else rounds):
-        # each round: every probe alone (the same kind of process), then every probe side by side,
-        # one start of the processes each (a start costs seconds, more than the probe's steps)
-        for (name, *_), a, t in zip(cases, time_plans_side_by_side(jobs, 1, steps),
-                                    time_plans_side_by_side(jobs, world_size, steps)):
-            alone[name].append(a)
-            together[name].append(t)
-            if progress:
-                progress(f"round {r + 1}: {name}: {alone[name][-1] * 1e3:.2f} ms alone, "
-                         f"{together[name][-1] * 1e3:.2f} ms with {world_size} at once")
+    # the copies start once and build each probe once, for every round: alone, then side by side
+    times_alone, times_together = time_contention([(plan, tables, gb) for _, plan, tables, gb in cases], world_size,
+                                                  steps, 1 if quick else rounds)
+    for (name, *_), a, t in zip(cases, times_alone, times_together):
+        alone[name], together[name] = a, t
+        if progress:
+            for r, (x, y) in enumerate(zip(a, t)):
+                progress(f"round {r + 1}: {name}: {x * 1e3:.2f} ms alone, {y * 1e3:.2f} ms with {world_size} at once")
     ratios = [min(together[name]) / min(alone[name]) for name in alone]
     return max(0.0, statistics.median(ratios) - 1.0)
 

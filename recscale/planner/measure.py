@@ -150,34 +150,41 @@ def _worker(rank, world, port, jobs, steps, out_dir) -> None:
             torch.distributed.destroy_process_group()
 
 
-def _copy_worker(index: int, jobs, steps, start, out_dir) -> None:
+def _contention_worker(index: int, jobs, steps, rounds, start, out_dir) -> None:
     torch.set_num_threads(1)
     groups = init_process_groups(Topology(1, 0, 1), device=torch.device("cpu"))
-    out = []
+    alone, together = [], []
     for plan_dict, tables, batches in jobs:
         coll = _build(1, ShardingPlan.from_dict(plan_dict), tables, groups)
-        # every copy starts timing at once, after its warm-up
-        out.append(_time_steps(coll, 0, 1, batches, steps, groups, start.wait))
+        alone.append([])
+        together.append([])
+        for _ in range(rounds):
+            start.wait()
+            if index == 0:  # the other copies wait at the barrier, asleep: this one runs alone
+                alone[-1].append(_time_steps(coll, 0, 1, batches, steps, groups))
+            start.wait()
+            together[-1].append(_time_steps(coll, 0, 1, batches, steps, groups, start.wait))
         del coll
-    torch.save(out, Path(out_dir) / f"c{index}.pt")
+    torch.save((alone, together), Path(out_dir) / f"c{index}.pt")
 
 
-def time_plan_side_by_side(plan: ShardingPlan, tables: list[TableSpec], batches: list[JaggedBatch], copies: int,
-                           steps: int = 7) -> float:
-    """Median step time of one rank's work (a 1-rank ``plan``, one thread) while ``copies``
-    independent processes run it at once, one per core: what sharing the host's memory
-    bandwidth and caches costs, without any waiting for each other (they never communicate)."""
-    return time_plans_side_by_side([(plan, tables, batches)], copies, steps)[0]
-
-
-def time_plans_side_by_side(jobs: list[tuple[ShardingPlan, list[TableSpec], list[JaggedBatch]]], copies: int,
-                            steps: int = 7) -> list[float]:
-    """``time_plan_side_by_side`` of each job in turn, on one start of the ``copies`` processes."""
+def time_contention(jobs: list[tuple[ShardingPlan, list[TableSpec], list[JaggedBatch]]], copies: int, steps: int = 7,
+                    rounds: int = 3) -> tuple[list[list[float]], list[list[float]]]:
+    """Per job, per round: the median step time of one rank's work (a 1-rank plan, one thread)
+    alone, and while ``copies`` independent processes run it at once, one per core (what sharing
+    the host's memory bandwidth and caches costs, without any waiting for each other: they never
+    communicate), alone and together in turn. The copies start once and build each job's
+    collection once for all its rounds: a large table's build costs several seconds per
+    process, its steps a few milliseconds."""
     start = local_context().Barrier(copies)
     with tempfile.TemporaryDirectory() as tmp:
-        start_local_processes(_copy_worker, ([(p.to_dict(), t, b) for p, t, b in jobs], steps, start, tmp), copies)
+        start_local_processes(_contention_worker, ([(p.to_dict(), t, b) for p, t, b in jobs], steps, rounds, start, tmp),
+                              copies)
         per_copy = [torch.load(Path(tmp) / f"c{i}.pt") for i in range(copies)]
-    return [statistics.median(t for pc in per_copy for t in pc[j]) for j in range(len(jobs))]
+    alone = [[statistics.median(ts) for ts in job] for job in per_copy[0][0]]
+    together = [[statistics.median(t for pc in per_copy for t in pc[1][j][r]) for r in range(rounds)]
+                for j in range(len(jobs))]
+    return alone, together
 
 
 def time_plan(plan: ShardingPlan, tables: list[TableSpec], batches: list[JaggedBatch], steps: int = 7,
