@@ -24,8 +24,9 @@ all configurations alike. Emulated hosts need root; without it those groups are 
     python benchmarks/simulator_validation.py --refit out/simval.json               # re-predict only
 
 Every prediction is priced from this machine's calibrations, never from these measurements:
-``recscale calibrate --ranks 2`` (the full one, else the quick one training makes on first
-use; else the ``local-cpu`` preset), the simulator's dense compute and training loop
+``recscale calibrate --ranks N`` for each group's N ranks per host (the full one, else the quick
+one training makes on first use, made here if missing; ``--fresh-calibration DIR``: a quick one
+taken now, beside the measurements), the simulator's dense compute and training loop
 (``recscale.sim.calibrate``, cached; ``--measure-compute`` measures them again) and the loader's cost for each data set and
 world size (measured here, a second each). The full run (43 configurations, ``--turns 5``,
 60 steps: 215 runs of 15-30 s) takes about 1-1.5 hours on 2 cores; ``--quick`` (9, one turn,
@@ -150,15 +151,47 @@ def topology(g: Group, cfg) -> ClusterTopology:
     key = (*g.sets, str(g.hosts * g.ranks_per_host))
     if key not in _LOADER:  # the loader's cost per sample of a rank's share, for this data (seconds)
         _LOADER[key] = measure_loader(cfg, world_size=g.hosts * g.ranks_per_host)
-    # this machine's calibration as training finds it: the full one, else the quick one
-    cal = next((c for c in (cached_calibration(2), cached_calibration(2, quick=True)) if c.is_file()), None)
     return topology_from_dict({
-        "base": str(cal) if cal else "local-cpu", "hosts": g.hosts, "ranks_per_host": g.ranks_per_host,
+        "base": calibration(g.ranks_per_host), "hosts": g.hosts, "ranks_per_host": g.ranks_per_host,
         **({"cross_host_mbit": g.mbit} if g.mbit else {}), "shared_cores": os.cpu_count() or 1,
         "load_s_per_sample": _LOADER[key], **_COMPUTE,
         # shaped veth links frame as tc counts them; unshaped ranks talk over loopback (MTU 64 KiB)
         **(EMULATED_FRAMING if g.mbit else {"mtu_bytes": 65536, "frame_bytes": TC_FRAME_BYTES}),
     }, "validation")
+
+
+_CALIBRATIONS: dict[int, str] = {}  # ranks per host -> the planner's calibration of this machine
+
+
+def calibration(ranks_per_host: int) -> str:
+    """This machine's calibration for ``ranks_per_host`` local ranks, as training's planner finds
+    it (``this_machine``): the full one, else the quick one, else a quick one made now (as a
+    first training does); ``--fresh-calibration``'s, taken right before the measurements, first.
+    Never a calibration for another number of ranks (a lone rank has no neighbour slowing it
+    and gets every core) nor another machine's preset, unless none can be made."""
+    if ranks_per_host not in _CALIBRATIONS:
+        from recscale.planner.hardware import quick_calibration
+
+        paths = (cached_calibration(ranks_per_host), cached_calibration(ranks_per_host, quick=True))
+        cal = next((p for p in paths if p.is_file()), None)
+        why = "" if cal else quick_calibration(ranks_per_host, print)
+        if cal is None and not why:
+            cal = paths[1]
+        if cal is None:
+            print(f"no calibration of this machine for {ranks_per_host} rank(s) ({why}): pricing on 'local-cpu'")
+        _CALIBRATIONS[ranks_per_host] = str(cal) if cal else "local-cpu"
+    return _CALIBRATIONS[ranks_per_host]
+
+
+def fresh_calibrations(gs: list[Group], out: Path) -> None:
+    """A quick calibration for each group's ranks per host, taken now (before the measurements,
+    under the same load), kept in ``out``, used instead of the cached ones."""
+    for r in sorted({g.ranks_per_host for g in gs}):
+        path = out / f"calibration-{r}.json"
+        subprocess.run([sys.executable, "-m", "recscale", "calibrate", "--quick", "--ranks", str(r), "--out", str(path)],
+                       cwd=ROOT, check=True, capture_output=True, text=True, timeout=900)
+        _CALIBRATIONS[r] = str(path)
+        print(f"calibrated this machine for {r} rank(s) now: {path}", flush=True)
 
 
 def predict(g: Group, plan: str, steps: int, batch: int, run_plan: dict | None = None) -> float:
@@ -242,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--measure-compute", action="store_true",
                     help="measure this machine's dense compute rate again (else its cached calibration, "
                          "measured and cached on first use)")
+    ap.add_argument("--fresh-calibration", metavar="DIR",
+                    help="first take a quick calibration of this machine per ranks per host into DIR and price "
+                         "on it (beside the measurements, under the same load), instead of the cached ones")
     ap.add_argument("--only", nargs="+", metavar="TEXT", help="only the groups whose name contains one of these")
     ap.add_argument("--refit", metavar="JSON", help="predict again for the measurements of an earlier --json")
     args = ap.parse_args(argv)
@@ -255,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
         print("not root: emulated hosts (recscale cluster) need it; those groups are skipped")
         gs = [g for g in gs if g.mbit is None]
     cases = {(g.name, p): Case(g.name, p) for g in gs for p in g.plans}
+    if args.fresh_calibration:
+        Path(args.fresh_calibration).mkdir(parents=True, exist_ok=True)
+        fresh_calibrations(gs, Path(args.fresh_calibration))
     if args.refit:
         for c in old["cases"]:
             if (c["group"], c["plan"]) in cases:

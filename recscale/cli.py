@@ -385,8 +385,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _prefer_passive_openmp_for_train(argv: Sequence[str] | None) -> None:
     """``train``: let idle OpenMP threads sleep, decided before anything loads torch (building
-    the parser does) and its OpenMP runtime reads the policy."""
+    the parser does) and its OpenMP runtime reads the policy. ``calibrate`` too: it times the
+    operators training runs, so under training's policy (spinning threads on a busy machine's
+    shared cores price every operator group several times dearer than training pays)."""
     words = list(sys.argv[1:] if argv is None else argv)
+    if words and words[0] == "calibrate":
+        from recscale.train.process_tuning import prefer_passive_openmp
+
+        prefer_passive_openmp()
+        return
     if not words or words[0] != "train":
         return
     from recscale.train.process_tuning import prefer_passive_openmp, tuning_requested

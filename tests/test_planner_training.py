@@ -239,7 +239,7 @@ def test_each_calibration_round_times_both_stages_so_every_hook_sees_the_same_ro
     from recscale.planner import calibrate
 
     clock = iter(range(1, 10_000))
-    monkeypatch.setattr(calibrate, "time_plan", lambda *a, **k: float(next(clock)))
+    monkeypatch.setattr(calibrate, "time_plans", lambda jobs, *a, **k: [[float(next(clock)) for _ in j[2]] for j in jobs])
     monkeypatch.setattr(calibrate, "measure_contention", lambda *a, **k: 0.05)
     monkeypatch.setattr(calibrate, "measure_all_to_all", lambda w: {"intra_host_bw": 1e9, "latency_s": 1e-4})
     seen = []

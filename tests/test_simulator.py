@@ -219,3 +219,21 @@ def test_exchanged_bytes_match_training(tmp_path):
     assert out[1] == pytest.approx(sent["output_a2a"]) and grad[1] == pytest.approx(sent["grad_a2a"])
     assert ids[1] == pytest.approx(sent["input_ids"] + sent["input_lengths"], rel=0.2)
     assert cw[0] == pytest.approx(sent["cw_row_sq"], rel=0.2)
+
+
+def test_validation_prices_each_group_on_the_calibration_for_its_ranks_per_host(tmp_path, monkeypatch):
+    # a lone rank was priced on the 2-rank calibration, or on another machine's preset when that
+    # was missing: the group's own ranks per host, as training's planner finds it, instead
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import simulator_validation as sv
+
+    def cached(ranks, quick=False):
+        return tmp_path / f"local-{ranks}{'-quick' if quick else ''}.json"
+
+    monkeypatch.setattr(sv, "cached_calibration", cached)
+    monkeypatch.setattr(sv, "_CALIBRATIONS", {})
+    (tmp_path / "local-1-quick.json").write_text("{}")
+    (tmp_path / "local-2.json").write_text("{}")
+    (tmp_path / "local-2-quick.json").write_text("{}")
+    assert sv.calibration(1) == str(cached(1, quick=True))
+    assert sv.calibration(2) == str(cached(2))  # the full one before the quick one

@@ -50,7 +50,7 @@ from recscale.comm.shared_memory import enable_shared_memory, shared_memory_want
 from recscale.embedding import TableConfig
 from recscale.planner.cost_model import TableSpec, Workload, cold_fraction, groups_per_rank
 from recscale.planner.hardware import Hardware
-from recscale.planner.measure import shard_loads, synthetic_batches, time_plan, time_plan_side_by_side
+from recscale.planner.measure import shard_loads, synthetic_batches, time_contention, time_plans
 from recscale.sharding.default_plan import TableSharding, default_plan, single_rank_plan
 from recscale.sharding.plan import ShardingPlan
 
@@ -222,11 +222,29 @@ def measure_compute(world_size: int, batches: tuple[int, ...] = (1024, 4096), st
     for name, *_ in cases:
         times.setdefault(name, [])
     for _ in range(rounds):
-        for name, plan, tables, gb in cases:
-            times[name].append(time_plan(plan, tables, gb, steps, threads=threads))
-            if progress:
-                progress(f"round {len(times[name])}: {name}: {times[name][-1] * 1e3:.2f} ms")
+        _time_round(cases, times, steps, threads, progress, "")
     return times
+
+
+def _by_plan(cases: list[tuple[str, ShardingPlan, list[TableSpec], list]]) -> list[list[tuple[str, ShardingPlan, list[TableSpec], list]]]:
+    """Probes that differ only by batch size ("set/kind/B<batch>"), together: one build of their
+    collection times them all."""
+    jobs: dict[str, list] = {}
+    for case in cases:
+        jobs.setdefault(case[0].rsplit("/B", 1)[0], []).append(case)
+    return list(jobs.values())
+
+
+def _time_round(cases, times: dict[str, list[float]], steps: int, threads: int | None, progress, label: str) -> None:
+    """One round of ``cases``: each plan built once for its batch sizes, and several ranks started
+    once for the whole round (``time_plans``), each probe's time added to ``times``."""
+    jobs = _by_plan(cases)
+    got = time_plans([(job[0][1], job[0][2], [gb for *_, gb in job]) for job in jobs], steps, threads=threads)
+    for job, secs in zip(jobs, got):
+        for (name, *_), t in zip(job, secs):
+            times[name].append(t)
+            if progress:
+                progress(f"{label}round {len(times[name])}: {name}: {t * 1e3:.2f} ms")
 
 
 def fit_compute(times: dict[str, list[float]], batches: tuple[int, ...], quick: bool = False,
@@ -266,13 +284,14 @@ def measure_contention(world_size: int, batch: int = 4096, steps: int = 5, round
         cases.append((f"{set_name}/{kind}/B{batch}", plan, tables, synthetic_batches(tables, batch, 2, seed=batch)))
     alone: dict[str, list[float]] = {name: [] for name, *_ in cases}
     together: dict[str, list[float]] = {name: [] for name, *_ in cases}
-    for r in range(1 if quick else rounds):
-        for name, plan, tables, gb in cases:
-            alone[name].append(time_plan_side_by_side(plan, tables, gb, 1, steps))  # the same kind of process, alone
-            together[name].append(time_plan_side_by_side(plan, tables, gb, world_size, steps))
-            if progress:
-                progress(f"round {r + 1}: {name}: {alone[name][-1] * 1e3:.2f} ms alone, "
-                         f"{together[name][-1] * 1e3:.2f} ms with {world_size} at once")
+    # the copies start once and build each probe once, for every round: alone, then side by side
+    times_alone, times_together = time_contention([(plan, tables, gb) for _, plan, tables, gb in cases], world_size,
+                                                  steps, 1 if quick else rounds)
+    for (name, *_), a, t in zip(cases, times_alone, times_together):
+        alone[name], together[name] = a, t
+        if progress:
+            for r, (x, y) in enumerate(zip(a, t)):
+                progress(f"round {r + 1}: {name}: {x * 1e3:.2f} ms alone, {y * 1e3:.2f} ms with {world_size} at once")
     ratios = [min(together[name]) / min(alone[name]) for name in alone]
     return max(0.0, statistics.median(ratios) - 1.0)
 
@@ -351,10 +370,7 @@ def measure_collection(world_size: int, batches: tuple[int, ...] = (1024, 4096),
     for name, *_ in cases:
         times.setdefault(name, [])
     for _ in range(rounds):
-        for name, plan, tables, gb in cases:
-            times[name].append(time_plan(plan, tables, gb, steps))
-            if progress:
-                progress(f"{world_size} ranks, round {len(times[name])}: {name}: {times[name][-1] * 1e3:.2f} ms")
+        _time_round(cases, times, steps, None, progress, f"{world_size} ranks, ")
     return times
 
 
@@ -448,20 +464,39 @@ def measure(world_size: int = 2, progress=None, quick: bool = False,
     round (``Measurements.complete``), it can fit them and time the plan they choose too."""
     m = Measurements(world_size, quick, last_level_cache_bytes(), physical_memory_bytes(), {}, {})
     steps = 3 if quick else 5
+    clock = _StageClock(progress)
     m.all_to_all = measure_all_to_all(world_size) if world_size > 1 else {"intra_host_bw": 1e12, "latency_s": 0.0}
+    clock.done("all-to-all")
     if world_size > 1:
         m.contention = measure_contention(world_size, m.batches[-1], steps, progress=progress, quick=quick)
+        clock.done("contention")
     # Each round times stage 1's probes and then stage 4's: the compute constants and the
     # collectives fitted on top of them come from the same minutes, so a shared VM's speed drift
     # is not taken for collective costs.
-    for _ in range(1 if quick else rounds):
+    for r in range(1 if quick else rounds):
         measure_compute(world_size, m.batches, steps, progress=progress, quick=quick, rounds=1, into=m.compute)
+        clock.done(f"round {r + 1}: compute probes")
         if world_size > 1:
             measure_collection(world_size, m.collection_batches, steps, progress=progress, sets=m.collection_sets,
                                rounds=1, into=m.collection)
+            clock.done(f"round {r + 1}: collection probes")
         if between_rounds is not None:
             between_rounds(m)
+            clock.done(f"round {r + 1}: between rounds")
     return m
+
+
+class _StageClock:
+    """Says how long each stage of a calibration took (where the minutes go on a slow machine)."""
+
+    def __init__(self, progress) -> None:
+        self.progress, self.last, self.start = progress, time.monotonic(), time.monotonic()
+
+    def done(self, stage: str) -> None:
+        now = time.monotonic()
+        if self.progress:
+            self.progress(f"stage {stage}: {now - self.last:.1f} s (total {now - self.start:.1f} s)")
+        self.last = now
 
 
 def fit_hardware(m: Measurements, memory_fraction: float = 0.6, progress=None) -> Hardware:

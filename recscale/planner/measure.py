@@ -98,11 +98,15 @@ def shard_loads(plan: ShardingPlan, batch: JaggedBatch) -> list[ShardLoad]:
     return out
 
 
-def _step_times(rank: int, world: int, plan: ShardingPlan, tables: list[TableSpec], batches: list[JaggedBatch],
-                steps: int, groups, after_warm_up: Callable[[], object] | None = None) -> list[float]:
+def _build(world: int, plan: ShardingPlan, tables: list[TableSpec], groups) -> ShardedEmbeddingCollection:
     cfgs = [TableConfig(t.name, t.rows, t.dim) for t in tables]
     coll = ShardedEmbeddingCollection(cfgs, RowWiseAdagrad(lr=0.01), plan, groups)
     retain_freed_memory()  # as `recscale train` does once the model is built: no page faults per step
+    return coll
+
+
+def _time_steps(coll: ShardedEmbeddingCollection, rank: int, world: int, batches: list[JaggedBatch], steps: int,
+                groups, after_warm_up: Callable[[], object] | None = None) -> list[float]:
     b = batches[0].batch_size
     sizes = [len(c) for c in torch.arange(b).tensor_split(world)]
     locals_ = [g.split(sizes)[rank] if world > 1 else g for g in batches]
@@ -120,53 +124,101 @@ def _step_times(rank: int, world: int, plan: ShardingPlan, tables: list[TableSpe
     return times[2:]
 
 
-def _worker(rank, world, port, plan_dict, tables, batches, steps, out_dir) -> None:
+def _step_times(rank: int, world: int, plan: ShardingPlan, tables: list[TableSpec], batches: list[JaggedBatch],
+                steps: int, groups, after_warm_up: Callable[[], object] | None = None) -> list[float]:
+    return _time_steps(_build(world, plan, tables, groups), rank, world, batches, steps, groups, after_warm_up)
+
+
+def _job_times(rank: int, world: int, jobs, steps: int, groups) -> list[list[list[float]]]:
+    """Per job, per batch set: this rank's step times, on one build of the job's collection."""
+    out = []
+    for plan_dict, tables, batch_sets in jobs:
+        coll = _build(world, ShardingPlan.from_dict(plan_dict), tables, groups)
+        out.append([_time_steps(coll, rank, world, gb, steps, groups) for gb in batch_sets])
+        del coll
+    return out
+
+
+def _worker(rank, world, port, jobs, steps, out_dir) -> None:
     torch.set_num_threads(threads_per_rank(world))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     groups = init_process_groups(Topology(world, rank, world), timeout_s=120)
     try:
-        times = _step_times(rank, world, ShardingPlan.from_dict(plan_dict), tables, batches, steps, groups)
-        torch.save(times, Path(out_dir) / f"r{rank}.pt")
+        torch.save(_job_times(rank, world, jobs, steps, groups), Path(out_dir) / f"r{rank}.pt")
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
 
-def _copy_worker(index: int, plan_dict, tables, batches, steps, start, out_dir) -> None:
+def _contention_worker(index: int, jobs, steps, rounds, start, out_dir) -> None:
     torch.set_num_threads(1)
     groups = init_process_groups(Topology(1, 0, 1), device=torch.device("cpu"))
-    # every copy starts timing at once, after its warm-up
-    times = _step_times(0, 1, ShardingPlan.from_dict(plan_dict), tables, batches, steps, groups, start.wait)
-    torch.save(times, Path(out_dir) / f"c{index}.pt")
+    alone, together = [], []
+    for plan_dict, tables, batches in jobs:
+        coll = _build(1, ShardingPlan.from_dict(plan_dict), tables, groups)
+        alone.append([])
+        together.append([])
+        for _ in range(rounds):
+            start.wait()
+            if index == 0:  # the other copies wait at the barrier, asleep: this one runs alone
+                alone[-1].append(_time_steps(coll, 0, 1, batches, steps, groups))
+            start.wait()
+            together[-1].append(_time_steps(coll, 0, 1, batches, steps, groups, start.wait))
+        del coll
+    torch.save((alone, together), Path(out_dir) / f"c{index}.pt")
 
 
-def time_plan_side_by_side(plan: ShardingPlan, tables: list[TableSpec], batches: list[JaggedBatch], copies: int,
-                           steps: int = 7) -> float:
-    """Median step time of one rank's work (a 1-rank ``plan``, one thread) while ``copies``
-    independent processes run it at once, one per core: what sharing the host's memory
-    bandwidth and caches costs, without any waiting for each other (they never communicate)."""
+def time_contention(jobs: list[tuple[ShardingPlan, list[TableSpec], list[JaggedBatch]]], copies: int, steps: int = 7,
+                    rounds: int = 3) -> tuple[list[list[float]], list[list[float]]]:
+    """Per job, per round: the median step time of one rank's work (a 1-rank plan, one thread)
+    alone, and while ``copies`` independent processes run it at once, one per core (what sharing
+    the host's memory bandwidth and caches costs, without any waiting for each other: they never
+    communicate), alone and together in turn. The copies start once and build each job's
+    collection once for all its rounds: a large table's build costs several seconds per
+    process, its steps a few milliseconds."""
     start = local_context().Barrier(copies)
     with tempfile.TemporaryDirectory() as tmp:
-        start_local_processes(_copy_worker, (plan.to_dict(), tables, batches, steps, start, tmp), copies)
+        start_local_processes(_contention_worker, ([(p.to_dict(), t, b) for p, t, b in jobs], steps, rounds, start, tmp),
+                              copies)
         per_copy = [torch.load(Path(tmp) / f"c{i}.pt") for i in range(copies)]
-    return statistics.median(t for ts in per_copy for t in ts)
+    alone = [[statistics.median(ts) for ts in job] for job in per_copy[0][0]]
+    together = [[statistics.median(t for pc in per_copy for t in pc[1][j][r]) for r in range(rounds)]
+                for j in range(len(jobs))]
+    return alone, together
 
 
 def time_plan(plan: ShardingPlan, tables: list[TableSpec], batches: list[JaggedBatch], steps: int = 7,
               threads: int | None = None) -> float:
     """Median over steps of the slowest rank's step time, in seconds. One rank runs in this
     process (with ``threads``, default all cores), more as local processes."""
-    world = plan.world_size
+    return time_plans([(plan, tables, [batches])], steps, threads)[0][0]
+
+
+Job = tuple[ShardingPlan, list[TableSpec], list[list[JaggedBatch]]]  # a plan, its tables, batch sets to time it on
+
+
+def time_plans(jobs: list[Job], steps: int = 7, threads: int | None = None) -> list[list[float]]:
+    """``time_plan`` of many plans of one world size: per job, per batch set, the median over
+    steps of the slowest rank's step time. Each job's collection is built once for all its batch
+    sets, and several ranks are started once for all jobs (a process start and a large table's
+    build cost seconds each, far more than the steps timed on them)."""
+    if not jobs:
+        return []
+    world = jobs[0][0].world_size
+    if any(plan.world_size != world for plan, _, _ in jobs):
+        raise ValueError("time_plans: every plan must be for the same number of ranks")
     if world == 1:
         before = torch.get_num_threads()
         torch.set_num_threads(threads or threads_per_rank(1))
         try:
             groups = init_process_groups(Topology(1, 0, 1), device=torch.device("cpu"))
-            return statistics.median(_step_times(0, 1, plan, tables, batches, steps, groups))
+            per_rank = [_job_times(0, 1, [(p.to_dict(), t, b) for p, t, b in jobs], steps, groups)]
         finally:
             torch.set_num_threads(before)
-    with tempfile.TemporaryDirectory() as tmp:
-        args = (world, free_port(), plan.to_dict(), tables, batches, steps, tmp)
-        start_local_processes(_worker, args, world)
-        per_rank = [torch.load(Path(tmp) / f"r{r}.pt") for r in range(world)]
-    return statistics.median(max(ts) for ts in zip(*per_rank))
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            args = (world, free_port(), [(p.to_dict(), t, b) for p, t, b in jobs], steps, tmp)
+            start_local_processes(_worker, args, world)
+            per_rank = [torch.load(Path(tmp) / f"r{r}.pt") for r in range(world)]
+    return [[statistics.median(max(ts) for ts in zip(*(pr[j][k] for pr in per_rank))) for k in range(len(job[2]))]
+            for j, job in enumerate(jobs)]

@@ -95,7 +95,9 @@ def measure_compute(repeats: int = 15, load_s_per_sample: float = 0.0, loop: boo
         return c
     from recscale.planner.hardware import cached_calibration
 
-    cal = next((p for p in (cached_calibration(2), cached_calibration(2, quick=True)) if p.is_file()), None)
+    # the loop is timed on one rank: price its embeddings on this machine's one-rank calibration
+    # (another machine's constants, or several ranks' contention, would leave their error in loop_s)
+    cal = next((p for p in (cached_calibration(1), cached_calibration(1, quick=True)) if p.is_file()), None)
     return replace(c, loop_s=measure_loop(c, str(cal) if cal else "local-cpu"))
 
 
