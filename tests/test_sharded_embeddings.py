@@ -226,7 +226,7 @@ def test_mix_of_all_five_types_through_gloo_equals_one_process():
 
 
 def test_table_row_wise_on_two_hosts_of_two_ranks_stays_on_one_host():
-    results = check(4, 2, "table_row_wise")  # run once with test_each_sharding_type_equals_one_process[4]
+    results = check(4, 2, "table_row_wise")  # its 4-rank run in test_each_sharding_type_equals_one_process
     for t in results[0]["plan"]["tables"]:
         assert len({s["rank"] // 2 for s in t["shards"]}) == 1
 
