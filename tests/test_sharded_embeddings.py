@@ -133,14 +133,16 @@ def check(world, ranks_per_host, default, overrides=None, opt_name="rowwise_adag
 MIX = {"a": ("table_wise",), "b": ("row_wise",), "c": ("column_wise", 2), "d": ("table_row_wise",), "e": ("data_parallel",)}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("default", ["table_wise", "row_wise", "table_row_wise", "data_parallel"])
+# Every type at 2 ranks; at 4 ranks on two hosts, table-row-wise (the only type whose layout
+# depends on the hosts), and every type in test_mix_of_all_five_types_equals_one_process[4].
+@pytest.mark.parametrize("world,default", [(2, "table_wise"), (2, "row_wise"), (2, "table_row_wise"),
+                                           (2, "data_parallel"), (4, "table_row_wise")])
 def test_each_sharding_type_equals_one_process_rowwise_adagrad(world, default):
     check(world, 2 if world == 4 else world, default)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("opt_name", ["rowwise_adagrad", "adagrad"])
+# At 4 ranks, with row-wise Adagrad (the state that needs every column shard): narrow shards.
+@pytest.mark.parametrize("world,opt_name", [(2, "rowwise_adagrad"), (2, "adagrad"), (4, "rowwise_adagrad")])
 def test_column_wise_equals_one_process(world, opt_name):
     # Row-wise state needs each row's mean square over all column shards; element-wise state
     # shards with the columns.
@@ -155,7 +157,8 @@ def test_data_parallel_replicas_agree_bitwise_with_every_optimizer(opt_name):
         assert torch.equal(results[0]["tables"][t.name], results[1]["tables"][t.name]), t.name
 
 
-@pytest.mark.parametrize("world,shared_memory", [(2, True), (3, False), (4, True)])
+# Each transport, and an odd world size (uneven shares of the batch) on the shared-memory one.
+@pytest.mark.parametrize("world,shared_memory", [(2, False), (3, True)])
 def test_data_parallel_dense_reduce_and_row_gather_give_the_same_bits(world, shared_memory):
     # Both sum each row's replica parts in rank order: the choice between them (by bytes) can
     # never change a result. Both also equal one process.
@@ -223,7 +226,7 @@ def test_mix_of_all_five_types_through_gloo_equals_one_process():
 
 
 def test_table_row_wise_on_two_hosts_of_two_ranks_stays_on_one_host():
-    results = check(4, 2, "table_row_wise")  # run once with test_each_sharding_type_equals_one_process[4]
+    results = check(4, 2, "table_row_wise")  # its 4-rank run in test_each_sharding_type_equals_one_process
     for t in results[0]["plan"]["tables"]:
         assert len({s["rank"] // 2 for s in t["shards"]}) == 1
 
