@@ -157,14 +157,18 @@ def measure(g: Group, plan: str, steps: int, batch: int) -> tuple[float, dict | 
         return float(out["train_samples_per_sec"]), out.get("plan")
 
 
-_LOADER: dict[tuple[str, ...], float] = {}
+_LOADER: dict[tuple, float] = {}
 _COMPUTE: dict[str, float] = {}  # this machine's dense rate (the simulator's calibration)
 
 
 def topology(g: Group, cfg) -> ClusterTopology:
     """The group's cluster as the simulator sees it: this machine's calibration (else
     ``local-cpu``), the shaped link, the machine's shared cores, the loader's measured cost."""
-    key = (*g.sets, str(g.hosts * g.ranks_per_host))
+    # keyed on what the loader builds, so a pair that differs only in the training loop (the
+    # pipeline on and off) is priced from one measurement, not two draws of the machine's noise
+    d = cfg.to_dict()
+    key = (json.dumps({k: d[k] for k in ("data", "model")}, sort_keys=True, default=str), cfg.train.batch_size,
+           cfg.train.seed, g.hosts * g.ranks_per_host)
     if key not in _LOADER:  # the loader's cost per sample of a rank's share, for this data (seconds)
         _LOADER[key] = measure_loader(cfg, world_size=g.hosts * g.ranks_per_host)
     # this machine's calibration as training finds it: the full one, else the quick one

@@ -196,6 +196,21 @@ def test_validation_pipeline_pairs():
     sv.report(sv.score([on, off], cases))  # prints the ratio's spread without failing
 
 
+def test_validation_prices_a_pipeline_pair_from_one_loader_measurement(monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import simulator_validation as sv
+
+    calls = []
+    monkeypatch.setattr(sv, "measure_loader", lambda cfg, world_size: calls.append(world_size) or 1e-5)
+    monkeypatch.setattr(sv, "_LOADER", {})
+    on, off = sv.pipeline_pair()
+    topos = [sv.topology(g, sv.load_config(sv.CONFIG, sv.overrides(g, "table_wise", 4, 64))) for g in (on, off)]
+    assert calls == [2] and topos[0].compute.load_s_per_sample == topos[1].compute.load_s_per_sample
+    plain = sv.Group("g", 2, 1, 500, ("table_wise",))  # other data: measured on its own
+    sv.topology(plain, sv.load_config(sv.CONFIG, sv.overrides(plain, "table_wise", 4, 64)))
+    assert calls == [2, 2]
+
+
 def test_this_machine_needs_a_calibration(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert main(["simulate", "--topology", "this-machine", "--ranks-per-host", "1"]) == 2
