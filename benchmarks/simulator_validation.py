@@ -113,14 +113,16 @@ def groups(quick: bool) -> list[Group]:
 # Heavy pooling (x20: 20-100 ids a sample per feature), where the ids all-to-all is the largest
 # exchange of a step and, at 500 Mbit/s, takes about the wire time of the rest of the step's
 # compute: what the pipeline hides is a large part of the step.
-PIPELINE_POOLING = "data.pooling_factors=[20, 20, 60, 20, 40, 20, 20, 20, 20, 80, 20, 40, 20, 20, 20, 20, 20, 20, 20, 20, 100, 20, 20, 20, 20, 20]"
+PIPELINE_POOLING = ("data.pooling_factors=[20, 20, 60, 20, 40, 20, 20, 20, 20, 80, 20, 40, 20, 20, 20, 20, 20, 20, 20, 20, "
+                    "100, 20, 20, 20, 20, 20]")
 PIPELINE_PAIR = "2x1 hosts 500 Mbit/s, pooling x20"
 
 
 def pipeline_pair() -> list[Group]:
     """The pipeline on and off where it should matter (``--only "pooling x20"`` runs just these)."""
     return [Group(PIPELINE_PAIR, 2, 1, 500, ("table_wise",), (PIPELINE_POOLING,)),
-            Group(f"{PIPELINE_PAIR}, no pipeline", 2, 1, 500, ("table_wise",), (PIPELINE_POOLING, "train.pipeline=false"))]
+            Group(f"{PIPELINE_PAIR}, no pipeline", 2, 1, 500, ("table_wise",),
+                  (PIPELINE_POOLING, "train.pipeline=false"))]
 
 
 def overrides(g: Group, plan: str, steps: int, batch: int) -> list[str]:
@@ -237,8 +239,8 @@ def _pipeline_ratio(cases: dict[tuple[str, str], Case]) -> list[dict]:
         on = cases.get((name.removesuffix(", no pipeline"), plan))
         if on and on.measured and off.measured:
             turns = [a / b for a, b in zip(on.measured, off.measured)]
-            out.append({"group": on.group, "plan": plan, "measured_ratio": statistics.median(turns), "turn_ratios": turns,
-                        "predicted_ratio": on.predicted / off.predicted})
+            out.append({"group": on.group, "plan": plan, "measured_ratio": statistics.median(turns),
+                        "turn_ratios": turns, "predicted_ratio": on.predicted / off.predicted})
     return out
 
 

@@ -186,7 +186,8 @@ def test_validation_pipeline_pairs():
         assert (on.hosts, on.ranks_per_host, on.mbit) == (off.hosts, off.ranks_per_host, off.mbit)
         assert set(off.sets) - set(on.sets) == {"train.pipeline=false"} and set(on.plans) >= set(off.plans)
     # --only "pooling x20" selects just that pair
-    assert [g.name for g in gs.values() if "pooling x20" in g.name] == [sv.PIPELINE_PAIR, f"{sv.PIPELINE_PAIR}, no pipeline"]
+    pair = [g.name for g in gs.values() if "pooling x20" in g.name]
+    assert pair == [sv.PIPELINE_PAIR, f"{sv.PIPELINE_PAIR}, no pipeline"]
     on, off = sv.pipeline_pair()
     cases = {(on.name, "table_wise"): sv.Case(on.name, "table_wise", [120.0, 110.0, 130.0], 115.0),
              (off.name, "table_wise"): sv.Case(off.name, "table_wise", [100.0, 100.0, 100.0], 100.0)}
