@@ -5,8 +5,8 @@ Per step and rank, in program order: load the batch (the loader's own stream), p
 the ids all-to-all (with the pipeline: issued for batch i+1, loaded the step before, as soon as
 batch i-1 has trained, so it runs while batch i+2 loads and during batch i), embedding lookups
 (the planner's per-rank compute, forward share), the output all-to-all (asynchronous: the
-bottom MLP runs meanwhile), unpacking, interaction and top MLP, their backward, the gradient all-to-all (asynchronous), the bottom MLP's backward, the dense
-all-reduce buckets as their gradients are there, the embeddings' backward and fused update
+bottom MLP runs meanwhile), unpacking, interaction and top MLP, their backward, the gradient
+all-to-all (asynchronous), the bottom MLP's backward, the dense all-reduce buckets as their gradients are there, the embeddings' backward and fused update
 once the gradients arrived (the rest of the per-rank compute), the replicas' gradient exchange
 for data-parallel tables, the dense optimizer and checkpoint stalls. The all-to-alls, the
 dense all-reduce and the replica exchange each have a stream (a process group) of their own,
