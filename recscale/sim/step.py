@@ -2,11 +2,11 @@
 the event simulation for a few steps; the steady-state step is what ``simulate`` reports.
 
 Per step and rank, in program order: load the batch (the loader's own stream), pack its ids,
-the ids all-to-all (with the pipeline: issued for batch i+1, loaded the step before, as soon as
-batch i-1 has trained, so it runs while batch i+2 loads and during batch i), embedding lookups
-(the planner's per-rank compute, forward share), the output all-to-all (asynchronous: the
-bottom MLP runs meanwhile), unpacking, interaction and top MLP, their backward, the gradient
-all-to-all (asynchronous), the bottom MLP's backward, the dense all-reduce buckets as their gradients are there, the embeddings' backward and fused update
+the ids all-to-all (with the pipeline: batch i+1's, issued before batch i+2 loads, so it runs
+during batch i), embedding lookups (the planner's per-rank compute, forward share), the output
+all-to-all (asynchronous: the bottom MLP runs meanwhile), unpacking, interaction and top MLP,
+their backward, the gradient all-to-all (asynchronous), the bottom MLP's backward, the dense
+all-reduce buckets as their gradients are there, the embeddings' backward and fused update
 once the gradients arrived (the rest of the per-rank compute), the replicas' gradient exchange
 for data-parallel tables, the dense optimizer and checkpoint stalls. The all-to-alls, the
 dense all-reduce and the replica exchange each have a stream (a process group) of their own,
@@ -36,7 +36,7 @@ from recscale.sim.dense import DenseModel, bucket_groups
 from recscale.sim.engine import Op, Simulation
 from recscale.sim.topology import ClusterTopology
 
-STEPS = 5  # simulated; the third (index 2) is reported: warm pipeline, the batches after it to send and load
+STEPS = 5  # simulated; the third (index 2) is reported: warm pipeline, later batches to send and load
 MEASURED = 2
 
 
