@@ -13,7 +13,10 @@ configuration and reports:
 - Kendall's tau between predicted and measured order of the plans within each group (not for
   one rank, which shards nothing: its plans are one program, predicted alike);
 - per group, whether the simulator's best plan is within 5% of the best measured;
-- the pipeline's measured and predicted speed-up on 2 emulated hosts at 200 Mbit/s.
+- the pipeline's measured (per turn, median and spread) and predicted speed-up on 2 emulated
+  hosts: at 200 Mbit/s with the default pooling, and at 500 Mbit/s with pooling x20, where the
+  id exchange is most of the step's bytes (``--only "pooling x20" --turns 5`` runs just that
+  pair).
 
 Every configuration runs once per turn; turns are interleaved (each turn runs all of them, in
 a rotated order) and the median over turns is kept, so slow drifts of a shared machine hit
@@ -28,8 +31,8 @@ Every prediction is priced from this machine's calibrations, never from these me
 one training makes on first use, made here if missing; ``--fresh-calibration DIR``: a quick one
 taken now, beside the measurements), the simulator's dense compute and training loop
 (``recscale.sim.calibrate``, cached; ``--measure-compute`` measures them again) and the loader's cost for each data set and
-world size (measured here, a second each). The full run (43 configurations, ``--turns 5``,
-60 steps: 215 runs of 15-30 s) takes about 1-1.5 hours on 2 cores; ``--quick`` (9, one turn,
+world size (measured here, a second each). The full run (45 configurations, ``--turns 5``,
+60 steps: 225 runs of 15-30 s) takes about 1-1.5 hours on 2 cores; ``--quick`` (9, one turn,
 20 steps) about 4.5 minutes.
 
 Run it alone on the machine: it times things.
@@ -104,7 +107,23 @@ def groups(quick: bool) -> list[Group]:
         Group("2x1 hosts 1 Gbit/s", 2, 1, 1000, PLANS),
         Group("2x1 hosts 10 Gbit/s", 2, 1, 10_000, SOME),
         Group("2x2 hosts 1 Gbit/s", 2, 2, 1000, PLANS),
+        *pipeline_pair(),
     ]
+
+
+# Heavy pooling (x20: 20-100 ids a sample per feature), where the ids all-to-all is the largest
+# exchange of a step and, at 500 Mbit/s, takes about the wire time of the rest of the step's
+# compute: what the pipeline hides is a large part of the step.
+PIPELINE_POOLING = ("data.pooling_factors=[20, 20, 60, 20, 40, 20, 20, 20, 20, 80, 20, 40, 20, 20, 20, 20, 20, 20, 20, 20, "
+                    "100, 20, 20, 20, 20, 20]")
+PIPELINE_PAIR = "2x1 hosts 500 Mbit/s, pooling x20"
+
+
+def pipeline_pair() -> list[Group]:
+    """The pipeline on and off where it should matter (``--only "pooling x20"`` runs just these)."""
+    return [Group(PIPELINE_PAIR, 2, 1, 500, ("table_wise",), (PIPELINE_POOLING,)),
+            Group(f"{PIPELINE_PAIR}, no pipeline", 2, 1, 500, ("table_wise",),
+                  (PIPELINE_POOLING, "train.pipeline=false"))]
 
 
 def overrides(g: Group, plan: str, steps: int, batch: int) -> list[str]:
@@ -141,14 +160,18 @@ def measure(g: Group, plan: str, steps: int, batch: int) -> tuple[float, dict | 
         return float(out["train_samples_per_sec"]), out.get("plan")
 
 
-_LOADER: dict[tuple[str, ...], float] = {}
+_LOADER: dict[tuple, float] = {}
 _COMPUTE: dict[str, float] = {}  # this machine's dense rate (the simulator's calibration)
 
 
 def topology(g: Group, cfg) -> ClusterTopology:
     """The group's cluster as the simulator sees it: this machine's calibration (else
     ``local-cpu``), the shaped link, the machine's shared cores, the loader's measured cost."""
-    key = (*g.sets, str(g.hosts * g.ranks_per_host))
+    # keyed on what the loader builds, so a pair that differs only in the training loop (the
+    # pipeline on and off) is priced from one measurement, not two draws of the machine's noise
+    d = cfg.to_dict()
+    key = (json.dumps({k: d[k] for k in ("data", "model")}, sort_keys=True, default=str), cfg.train.batch_size,
+           cfg.train.seed, g.hosts * g.ranks_per_host)
     if key not in _LOADER:  # the loader's cost per sample of a rank's share, for this data (seconds)
         _LOADER[key] = measure_loader(cfg, world_size=g.hosts * g.ranks_per_host)
     return topology_from_dict({
@@ -240,13 +263,17 @@ def score(gs: list[Group], cases: dict[tuple[str, str], Case]) -> dict:
 
 
 def _pipeline_ratio(cases: dict[tuple[str, str], Case]) -> list[dict]:
+    """Pipeline on / off for every group that has a ", no pipeline" twin: per turn (the two ran
+    in the same turn), their median, and the simulator's ratio."""
     out = []
-    for plan in SOME:
-        on, off = cases.get(("2x1 hosts 200 Mbit/s", plan)), cases.get(("2x1 hosts 200 Mbit/s, no pipeline", plan))
-        if on and off and on.measured and off.measured:
+    for (name, plan), off in cases.items():
+        if not name.endswith(", no pipeline"):
+            continue
+        on = cases.get((name.removesuffix(", no pipeline"), plan))
+        if on and on.measured and off.measured:
             turns = [a / b for a, b in zip(on.measured, off.measured)]
-            out.append({"plan": plan, "measured_ratio": statistics.median(turns), "turn_ratios": turns,
-                        "predicted_ratio": on.predicted / off.predicted})
+            out.append({"group": on.group, "plan": plan, "measured_ratio": statistics.median(turns),
+                        "turn_ratios": turns, "predicted_ratio": on.predicted / off.predicted})
     return out
 
 
@@ -261,8 +288,9 @@ def report(result: dict) -> None:
     print(f"min tau {result['min_tau']:+.2f} (acceptance >= 0.8); best plan within 5% in "
           f"{100 * result['best_within_5pct_share']:.0f}% of groups (acceptance >= 90%)")
     for p in result["pipeline"]:
-        print(f"pipeline on/off at 200 Mbit/s, {p['plan']}: measured {p['measured_ratio']:.3f}x "
-              f"(turns {', '.join(f'{r:.3f}' for r in p['turn_ratios'])}), predicted {p['predicted_ratio']:.3f}x")
+        print(f"pipeline on/off, {p['group']}, {p['plan']}: measured {p['measured_ratio']:.3f}x "
+              f"(turns {', '.join(f'{r:.3f}' for r in p['turn_ratios'])}; spread "
+              f"{max(p['turn_ratios']) - min(p['turn_ratios']):.3f}), predicted {p['predicted_ratio']:.3f}x")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,3 +83,23 @@ def test_pipeline_bitwise_equal_two_ranks(sharding: str) -> None:
         _assert_bitwise(a, b)
     # ...and both ranks hold the same model.
     _assert_bitwise(results[0][0], results[1][0])
+
+
+def _loop_summaries(rank: int, world: int) -> list[dict]:
+    """The training loop's summaries with the pipeline on and off (``train.max_steps`` set)."""
+    from recscale.train import loop
+
+    out = []
+    for pipeline in (True, False):
+        cfg = load_config(None, OVERRIDES + [f"train.pipeline={str(pipeline).lower()}", "sharding.default=table_wise"])
+        groups = init_process_groups(env_topology(), 30.0, device=torch.device("cpu"))
+        out.append(loop._train(cfg, groups, lambda _: None))
+    return out
+
+
+def test_loop_prepares_no_batch_past_max_steps() -> None:
+    for on, off in run_ranks(_loop_summaries, 2, timeout_s=120):
+        # the same ids travel: the pipelined loop starts no exchange for a batch it will not train
+        assert on["steps"] == off["steps"] == 9
+        assert on["comm_bytes_per_step"]["input_ids"] == off["comm_bytes_per_step"]["input_ids"] > 0
+        assert on["train_logloss"] == off["train_logloss"] and on["eval_logloss"] == off["eval_logloss"]

@@ -173,6 +173,45 @@ def test_validation_scoring():
     assert grp["tau"] == pytest.approx(1 / 3) and grp["sim_best"] == "c" and grp["best_within_5pct"]
 
 
+def test_validation_pipeline_pairs():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import simulator_validation as sv
+
+    # every ", no pipeline" group has its pipelined twin, with the same link and data
+    gs = {g.name: g for g in sv.groups(quick=False)}
+    offs = [g for name, g in gs.items() if name.endswith(", no pipeline")]
+    assert len(offs) == 2
+    for off in offs:
+        on = gs[off.name.removesuffix(", no pipeline")]
+        assert (on.hosts, on.ranks_per_host, on.mbit) == (off.hosts, off.ranks_per_host, off.mbit)
+        assert set(off.sets) - set(on.sets) == {"train.pipeline=false"} and set(on.plans) >= set(off.plans)
+    # --only "pooling x20" selects just that pair
+    pair = [g.name for g in gs.values() if "pooling x20" in g.name]
+    assert pair == [sv.PIPELINE_PAIR, f"{sv.PIPELINE_PAIR}, no pipeline"]
+    on, off = sv.pipeline_pair()
+    cases = {(on.name, "table_wise"): sv.Case(on.name, "table_wise", [120.0, 110.0, 130.0], 115.0),
+             (off.name, "table_wise"): sv.Case(off.name, "table_wise", [100.0, 100.0, 100.0], 100.0)}
+    (pair,) = sv.score([on, off], cases)["pipeline"]
+    assert pair["group"] == on.name and pair["turn_ratios"] == [1.2, 1.1, 1.3]
+    assert pair["measured_ratio"] == pytest.approx(1.2) and pair["predicted_ratio"] == pytest.approx(1.15)
+    sv.report(sv.score([on, off], cases))  # prints the ratio's spread without failing
+
+
+def test_validation_prices_a_pipeline_pair_from_one_loader_measurement(monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import simulator_validation as sv
+
+    calls = []
+    monkeypatch.setattr(sv, "measure_loader", lambda cfg, world_size: calls.append(world_size) or 1e-5)
+    monkeypatch.setattr(sv, "_LOADER", {})
+    on, off = sv.pipeline_pair()
+    topos = [sv.topology(g, sv.load_config(sv.CONFIG, sv.overrides(g, "table_wise", 4, 64))) for g in (on, off)]
+    assert calls == [2] and topos[0].compute.load_s_per_sample == topos[1].compute.load_s_per_sample
+    plain = sv.Group("g", 2, 1, 500, ("table_wise",))  # other data: measured on its own
+    sv.topology(plain, sv.load_config(sv.CONFIG, sv.overrides(plain, "table_wise", 4, 64)))
+    assert calls == [2, 2]
+
+
 def test_this_machine_needs_a_calibration(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert main(["simulate", "--topology", "this-machine", "--ranks-per-host", "1"]) == 2

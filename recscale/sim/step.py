@@ -2,7 +2,7 @@
 the event simulation for a few steps; the steady-state step is what ``simulate`` reports.
 
 Per step and rank, in program order: load the batch (the loader's own stream), pack its ids,
-the ids all-to-all (with the pipeline: issued for batch i+1 before batch i's step, so it runs
+the ids all-to-all (with the pipeline: batch i+1's, issued before batch i+2 loads, so it runs
 during batch i), embedding lookups (the planner's per-rank compute, forward share), the output
 all-to-all (asynchronous: the bottom MLP runs meanwhile), unpacking, interaction and top MLP,
 their backward, the gradient all-to-all (asynchronous), the bottom MLP's backward, the dense
@@ -36,7 +36,7 @@ from recscale.sim.dense import DenseModel, bucket_groups
 from recscale.sim.engine import Op, Simulation
 from recscale.sim.topology import ClusterTopology
 
-STEPS = 4  # simulated; the third (index 2) is reported: warm pipeline, a next batch to prepare
+STEPS = 5  # simulated; the third (index 2) is reported: warm pipeline, later batches to send and load
 MEASURED = 2
 
 
@@ -218,8 +218,10 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
                 per_rank(f"{name} call", cat, k, call, (lambda r: [op]) if blocking else (lambda r: []))
         return op
 
-    def prepare(k: int) -> None:
+    def load(k: int) -> None:
         loads[k] = [sim.add(Op("load batch", "data loading", k, (r,), load_stream, load_s)) for r in all_ranks]
+
+    def send(k: int) -> None:
         packs = per_rank("pack ids", "input distribution", k, pack, lambda r: [loads[k][r]])
         n = 3 if distributed else 1  # batch sizes, lengths, ids (only batch sizes when all replicated)
         ids_op[k] = collective("ids all-to-all", "input distribution", k, traffic.all_to_all(topo, ids_v), n * lat,
@@ -227,10 +229,18 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
 
     step_end: list[float] = []
     for k in range(STEPS):
-        if k == 0 or not inp.pipeline:
-            prepare(k)
-        if inp.pipeline and k + 1 < STEPS:
-            prepare(k + 1)
+        if not inp.pipeline:
+            load(k)
+            send(k)
+        else:  # batch k+1 (loaded the step before) sends its ids, then batch k+2 loads meanwhile
+            if k == 0:
+                load(0)
+                send(0)
+                load(1)
+            if k + 1 < STEPS:
+                send(k + 1)
+            if k + 2 < STEPS:
+                load(k + 2)
         look = per_rank("embedding lookup", "embedding lookup", k, [e / (1 + bf) for e in emb], lambda r: [ids_op[k]])
         deps_top: list[int] = []
         if distributed:

@@ -5,6 +5,7 @@ the summary (``summary``). The same code runs one process or every rank of a tor
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import random
 from collections.abc import Callable
@@ -120,8 +121,10 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], repla
         state.epoch = epoch
         state.resume()
         first = resumed_at[1] if epoch == resumed_at[0] else 0  # a resumed run skips what it trained
-        pipeline = TrainPipeline(data.train_loader(first), model.embeddings, device, cfg.train.pipeline,
-                                 cfg.tiers.lookahead_batches)
+        batches = data.train_loader(first)
+        if max_steps:  # the pipeline prepares batches ahead: none past the last step (its ids would travel for nothing)
+            batches = itertools.islice(batches, max(0, max_steps - state.step))
+        pipeline = TrainPipeline(batches, model.embeddings, device, cfg.train.pipeline, cfg.tiers.lookahead_batches)
         for state.next_batch, (batch, sparse) in enumerate(pipeline, start=first + 1):
             lrs.before_step(state.step)
             # Embedding rows are updated inside backward, fused into it.

@@ -1,11 +1,12 @@
 """The per-step schedule: one training step, and the pipeline that prepares the next batch
 while the current one computes.
 
-With the pipeline on, batch i+1 is fetched from the loader (whose workers load and collate it),
-moved to the device, validated and, with several ranks, its ids are already sent to their
-owners (the input all-to-all of the embedding module's ``start_input_dist``) before batch i
-is handed to the training step; so the id exchange runs in the background during batch i's
-forward and backward. Every rank runs the same program, so the collectives start in the same
+With the pipeline on, batch i+1 has been fetched from the loader (whose workers load and
+collate it), moved to the device and validated one iteration earlier, and, with several
+ranks, its ids are sent to their owners (the input all-to-all of the embedding module's
+``start_input_dist``) as soon as batch i-1 has trained, before batch i+2 is fetched; so the id
+exchange runs in the background while the next batch loads and during batch i's forward and
+backward. Every rank runs the same program, so the collectives start in the same
 order everywhere. The results are bitwise those of the unpipelined loop: the same tensors meet
 the same operators, only earlier.
 
@@ -56,9 +57,13 @@ class TrainPipeline:
         self._ahead: deque[Prepared] = deque()
         self._announced = 0  # leading batches of ``_ahead`` already announced to the tier
 
-    def _prepare(self, batch: Batch) -> Prepared:
+    def _load(self, batch: Batch) -> Batch:
         batch = batch.to(self._device, non_blocking=True)
         self._embeddings.validate(batch.sparse)
+        return batch
+
+    def _prepare(self, batch: Batch) -> Prepared:
+        batch = self._load(batch)
         return batch, self._embeddings.start_input_dist(batch.sparse)
 
     def _announce(self) -> None:
@@ -74,6 +79,9 @@ class TrainPipeline:
             for batch in it:
                 yield self._prepare(batch)
             return
+        if not self._tiered:
+            yield from self._send_then_load(it)
+            return
         for batch in it:
             self._ahead.append(self._prepare(batch))
             if len(self._ahead) > self._depth:
@@ -81,6 +89,23 @@ class TrainPipeline:
                 yield self._next()
         while self._ahead:
             yield self._next()
+
+    def _send_then_load(self, it: Iterator[Batch]) -> Iterator[Prepared]:
+        """Batch i+1's ids start travelling as soon as batch i-1 has trained, before batch i+2
+        is fetched: the exchange runs while the next batch loads (the training thread's own
+        work where it collates batches itself, the link idle otherwise) and then during batch
+        i's step, rather than starting after the load and sharing the link with batch i's
+        pooled embeddings and gradients alone."""
+        batch = next(it, None)
+        loaded = self._load(batch) if batch is not None else None
+        while loaded is not None:
+            self._ahead.append((loaded, self._embeddings.start_input_dist(loaded.sparse)))
+            batch = next(it, None)  # fetched and collated while those ids travel
+            loaded = self._load(batch) if batch is not None else None
+            if len(self._ahead) > 1:
+                yield self._ahead.popleft()
+        while self._ahead:
+            yield self._ahead.popleft()
 
     def _next(self) -> Prepared:
         if self._tiered:
