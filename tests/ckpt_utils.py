@@ -9,6 +9,8 @@ import torch
 
 import recscale.train.loop as loop
 from recscale.comm.process_group import Topology, init_process_groups
+from recscale.embedding import RowWiseAdagrad, TableBatchedEmbeddingBags, TableConfig
+from recscale.sparse import JaggedBatch
 from recscale.train.config import load_config
 
 TINY = [
@@ -98,3 +100,18 @@ def ckpt_dir(root, step: int):
     """The checkpoint of ``step`` of the newest run that has one, under a checkpoint root."""
     name = f"step{step:010d}"
     return next((d / name for d in reversed(run_dirs(root)) if (d / name).is_dir()), root / name)
+
+
+def two_tables(rows: int, dim: int) -> TableBatchedEmbeddingBags:
+    """Two row-wise Adagrad tables, the same for every call (seed 0)."""
+    tables = [TableConfig(f"t{i}", rows, dim, (f"f{i}",)) for i in range(2)]
+    return TableBatchedEmbeddingBags(tables, RowWiseAdagrad(lr=0.1), seed=0)
+
+
+def train_skewed(emb: TableBatchedEmbeddingBags, step: int, batch: int) -> None:
+    """One step of ``two_tables`` on skewed ids: hot rows change every interval, cold ones rarely."""
+    rows = emb.tables[0].num_rows
+    g = torch.Generator().manual_seed(step)
+    ids = (torch.rand(batch, 2, generator=g) ** 3 * rows).long()
+    out = emb(JaggedBatch.from_dense_ids(["f0", "f1"], ids))
+    (out * torch.randn(out.shape, generator=g)).sum().backward()

@@ -16,22 +16,18 @@ from recscale.checkpoint.restore import load_chain, load_manifest, restore_shard
 from recscale.checkpoint.settings import CheckpointSettings
 from recscale.checkpoint.shards import local_shards
 from recscale.checkpoint.storage import LocalStorage
-from recscale.embedding import RowWiseAdagrad, TableBatchedEmbeddingBags, TableConfig
-from recscale.sparse import JaggedBatch
+from recscale.embedding import TableBatchedEmbeddingBags
+from ckpt_utils import train_skewed, two_tables
 
 ROWS, DIM = 400, 32
 
 
 def _model() -> TableBatchedEmbeddingBags:
-    tables = [TableConfig(f"t{i}", ROWS, DIM, (f"f{i}",)) for i in range(2)]
-    return TableBatchedEmbeddingBags(tables, RowWiseAdagrad(lr=0.1), seed=0)
+    return two_tables(ROWS, DIM)
 
 
 def _train(emb: TableBatchedEmbeddingBags, step: int) -> None:
-    g = torch.Generator().manual_seed(step)
-    ids = (torch.rand(256, 2, generator=g) ** 3 * ROWS).long()  # skewed: hot rows change every interval
-    out = emb(JaggedBatch.from_dense_ids(["f0", "f1"], ids))
-    (out * torch.randn(out.shape, generator=g)).sum().backward()
+    train_skewed(emb, step, 256)
 
 
 def _run(root: Path, quantization: str, bits: int = 2, saves: int = 4):
