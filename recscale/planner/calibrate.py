@@ -450,7 +450,10 @@ class Measurements:
 
     @property
     def collection_batches(self) -> tuple[int, ...]:
-        return self.batches[-1:] if self.quick else self.batches
+        # both batch sizes, quick too: at one size a collective's fixed cost and its per-byte
+        # cost move together (so do the replicas' per-collective and per-byte costs), and the
+        # fit keeps one and drops the other, which then prices any other size wrong
+        return self.batches
 
     @property
     def collection_sets(self) -> tuple[str, ...]:
