@@ -135,12 +135,12 @@ def test_training_loop_costs_every_rank_each_step():
     assert one_looped.breakdown["training loop"] == pytest.approx(1e-3, rel=1e-6)
 
 
-def test_loop_measurement_is_the_cpu_per_step_the_simulator_leaves_out(monkeypatch):
+def test_loop_measurement_is_the_time_per_step_the_simulator_leaves_out(monkeypatch):
     import recscale.sim.calibrate as cal
     from recscale.sim.topology import DenseCompute
 
     per_step = 5e-3
-    monkeypatch.setattr(cal, "_training_cpu_s", lambda config, steps, sets: 2.0 + steps * per_step)  # start-up + steps
+    monkeypatch.setattr(cal, "_training_wall_s", lambda config, steps, sets: 2.0 + steps * per_step)  # start-up + steps
     monkeypatch.setattr(cal, "measure_loader", lambda cfg, batches=20, world_size=1: 1e-6)
     c = DenseCompute(2e10, 2e-5, 0.0, 1e-9)
     loop = cal.measure_loop(c)
@@ -151,5 +151,5 @@ def test_loop_measurement_is_the_cpu_per_step_the_simulator_leaves_out(monkeypat
     assert 0 < priced < per_step
     assert loop == pytest.approx(per_step - priced, rel=1e-6)
     # what the simulator already prices is never charged twice
-    monkeypatch.setattr(cal, "_training_cpu_s", lambda config, steps, sets: 2.0 + steps * priced / 2)
+    monkeypatch.setattr(cal, "_training_wall_s", lambda config, steps, sets: 2.0 + steps * priced / 2)
     assert cal.measure_loop(c) == 0.0

@@ -276,7 +276,10 @@ def measure_contention(world_size: int, batch: int = 4096, steps: int = 5, round
     fastest side by side: a shared machine's noise only ever adds time, and it hurts copies
     that fill every core more than one that leaves a core spare, so a ratio of single rounds
     would read a noisy minute as contention.
-    ``contention`` is the median slowdown over probes of several kinds, minus one."""
+    ``contention`` is the median slowdown over probes of several kinds, minus one.
+    ``quick`` times one probe, still over ``rounds``: the copies build it once and its steps
+    take milliseconds, so rounds cost a second or two, and one round's ratio alone is noise
+    (on two shared cores single rounds read 0 to 0.6 quiet, near 1 and 2 under load)."""
     probes = CONTENTION_PROBES[:1] if quick else CONTENTION_PROBES
     cases = []
     for set_name, kind in probes:
@@ -286,7 +289,7 @@ def measure_contention(world_size: int, batch: int = 4096, steps: int = 5, round
     together: dict[str, list[float]] = {name: [] for name, *_ in cases}
     # the copies start once and build each probe once, for every round: alone, then side by side
     times_alone, times_together = time_contention([(plan, tables, gb) for _, plan, tables, gb in cases], world_size,
-                                                  steps, 1 if quick else rounds)
+                                                  steps, rounds)
     for (name, *_), a, t in zip(cases, times_alone, times_together):
         alone[name], together[name] = a, t
         if progress:
@@ -447,7 +450,10 @@ class Measurements:
 
     @property
     def collection_batches(self) -> tuple[int, ...]:
-        return self.batches[-1:] if self.quick else self.batches
+        # both batch sizes, quick too: at one size a collective's fixed cost and its per-byte
+        # cost move together (so do the replicas' per-collective and per-byte costs), and the
+        # fit keeps one and drops the other, which then prices any other size wrong
+        return self.batches
 
     @property
     def collection_sets(self) -> tuple[str, ...]:

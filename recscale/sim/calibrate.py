@@ -1,7 +1,15 @@
 """This machine's dense compute rate for the simulator: DLRM MLPs and the dot interaction,
 forward and backward, timed at one thread (what a CPU rank runs), fitted as FLOPs / rate plus
 a fixed cost per operator; and the training loop's own cost per step. Cached beside
-``recscale calibrate``'s hardware description."""
+``recscale calibrate``'s hardware description.
+
+Everything here is timed in wall time, the kind ``recscale calibrate`` times the planner's
+constants in and the kind a measured step is: a prediction adds the two, so they must be of
+one kind. (In a thread's CPU time the dense compute, the loader and the loop leave out the
+share of a core that other work on the machine takes, which the embeddings' wall-time
+constants include: on a loaded machine the step came out too short by about wall over CPU.)
+A burst of other work slows a measurement but not the fit: each point is a median, the
+loader's the mean of its faster half."""
 
 from __future__ import annotations
 
@@ -55,13 +63,13 @@ def _time_dense(model: DenseModel, batch: int, repeats: int) -> float:
     opt = torch.optim.Adagrad([*bottom.parameters(), *top.parameters()], lr=0.01)
     times = []
     for i in range(repeats + 2):
-        t = time.thread_time()  # CPU time of this thread: what a core gives it, whatever else runs
+        t = time.perf_counter()  # wall time, as the planner's constants and a measured step
         out = top(inter(bottom(dense), pooled)).squeeze(1)
         torch.nn.functional.binary_cross_entropy_with_logits(out, label).backward()
         opt.step()
         opt.zero_grad()
         if i >= 2:
-            times.append(time.thread_time() - t)
+            times.append(time.perf_counter() - t)
     return float(np.median(times))
 
 
@@ -69,7 +77,7 @@ def measure_compute(repeats: int = 15, load_s_per_sample: float = 0.0, loop: boo
     """Least-squares fit (relative errors, coefficients >= 0) of time = 3 (FLOPs / rate +
     values x value_s) + (3 ops + 2 tensors) x overhead (forward, backward, and the dense
     optimizer's step over each parameter tensor) over ``SHAPES`` x ``BATCHES`` at one thread,
-    in the thread's CPU time; with ``loop``, the training loop's own time per step
+    in wall time; with ``loop``, the training loop's own time per step
     (``measure_loop``, on this machine's calibration if it has one)."""
     import torch
 
@@ -108,37 +116,36 @@ LOOP_MODEL = ["model.table_rows=[10]", "data.pooling_factors=[1]", "model.embedd
 LOOP_STEPS = (20, 520)
 
 
-def _training_cpu_s(config: Path, steps: int, sets: list[str]) -> float:
-    """CPU seconds (user + system, every thread) of a one-rank ``recscale train`` of ``steps``."""
-    import resource
+def _training_wall_s(config: Path, steps: int, sets: list[str]) -> float:
+    """Wall seconds of a one-rank ``recscale train`` of ``steps`` in its training loop (the
+    trainer's own ``train_seconds``: start-up and evaluation left out)."""
     import subprocess
     import sys
     import tempfile
 
     args = [*sets, f"train.max_steps={steps}", f"data.num_samples={16 * (steps + 2)}"]
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "recscale", "train", "--config", str(config), "--summary-json", str(Path(tmp) / "s.json")]
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        summary = Path(tmp) / "s.json"
+        cmd = [sys.executable, "-m", "recscale", "train", "--config", str(config), "--summary-json", str(summary)]
         proc = subprocess.run(cmd + [a for s in args for a in ("--set", s)], capture_output=True, text=True, timeout=600,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if proc.returncode != 0:
-        raise RuntimeError(f"measuring the training loop: recscale train failed: {proc.stderr.strip()[-400:]}")
-    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        if proc.returncode != 0 or not summary.is_file():
+            raise RuntimeError(f"measuring the training loop: recscale train failed: {proc.stderr.strip()[-400:]}")
+        return float(json.loads(summary.read_text())["train_seconds"])
 
 
 def measure_loop(compute: DenseCompute, base: str = "local-cpu") -> float:
-    """The training loop's own CPU time per step beyond what the simulator prices: a one-rank
+    """The training loop's own time per step beyond what the simulator prices: a one-rank
     training of ``LOOP_MODEL`` (a step almost all fixed cost) at two step counts, whose
-    difference leaves out start-up and evaluation, in the process's CPU time (other jobs on
-    the machine do not add to it), less the simulator's busy time for the same step, priced on
+    difference leaves out the first steps' warm-up, in wall time (the kind of everything else
+    the simulator adds it to), less the simulator's busy time for the same step, priced on
     ``compute`` (this machine's dense rates) and ``base`` (the planner's hardware description)."""
     from recscale.sim.api import simulate
     from recscale.sim.topology import topology_from_dict
     from recscale.train.config import load_config
 
     config = Path(__file__).resolve().parents[2] / "configs" / "synthetic.toml"
-    short, long = (_training_cpu_s(config, n, LOOP_MODEL) for n in LOOP_STEPS)
+    short, long = (_training_wall_s(config, n, LOOP_MODEL) for n in LOOP_STEPS)
     per_step = (long - short) / (LOOP_STEPS[1] - LOOP_STEPS[0])
     cfg = load_config(config, [*LOOP_MODEL, "data.num_samples=4096"])
     cores = os.cpu_count() or 1
@@ -162,7 +169,7 @@ def _nonnegative_fit(a: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def measure_loader(cfg, batches: int = 20, world_size: int = 1) -> float:
-    """Seconds of CPU one sample of a rank's share of ``cfg``'s training batches costs the
+    """Seconds (wall) one sample of a rank's share of ``cfg``'s training batches costs the
     training thread where it loads them itself: the loader's fetch and collate (ids, offsets,
     dense features, labels) and the trainer's check of the ids against the tables, at one
     thread, as rank 0 of ``world_size`` builds them. A batch has a fixed cost per feature
@@ -183,10 +190,10 @@ def measure_loader(cfg, batches: int = 20, world_size: int = 1) -> float:
         next(it)  # warm: first-touch allocations
         times = []
         for _ in range(1, n):
-            t = time.thread_time()
+            t = time.perf_counter()
             b = next(it)
             b.sparse.validate(rows)
-            times.append((time.thread_time() - t) / max(b.batch_size, 1))
+            times.append((time.perf_counter() - t) / max(b.batch_size, 1))
         # the lower half's mean: a batch another job's burst slowed does not count
         times.sort()
         low = times[: max(1, len(times) // 2)]
