@@ -227,6 +227,12 @@ def greedy_range(
 NEVER_SEARCHED = 255  # a row's stored start (``range_search``) before its first search
 
 
+def warm_starts(start: torch.Tensor, bins: int) -> torch.Tensor:
+    """Which rows of ``start`` (uint8 ``[n, 2]``) ``range_search`` searches warm: searched before,
+    and their range at least a step wide."""
+    return (start[:, 0] != NEVER_SEARCHED) & (start[:, 0].long() + start[:, 1].long() < bins)
+
+
 def range_search(
     x: torch.Tensor, bits: int, bins: int, ratio: float, start: torch.Tensor | None = None, native: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -255,8 +261,7 @@ def range_search(
         return kernels.greedy_range(x.float().contiguous(), levels, bins, steps, plan.move, plan.patience, plan.refine,
                                     s, plan.warm, plan.fits, plan.cold_fits)
     x = x.float()
-    warm = torch.zeros(n, dtype=torch.bool) if start is None else (
-        (start[:, 0] != NEVER_SEARCHED) & (start[:, 0].long() + start[:, 1].long() < bins))
+    warm = torch.zeros(n, dtype=torch.bool) if start is None else warm_starts(start, bins)
     lo, hi, found = x.new_empty(n), x.new_empty(n), torch.zeros(n, 2, dtype=torch.uint8)
     for rows, is_warm in ((torch.nonzero(~warm).view(-1), False), (torch.nonzero(warm).view(-1), True)):
         for a in range(0, rows.numel(), _SEARCH_BLOCK):

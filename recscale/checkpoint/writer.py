@@ -27,7 +27,7 @@ import torch
 from recscale import faults
 from recscale.checkpoint.checksum import crc32
 from recscale.checkpoint.manifest import BY_CHUNKS, MANIFEST, Chunk, CheckpointError, FileEntry, Manifest, tmp_name
-from recscale.checkpoint.quantize import NEVER_SEARCHED, Codec, allocate_widths, row_importance
+from recscale.checkpoint.quantize import Codec, allocate_widths, row_importance, warm_starts
 from recscale.checkpoint.range_memory import RangeMemory
 from recscale.checkpoint.storage import Storage
 from recscale.embedding import TableConfig
@@ -190,10 +190,10 @@ def width_tags(job: WriteJob, blocks: list[_Block]) -> list[torch.Tensor]:
 
 def _encode_warm(codec: Codec, ranges: RangeMemory, blk: _Block, weight: torch.Tensor, ph: dict) -> bytes:
     """``adaptive``: each row's range search starts from its last result, and leaves its own;
-    ``ph`` counts the rows searched and those that start warm (``range_search``'s rule)."""
+    ``ph`` counts the rows searched and those that start warm."""
     key, rows = (blk.sh.table, blk.sh.row_offset, blk.sh.col_offset), blk.local_rows()
     found = ranges.start(codec, key, blk.sh.num_rows, rows)
-    warm = (found[:, 0] != NEVER_SEARCHED) & (found[:, 0].long() + found[:, 1].long() < codec.bins)
+    warm = warm_starts(found, codec.bins)
     ph["searched_rows"] = ph.get("searched_rows", 0) + int(found.shape[0])
     ph["warm_rows"] = ph.get("warm_rows", 0) + int(warm.sum())
     w = codec.encode(weight, ranges=found)

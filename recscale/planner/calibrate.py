@@ -285,17 +285,13 @@ def measure_contention(world_size: int, batch: int = 4096, steps: int = 5, round
     for set_name, kind in probes:
         plan, tables = _compute_plan(set_name, kind)
         cases.append((f"{set_name}/{kind}/B{batch}", plan, tables, synthetic_batches(tables, batch, 2, seed=batch)))
-    alone: dict[str, list[float]] = {name: [] for name, *_ in cases}
-    together: dict[str, list[float]] = {name: [] for name, *_ in cases}
     # the copies start once and build each probe once, for every round: alone, then side by side
-    times_alone, times_together = time_contention([(plan, tables, gb) for _, plan, tables, gb in cases], world_size,
-                                                  steps, rounds)
-    for (name, *_), a, t in zip(cases, times_alone, times_together):
-        alone[name], together[name] = a, t
-        if progress:
+    alone, together = time_contention([(plan, tables, gb) for _, plan, tables, gb in cases], world_size, steps, rounds)
+    if progress:
+        for (name, *_), a, t in zip(cases, alone, together):
             for r, (x, y) in enumerate(zip(a, t)):
                 progress(f"round {r + 1}: {name}: {x * 1e3:.2f} ms alone, {y * 1e3:.2f} ms with {world_size} at once")
-    ratios = [min(together[name]) / min(alone[name]) for name in alone]
+    ratios = [min(t) / min(a) for a, t in zip(alone, together)]
     return max(0.0, statistics.median(ratios) - 1.0)
 
 

@@ -98,7 +98,7 @@ def shard_loads(plan: ShardingPlan, batch: JaggedBatch) -> list[ShardLoad]:
     return out
 
 
-def _build(world: int, plan: ShardingPlan, tables: list[TableSpec], groups) -> ShardedEmbeddingCollection:
+def _build(plan: ShardingPlan, tables: list[TableSpec], groups) -> ShardedEmbeddingCollection:
     cfgs = [TableConfig(t.name, t.rows, t.dim) for t in tables]
     coll = ShardedEmbeddingCollection(cfgs, RowWiseAdagrad(lr=0.01), plan, groups)
     retain_freed_memory()  # as `recscale train` does once the model is built: no page faults per step
@@ -124,16 +124,11 @@ def _time_steps(coll: ShardedEmbeddingCollection, rank: int, world: int, batches
     return times[2:]
 
 
-def _step_times(rank: int, world: int, plan: ShardingPlan, tables: list[TableSpec], batches: list[JaggedBatch],
-                steps: int, groups, after_warm_up: Callable[[], object] | None = None) -> list[float]:
-    return _time_steps(_build(world, plan, tables, groups), rank, world, batches, steps, groups, after_warm_up)
-
-
 def _job_times(rank: int, world: int, jobs, steps: int, groups) -> list[list[list[float]]]:
     """Per job, per batch set: this rank's step times, on one build of the job's collection."""
     out = []
     for plan_dict, tables, batch_sets in jobs:
-        coll = _build(world, ShardingPlan.from_dict(plan_dict), tables, groups)
+        coll = _build(ShardingPlan.from_dict(plan_dict), tables, groups)
         out.append([_time_steps(coll, rank, world, gb, steps, groups) for gb in batch_sets])
         del coll
     return out
@@ -155,7 +150,7 @@ def _contention_worker(index: int, jobs, steps, rounds, start, out_dir) -> None:
     groups = init_process_groups(Topology(1, 0, 1), device=torch.device("cpu"))
     alone, together = [], []
     for plan_dict, tables, batches in jobs:
-        coll = _build(1, ShardingPlan.from_dict(plan_dict), tables, groups)
+        coll = _build(ShardingPlan.from_dict(plan_dict), tables, groups)
         alone.append([])
         together.append([])
         for _ in range(rounds):
