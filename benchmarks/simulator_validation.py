@@ -57,7 +57,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 from _common import environment, format_table, write_json  # noqa: E402
 
-from recscale.planner.hardware import cached_calibration  # noqa: E402
 from recscale.sharding.plan import ShardingPlan  # noqa: E402
 from recscale.sim.api import simulate  # noqa: E402
 from recscale.sim.calibrate import measure_loader  # noqa: E402
@@ -193,13 +192,9 @@ def calibration(ranks_per_host: int) -> str:
     Never a calibration for another number of ranks (a lone rank has no neighbour slowing it
     and gets every core) nor another machine's preset, unless none can be made."""
     if ranks_per_host not in _CALIBRATIONS:
-        from recscale.planner.hardware import quick_calibration
+        from recscale.planner.hardware import machine_calibration
 
-        paths = (cached_calibration(ranks_per_host), cached_calibration(ranks_per_host, quick=True))
-        cal = next((p for p in paths if p.is_file()), None)
-        why = "" if cal else quick_calibration(ranks_per_host, print)
-        if cal is None and not why:
-            cal = paths[1]
+        cal, why = machine_calibration(ranks_per_host, print)
         if cal is None:
             print(f"no calibration of this machine for {ranks_per_host} rank(s) ({why}): pricing on 'local-cpu'")
         _CALIBRATIONS[ranks_per_host] = str(cal) if cal else "local-cpu"

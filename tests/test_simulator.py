@@ -269,7 +269,9 @@ def test_validation_prices_each_group_on_the_calibration_for_its_ranks_per_host(
     def cached(ranks, quick=False):
         return tmp_path / f"local-{ranks}{'-quick' if quick else ''}.json"
 
-    monkeypatch.setattr(sv, "cached_calibration", cached)
+    import recscale.planner.hardware as hardware
+
+    monkeypatch.setattr(hardware, "cached_calibration", cached)  # where the planner looks
     monkeypatch.setattr(sv, "_CALIBRATIONS", {})
     (tmp_path / "local-1-quick.json").write_text("{}")
     (tmp_path / "local-2.json").write_text("{}")

@@ -222,18 +222,28 @@ def this_machine(world_size: int, ranks_per_host: int, gpu: bool, say: Callable[
     full one of `recscale calibrate`, else the quick one), else on a CPU a quick calibration
     made now (about 10-20 s, once per machine, then cached); the built-in presets (ZionEX-like
     on GPUs, ``local-cpu`` on CPUs) only where none can be had, and the output says so."""
-    for path in (cached_calibration(ranks_per_host), cached_calibration(ranks_per_host, quick=True)):
-        if path.is_file():
-            return Hardware.load(path).with_world(world_size, ranks_per_host)
+    path, why = machine_calibration(ranks_per_host, say, make=not gpu)
+    if path is not None:
+        return Hardware.load(path).with_world(world_size, ranks_per_host)
     if gpu:
         say("planner: costing plans on the built-in 'zionex' GPU description (no calibration of this machine)")
         return ZIONEX.with_world(world_size, ranks_per_host)
+    say(f"planner: costing plans on the built-in 'local-cpu' description of another machine ({why}); "
+        "run `recscale calibrate` to measure this one")
+    return LOCAL_CPU.with_world(world_size, ranks_per_host)
+
+
+def machine_calibration(ranks_per_host: int, say: Callable[[str], None] = _say, make: bool = True) -> tuple[Path | None, str]:
+    """This machine's calibration for ``ranks_per_host`` local ranks as the planner finds it:
+    the full one, else the quick one, else (``make``) a quick one made now; ``(None, why)``
+    when none can be had."""
+    for path in (cached_calibration(ranks_per_host), cached_calibration(ranks_per_host, quick=True)):
+        if path.is_file():
+            return path, ""
+    if not make:
+        return None, "no calibration of this machine is cached"
     why = quick_calibration(ranks_per_host, say)
-    if why:
-        say(f"planner: costing plans on the built-in 'local-cpu' description of another machine ({why}); "
-            "run `recscale calibrate` to measure this one")
-        return LOCAL_CPU.with_world(world_size, ranks_per_host)
-    return Hardware.load(cached_calibration(ranks_per_host, quick=True)).with_world(world_size, ranks_per_host)
+    return (None, why) if why else (cached_calibration(ranks_per_host, quick=True), "")
 
 
 def quick_calibration(ranks: int, say: Callable[[str], None] = _say, timeout_s: float = QUICK_TIMEOUT_S) -> str:
