@@ -86,6 +86,7 @@ class CheckpointManager:
         )
         self.snapshots = SnapshotBuffers()
         self.ranges = RangeMemory()  # adaptive: each row's last range search, for the next one
+        self.ranges_used = False  # an adaptive checkpoint was submitted since the last restore
         if settings.async_write:  # the snapshot's memory, mapped before training rather than at its first save
             self.snapshots.reserve([t for s in shards if s.writer and s.tiered() is None for t in (
                 s.module.table_weight(s.local_name), *s.module.table_state(s.local_name).values())])
@@ -138,6 +139,7 @@ class CheckpointManager:
         )
         held: list[torch.Tensor] = []  # snapshot buffers, reused once this checkpoint is written
         snaps = [self._snapshot(s, kind, held) for s in self.shards if s.writer]
+        changed = self._changed_rows(codec)
         if self.tracker is not None:
             self.tracker.advance(kind)
         self.policy.record(kind, fraction)
@@ -159,11 +161,21 @@ class CheckpointManager:
             manifest, self.rank, self.world_size, snaps, rank_state, codec, self.state_codec,
             self.settings.chunk_rows, stall, self._full_fp32_bytes(), self.init_seed if scan else None,
             on_done=lambda: self.snapshots.release(held),
-            ranges=self.ranges if codec.method == "adaptive" else None,
+            ranges=self.ranges if codec.method == "adaptive" or changed is not None else None, changed=changed,
         )
         self.writer.submit(job)
         self.last_step, self.last_time = step, time.monotonic()
         return stall
+
+    def _changed_rows(self, codec: Codec) -> dict[tuple[str, int, int], torch.Tensor] | None:
+        """Per shard written, the rows updated since the last checkpoint (copies: the tracker
+        clears its flags next), for the writer to stop keeping their adaptive encodings; None
+        without a tracker (no row is kept then), or while no adaptive encoding is kept."""
+        self.ranges_used |= codec.method == "adaptive"
+        if self.tracker is None or not self.ranges_used:
+            return None
+        return {(s.table.name, s.row_offset, s.col_offset): self.tracker.shard_mask(s, "incremental").clone()
+                for s in self.shards if s.writer}
 
     def _snapshot(self, s: LocalShard, kind: str, held: list[torch.Tensor]) -> ShardSnapshot:
         mask = None if self.tracker is None else self.tracker.shard_mask(s, kind)
@@ -195,6 +207,7 @@ class CheckpointManager:
         values are what the next full checkpoint must hold; every row's next range search
         starts cold."""
         self.ranges.forget()
+        self.ranges_used = False
         if self.tracker is not None and self.init_seed is not None:
             self.tracker.mark_off_initial(self.init_seed)
 

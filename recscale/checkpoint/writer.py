@@ -67,6 +67,10 @@ class WriteJob:
     on_done: Callable[[], None] | None = None
     # adaptive: each row's last range search, read as the next search's start and updated.
     ranges: RangeMemory | None = None
+    # With a row tracker, per shard the rows updated since the last checkpoint (bool per local
+    # row): cleared from ``ranges``' kept rows before anything of this job runs. None: untracked,
+    # no row is kept.
+    changed: dict[tuple[str, int, int], torch.Tensor] | None = None
 
 
 @dataclass
@@ -85,7 +89,7 @@ class WriteReport:
     # Where the background seconds went (``write_rank``): encode (rows out of the snapshot,
     # encoding, crc32; its own thread), the writes, the closing fsync, the small files, commit.
     # ``adaptive`` also counts rows here: ``searched_rows`` range-searched, ``warm_rows`` of them
-    # started from an earlier search's result.
+    # started from an earlier search's result, ``kept_rows`` unchanged and encoded as before.
     phases: dict = field(default_factory=dict)
 
 
@@ -188,17 +192,29 @@ def width_tags(job: WriteJob, blocks: list[_Block]) -> list[torch.Tensor]:
     return list(torch.split(tags, [blk.n for blk in blocks]))
 
 
-def _encode_warm(codec: Codec, ranges: RangeMemory, blk: _Block, weight: torch.Tensor, ph: dict) -> bytes:
-    """``adaptive``: each row's range search starts from its last result, and leaves its own;
-    ``ph`` counts the rows searched and those that start warm."""
+def _encode_warm(job: WriteJob, blk: _Block, weight: torch.Tensor, ph: dict) -> bytes:
+    """``adaptive``: a row unchanged since its last encoding is encoded on it again; the others'
+    range search starts from their last result, and leaves its own. ``ph`` counts the rows kept,
+    searched, and searched from a start."""
+    codec, ranges = job.weight_codec, job.ranges
+    assert ranges is not None
     key, rows = (blk.sh.table, blk.sh.row_offset, blk.sh.col_offset), blk.local_rows()
     found = ranges.start(codec, key, blk.sh.num_rows, rows)
-    warm = warm_starts(found, codec.bins)
-    ph["searched_rows"] = ph.get("searched_rows", 0) + int(found.shape[0])
-    ph["warm_rows"] = ph.get("warm_rows", 0) + int(warm.sum())
-    w = codec.encode(weight, ranges=found)
-    ranges.store(key, rows, found)
+    kept = int(found.kept.sum())
+    ph["kept_rows"] = ph.get("kept_rows", 0) + kept
+    ph["searched_rows"] = ph.get("searched_rows", 0) + int(found.found.shape[0]) - kept
+    ph["warm_rows"] = ph.get("warm_rows", 0) + int((warm_starts(found.found, codec.bins) & ~found.kept).sum())
+    w = codec.encode_kept(weight, found)
+    ranges.store(key, rows, found, tracked=job.changed is not None)
     return w
+
+
+def forget_changed(job: WriteJob) -> None:
+    """Rows updated since the last checkpoint are no longer kept by ``job.ranges``: run before
+    the job encodes anything (also when it then fails), and whatever its codec."""
+    if job.ranges is not None and job.changed is not None:
+        for key, mask in job.changed.items():
+            job.ranges.changed(key, mask)
 
 
 def encode_chunks(job: WriteJob, file: str, phases: dict | None = None, checksum: bool = True
@@ -225,7 +241,7 @@ def encode_chunks(job: WriteJob, file: str, phases: dict | None = None, checksum
         if t is not None:
             w = job.weight_codec.encode(weight, t)
         elif job.ranges is not None and job.weight_codec.method == "adaptive":
-            w = _encode_warm(job.weight_codec, job.ranges, blk, weight, ph)
+            w = _encode_warm(job, blk, weight, ph)
         else:
             w = job.weight_codec.encode_view(weight)
         parts: list[bytes | memoryview] = [ids, w]
@@ -494,6 +510,7 @@ class CheckpointWriter:
         # each write's completion waits behind the training thread for a CPU, and the disk idles.
         # Quantizing, where the CPU goes, runs at the lowest priority (``_pipelined``).
         try:
+            forget_changed(job)
             return self._write(job)
         except OSError as e:  # a full disk, most often: the checkpoint is dropped whole
             name = job.manifest.name

@@ -419,7 +419,7 @@ void warm_group(const float* t, int64_t d, const Search& p, const float* s_lo, c
 
 inline uint8_t steps_byte(float k) { return static_cast<uint8_t>(k < 0.0f ? 0.0f : (k > 254.0f ? 254.0f : k)); }
 
-// Codes of one row, round(clamp((x - bias) * inv, 0, levels)) as quantize.py's `_quantize`
+// Codes of one row, round(clamp((x - bias) * inv, 0, levels)) as quantize.py's `_codes`
 // computes them (float32 sub and mul, rounding half to even, then the clamp), into c[0..d).
 inline void row_codes(const float* x, int64_t d, float bias, float inv, float levels, uint8_t* c) {
   int64_t j = 0;
