@@ -22,19 +22,21 @@ latest checkpoint needs). Per setting:
 
 ``--paired A,B`` (two labels of one policy and state, different quantization) measures the
 slowdown of B against A in one run instead of two: one model trains on the same batches and
-writes one checkpoint chain whose codec alternates per checkpoint (A B B A within each cycle of
-the policy's kinds, a full and the differentials after it, and cycles alternating with their
-mirror, so every position in the cycle is written in A and B alike and a linear drift of the
-machine's speed cancels). Each interval (its steps, the stall of the save ending it, any wait
-for a write slot) is charged to the codec of the checkpoint at its start, whose background work
-overlaps it; the first interval is left out. B - A per balanced unit (pairs of cycles) is given
-in points of the no-checkpoint interval (runs of the same batches before and after), with its
-standard error and 95% interval, on wall time, on the training thread's CPU time and on the
-quantizing thread's CPU; the last checkpoint, its chain mixing both codecs, is restored and its
-error reported. Adaptive keeps a row's last encoding while the row is unchanged (no search) and
-starts other rows' searches from their last result; both carry over a uniform checkpoint, but
-every row changed in any interval is searched again, as in a run of adaptive alone (the shares
-are printed per checkpoint).
+writes one checkpoint chain whose codec alternates by whole cycles of the policy's kinds (a full
+and the differentials after it) in A B B A order, so every position in the cycle is written in A
+and B alike, a linear drift of the machine's speed cancels, and each codec's checkpoints follow
+one another as in a run of that codec alone (``--paired-by checkpoint``: A B B A within each
+cycle, and cycles alternating with their mirror). Each interval (its steps, the stall of the
+save ending it, any wait for a write slot) is charged to the codec of the checkpoint at its
+start, whose background work overlaps it; the first interval is left out. B - A per balanced
+unit (pairs of cycles) is given in points of the no-checkpoint interval (runs of the same
+batches before and after), with its standard error and 95% interval, on wall time, on the
+training thread's CPU time and on the quantizing thread's CPU; the last checkpoint, its chain
+mixing both codecs, is restored and its error reported. Adaptive keeps a row's last encoding
+while the row is unchanged (no search) and starts other rows' searches from their last result;
+both carry over a uniform checkpoint, but a row changed in any interval is searched again. The
+first full of an adaptive cycle after a uniform one keeps fewer rows than in a run of adaptive
+alone (the shares are printed per checkpoint): the comparison leans, if at all, against adaptive.
 
     python benchmarks/checkpoint.py                 # 8 tables x 100k rows x dim 128, 10 intervals
     python benchmarks/checkpoint.py --quick --json results/checkpoint.json
@@ -268,13 +270,18 @@ def abba(j: int) -> int:
     return 0 if j % 4 in (0, 3) else 1
 
 
-def paired_codec(cycle: int, position: int) -> int:
+def paired_codec(cycle: int, position: int, by: str = "cycle") -> int:
     """The codec (0: A, 1: B) of the checkpoint at ``position`` in the ``cycle``-th run of
     checkpoints from a full one. The policy's kinds repeat with the cycle (intermittent: a full,
-    then differentials growing until the next full), so each position gets A and B alike: within
-    a cycle the codecs go A B B A, and cycles alternate with their mirror B A A B in A B B A order
-    (every position A B B A over four cycles, whatever the cycle's length); without fulls
-    (one_shot, incremental) it is A B B A along the chain."""
+    then differentials growing until the next full), so each position gets A and B alike.
+    ``by="cycle"``: whole cycles in one codec, A B B A over cycles, so a codec's checkpoints
+    follow each other as in a run of that codec alone (adaptive keeps unchanged rows' encodings
+    from its last checkpoint: after one of the other codec it could keep fewer);
+    ``by="checkpoint"``: within a cycle the codecs go A B B A, and cycles alternate with their
+    mirror B A A B in A B B A order (every position A B B A over four cycles, whatever the
+    cycle's length); without fulls (one_shot, incremental) both are A B B A along the chain."""
+    if by == "cycle":
+        return abba(cycle)
     return abba(cycle) ^ abba(position)
 
 
@@ -302,6 +309,8 @@ def run_paired(args, pair: tuple[Setting, Setting], batches, spi: int, root: Pat
     background quantization and writing overlap that interval."""
     model, opt = build(args)
     storage = LocalStorage(root)
+    # Without fulls after the first, every checkpoint is in cycle 0: alternate per checkpoint.
+    by = args.paired_by if pair[0].policy == "intermittent" else "checkpoint"
     settings = pair[0].settings(str(root), args.chunk_rows, args.max_in_flight)
     manager = CheckpointManager(settings, storage, local_shards(model.embeddings), init_seed=0)
     codecs = []
@@ -320,7 +329,7 @@ def run_paired(args, pair: tuple[Setting, Setting], batches, spi: int, root: Pat
             j = i // spi - 1
             # The kind this save will write (the policy's rule; the codec does not enter it).
             cycle, position = (cycle + 1, 0) if manager.next_kind() == "full" else (cycle, position + 1)
-            order.append((cycle, position, paired_codec(cycle, position)))
+            order.append((cycle, position, paired_codec(cycle, position, by)))
             stall = manager.save(i, dense_state(model, opt), {"step": i, "embedding_step": i},
                                  weight_codec=codecs[order[-1][2]])
             t, c = time.perf_counter(), time.thread_time()
@@ -336,7 +345,7 @@ def run_paired(args, pair: tuple[Setting, Setting], batches, spi: int, root: Pat
                    for j, r in enumerate(reports)]
     if [c["kind"] == "full" for c in checkpoints] != [c["position"] == 0 for c in checkpoints]:
         raise RuntimeError("--paired: a checkpoint's kind differs from the one announced before its save")
-    return {"pair": [s.label for s in pair], "codecs": [c.name for c in codecs], "intervals": intervals,
+    return {"pair": [s.label for s in pair], "paired_by": by, "codecs": [c.name for c in codecs], "intervals": intervals,
             "checkpoints": checkpoints, "restore_bytes_read": stats.bytes_read, "restore_seconds": restore_s,
             "restored_rel_l2_error": error,
             "restored_chain_codecs": [Codec.from_dict(m.weight_codec).name for m in chain]}
@@ -534,6 +543,9 @@ def main() -> int:
     ap.add_argument("--paired", metavar="A,B",
                     help="two labels of one policy and state, different quantization: one run whose checkpoints "
                          "alternate A B B A; prints B - A per block in points of slowdown with its 95%% interval")
+    ap.add_argument("--paired-by", choices=("cycle", "checkpoint"), default="cycle",
+                    help="--paired: alternate whole cycles of the policy (a full and its differentials; default), "
+                         "or checkpoints within each cycle")
     ap.add_argument("--chunk-rows", type=int, default=65536)
     ap.add_argument("--threads", type=int, default=1,
                     help="training threads (default 1: the checkpoint writer uses the other core, as Check-N-Run "

@@ -110,8 +110,8 @@ def test_checkpoint_accuracy_synthetic_smoke(tmp_path):
 
 
 def test_paired_checkpoint_benchmark_smoke(tmp_path):
-    """``--paired``: one run whose checkpoints alternate two codecs, each position in the
-    policy's cycle written in both alike; the chain mixing them restores; structure only."""
+    """``--paired``: one run whose checkpoints alternate two codecs by cycles of the policy, each
+    position in the cycle written in both alike; the chain mixing them restores; structure only."""
     out = tmp_path / "paired.json"
     a, b = "intermittent/uniform2/state-fp16", "intermittent/adaptive2/state-fp16"
     proc_utils.run(
@@ -126,6 +126,9 @@ def test_paired_checkpoint_benchmark_smoke(tmp_path):
     cks = run["checkpoints"]
     assert all((c["kind"] == "full") == (c["position"] == 0) for c in cks)
     assert all((c["warm_share"] is not None) == (c["codec"] == 1) for c in cks)
+    # whole cycles in one codec, as each codec runs alone
+    assert run["paired_by"] == "cycle" and all(len({c["codec"] for c in cks if c["cycle"] == k}) == 1 for k in
+                                               {c["cycle"] for c in cks})
     assert summary["unit_kind"] == "cycle pairs" and len(summary["units"]) >= 2
     for unit in summary["units"]:  # each position of the cycle once in A and once in B
         for which in (0, 1):

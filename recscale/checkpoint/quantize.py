@@ -114,16 +114,15 @@ class Codec:
         if self.method != "adaptive":
             raise ValueError(f"encode_kept: codec '{self.name}' keeps no ranges; only adaptive does")
         x = x.float()
+        fused = search_packed(x, self.bits, self.bins, self.ratio, rows.found, rows)
+        if fused is not None:
+            found, scale, bias, codes = fused
+            rows.found.copy_(found)
+            rows.scale.copy_(scale.reshape(-1))
+            rows.bias.copy_(bias.reshape(-1))
+            return tensor_bytes(scale) + tensor_bytes(bias) + codes
         n = x.shape[0]
         stale = torch.nonzero(~rows.kept).view(-1)
-        if stale.numel() == n:
-            fused = search_packed(x, self.bits, self.bins, self.ratio, rows.found)
-            if fused is not None:
-                found, scale, bias, codes = fused
-                rows.found.copy_(found)
-                rows.scale.copy_(scale.reshape(-1))
-                rows.bias.copy_(bias.reshape(-1))
-                return tensor_bytes(scale) + tensor_bytes(bias) + codes
         if stale.numel():
             part = x if stale.numel() == n else x.index_select(0, stale)
             lo, hi, found = range_search(part, self.bits, self.bins, self.ratio, rows.found.index_select(0, stale))
@@ -328,13 +327,15 @@ def range_search(
 
 
 def search_packed(
-    x: torch.Tensor, bits: int, bins: int, ratio: float, start: torch.Tensor | None = None
+    x: torch.Tensor, bits: int, bins: int, ratio: float, start: torch.Tensor | None = None,
+    kept: RowRanges | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, memoryview] | None:
     """``range_search`` then ``quantize_packed`` on its ranges in one native pass (each group of
     sixteen rows quantized and packed right after its search, while its rows are in cache, not
     read from memory a second time): ``(found, scale, bias, codes)``, the same values and bytes.
-    None when the native kernel is not built (or there is nothing to search): the caller runs
-    the two steps, the definition."""
+    ``kept`` (with ``start``): rows flagged there are packed on their ``scale`` and ``bias``
+    (``pack_on``) and keep their start, without a search. None when the native kernel is not
+    built (or there is nothing to search): the caller runs the steps, the definition."""
     kernels = quantize_kernels()
     n = x.shape[0]
     if kernels is None or x.numel() == 0 or not 1 <= bits <= 8:
@@ -343,8 +344,12 @@ def search_packed(
         raise ValueError(f"range_search: start must be uint8 of shape ({n}, 2), got {start.dtype} {tuple(start.shape)}")
     plan = search_schedule(bits)
     s = torch.empty(0, 2, dtype=torch.uint8) if start is None else start.contiguous()
+    none = torch.empty(0, dtype=torch.bool)
+    k, ks, kb = (none, none.half(), none.half()) if kept is None or start is None else (
+        kept.kept.contiguous(), kept.scale.contiguous(), kept.bias.contiguous())
     found, scale, bias, codes = kernels.search_pack(x.float().contiguous(), bits, bins, int(bins * ratio), plan.move,
-                                                    plan.patience, plan.refine, s, plan.warm, plan.fits, plan.cold_fits)
+                                                    plan.patience, plan.refine, s, plan.warm, plan.fits, plan.cold_fits,
+                                                    k, ks, kb)
     return found, scale, bias, memoryview(codes.numpy())
 
 

@@ -519,6 +519,17 @@ inline void pack_row(const float* x, int64_t r, int64_t d, float lo, float hi, f
   put_bits(pk.codes, d, pk.bits, r * d * pk.bits, pk.out);
 }
 
+// A row kept from its last encoding: its codes on that encoding's fp16 scale and offset (its
+// inverse as quantize.py's `pack_on` takes it), packed at its place, and no search.
+inline void pack_kept(const float* x, int64_t r, int64_t d, c10::Half s, c10::Half b, float levels, const Pack& pk) {
+  const float sf = static_cast<float>(s);
+  const float inv = sf > 0.0f ? 1.0f / sf : 0.0f;
+  pk.scale[r] = s;
+  pk.bias[r] = b;
+  row_codes(x + r * d, d, static_cast<float>(b), inv, levels, pk.codes);
+  put_bits(pk.codes, d, pk.bits, r * d * pk.bits, pk.out);
+}
+
 // Searches the rows idx[0 .. count) (count <= kLanes), cold, or warm from `start` (uint8 pairs
 // per row) when given; writes each row's range and its steps in from [min, max].
 void search_group(const float* xp, const int64_t* idx, int count, int64_t d, const Search& p, const uint8_t* start,
@@ -556,12 +567,21 @@ inline bool warm_start(const uint8_t* start, int64_t r, int64_t bins) {
 
 using Searched = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
+// Rows kept from their last encoding (`search_pack`): a flag per row, and that encoding's fp16
+// scale and offset.
+struct Kept {
+  const bool* flag = nullptr;
+  const c10::Half* scale = nullptr;
+  const c10::Half* bias = nullptr;
+};
+
 // The search of every row (and, with bits > 0, its fp16 scale and offset and all rows' packed
-// codes: empty tensors otherwise).
+// codes: empty tensors otherwise). Rows flagged in `kept` (bits > 0 and a start only) are not
+// searched: packed on their given scale and offset, their start returned as found.
 Searched search_rows(const at::Tensor& x, int64_t levels, int64_t bins, int64_t steps, int64_t move,
                      int64_t patience, int64_t refine, const at::Tensor& start,
                      const std::vector<int64_t>& warm_strides, int64_t fits, int64_t cold_fits,
-                     int64_t bits) {
+                     int64_t bits, const Kept& kept = Kept{}) {
   if (x.dim() != 2 || x.scalar_type() != at::kFloat || !x.is_contiguous() || x.device().type() != at::kCPU) {
     throw std::invalid_argument("greedy_range: x must be a contiguous 2-d float32 CPU tensor");
   }
@@ -606,6 +626,12 @@ Searched search_rows(const at::Tensor& x, int64_t levels, int64_t bins, int64_t 
   int64_t cold[kLanes], hot[kLanes];
   int nc = 0, nh = 0;
   for (int64_t r = 0; r < n; ++r) {
+    if (kept.flag != nullptr && kept.flag[r]) {
+      pack_kept(xp, r, d, kept.scale[r], kept.bias[r], p.lv, pk);
+      fp[2 * r] = sp[2 * r];
+      fp[2 * r + 1] = sp[2 * r + 1];
+      continue;
+    }
     if (warm_start(sp, r, bins)) {
       hot[nh++] = r;
       if (nh == kLanes) search_group(xp, hot, nh, d, p, sp, scratch.data(), blo, bhi, fp, pp), nh = 0;
@@ -630,12 +656,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_range(const at::Tensor& x,
 
 // The search, then each row's fp16 scale and offset and its codes packed, group by group while
 // the group's rows are in cache: one pass over the rows instead of the search's and pack_codes'.
+// `kept` (bool [n], or empty: none), with `kept_scale` and `kept_bias` (fp16 [n]): rows
+// unchanged since their last encoding, packed on it again without a search (needs `start`).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> search_pack(
     const at::Tensor& x, int64_t bits, int64_t bins, int64_t steps, int64_t move, int64_t patience, int64_t refine,
-    const at::Tensor& start, const std::vector<int64_t>& warm_strides, int64_t fits, int64_t cold_fits) {
+    const at::Tensor& start, const std::vector<int64_t>& warm_strides, int64_t fits, int64_t cold_fits,
+    const at::Tensor& kept, const at::Tensor& kept_scale, const at::Tensor& kept_bias) {
   if (bits < 1 || bits > 8) throw std::invalid_argument("search_pack: bits must be 1 to 8");
+  Kept k;
+  if (kept.numel() > 0) {
+    const int64_t n = x.dim() == 2 ? x.size(0) : -1;
+    auto per_row = [n](const at::Tensor& t, at::ScalarType type) {
+      return t.scalar_type() == type && t.is_contiguous() && t.dim() == 1 && t.size(0) == n;
+    };
+    if (!per_row(kept, at::kBool) || !per_row(kept_scale, at::kHalf) || !per_row(kept_bias, at::kHalf) ||
+        start.numel() != 2 * n) {
+      throw std::invalid_argument(
+          "search_pack: kept must be contiguous bool [n] with fp16 kept_scale and kept_bias [n] and a start");
+    }
+    k = Kept{kept.data_ptr<bool>(), kept_scale.data_ptr<c10::Half>(), kept_bias.data_ptr<c10::Half>()};
+  }
   auto r = search_rows(x, (1 << bits) - 1, bins, steps, move, patience, refine, start, warm_strides, fits,
-                       cold_fits, bits);
+                       cold_fits, bits, k);
   return {std::get<2>(r), std::get<3>(r), std::get<4>(r), std::get<5>(r)};
 }
 
@@ -673,7 +715,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "per-row [lo, hi] and steps in of the adaptive quantizer's range search, cold or warm",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("search_pack", &search_pack,
-        "the range search with each row's fp16 scale, offset and packed codes: (found, scale, bias, codes)",
+        "the range search with each row's fp16 scale, offset and packed codes (kept rows: on given ones, no "
+        "search): (found, scale, bias, codes)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("pack_codes", &pack_codes, "per-row codes of rows on their scales, densely packed",
         pybind11::call_guard<pybind11::gil_scoped_release>());
