@@ -25,7 +25,8 @@ def _design(quick: bool, ranks: int) -> list[tuple[str, dict[str, float]]]:
             for name, plan, tables, gb in compute_cases(batches, quick)]
 
 
-@pytest.fixture(scope="module", params=[(False, 2), (True, 2), (False, 1)], ids=["full-2-ranks", "quick-2-ranks", "full-1-rank"])
+@pytest.fixture(scope="module", params=[(False, 2), (True, 2), (False, 1)],
+                ids=["full-2-ranks", "quick-2-ranks", "full-1-rank"])
 def design(request):
     return _design(*request.param)
 

@@ -12,11 +12,12 @@ from the same minutes:
    of eight dims: per operator group; high pooling over few rows: per id apart from per row;
    one cache-resident table with wide rows and the same with narrow ones: bytes apart from
    every per-item cost; row-wise: bucketizing; data-parallel; column shards), at two batch
-   sizes, and count what each step really did (ids, unique rows, bags, groups, bytes). The per-item constants (``id_s``,
-   ``row_s``, ``bag_s``, ``route_id_s``, ``route_table_s``, ``column_stat_id_s``, ``column_stat_shard_s``,
-   ``feature_s``, ``kernel_overhead_s``, ``group_s``, ``step_overhead_s``) and the
-   bandwidth (``memory_bw``, with ``backward_factor``) are the non-negative least-squares fit of
-   the cost model's own formula to those times (relative error weighted).
+   sizes, and count what each step really did (ids, unique rows, bags, groups, bytes). The
+   per-item constants (``id_s``, ``row_s``, ``bag_s``, ``route_id_s``, ``route_table_s``,
+   ``column_stat_id_s``, ``column_stat_shard_s``, ``feature_s``, ``kernel_overhead_s``,
+   ``group_s``, ``step_overhead_s``) and the bandwidth (``memory_bw``, with
+   ``backward_factor``) are the non-negative least-squares fit of the cost model's own formula
+   to those times (relative error weighted).
 2. *Communication* (``world_size`` local processes): all-to-all of a small and a large message;
    latency per collective and bandwidth (bytes sent plus received per second, as the cost model
    counts both directions).
@@ -76,7 +77,8 @@ PROBE_SETS: dict[str, list[tuple[int, int, float]]] = {
 }
 # Placements each probe set is timed in (default: every one of PROBE_TYPES). The byte pair needs
 # no row or column split: it measures bytes, and the other sets measure the splits' work.
-PROBE_SET_TYPES: dict[str, tuple[str, ...]] = {"wide": ("table_wise", "data_parallel"), "thin": ("table_wise", "data_parallel")}
+PROBE_SET_TYPES: dict[str, tuple[str, ...]] = {"wide": ("table_wise", "data_parallel"),
+                                                "thin": ("table_wise", "data_parallel")}
 PROBE_TYPES = ("table_wise", "row_wise", "data_parallel", "column_wise")
 FIT_TERMS = ("bytes", "id_s", "row_s", "cold_byte_s", "bag_s", "kernel_overhead_s", "group_s", "route_id_s", "route_table_s",
              "column_stat_id_s", "column_stat_shard_s", "feature_s", "dist_id_s", "dist_value_s", "step_overhead_s")
