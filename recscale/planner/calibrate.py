@@ -8,14 +8,16 @@ from the same minutes:
 
 1. *Compute* (one process, with the threads one of ``world_size`` local ranks gets): time full
    embedding steps of the sharded collection for probe models that stress one cost each (large
-   tables: bytes; many tiny tables of one dim: per-shard and per-feature overhead; tiny tables
+   tables: cold bytes; many tiny tables of one dim: per-shard and per-feature overhead; tiny tables
    of eight dims: per operator group; high pooling over few rows: per id apart from per row;
-   row-wise: bucketizing; data-parallel; column shards), at two batch sizes, and count what each
-   step really did (ids, unique rows, bags, groups, bytes). The per-item constants (``id_s``,
-   ``row_s``, ``bag_s``, ``route_id_s``, ``route_table_s``, ``column_stat_id_s``, ``column_stat_shard_s``,
-   ``feature_s``, ``kernel_overhead_s``, ``group_s``, ``step_overhead_s``) and the
-   bandwidth (``memory_bw``, with ``backward_factor``) are the non-negative least-squares fit of
-   the cost model's own formula to those times (relative error weighted).
+   one cache-resident table with wide rows and the same with narrow ones: bytes apart from
+   every per-item cost; row-wise: bucketizing; data-parallel; column shards), at two batch
+   sizes, and count what each step really did (ids, unique rows, bags, groups, bytes). The
+   per-item constants (``id_s``, ``row_s``, ``bag_s``, ``route_id_s``, ``route_table_s``,
+   ``column_stat_id_s``, ``column_stat_shard_s``, ``feature_s``, ``kernel_overhead_s``,
+   ``group_s``, ``step_overhead_s``) and the bandwidth (``memory_bw``, with
+   ``backward_factor``) are the non-negative least-squares fit of the cost model's own formula
+   to those times (relative error weighted).
 2. *Communication* (``world_size`` local processes): all-to-all of a small and a large message;
    latency per collective and bandwidth (bytes sent plus received per second, as the cost model
    counts both directions).
@@ -65,7 +67,18 @@ PROBE_SETS: dict[str, list[tuple[int, int, float]]] = {
     "hot_rows": [(1_000, 8, 50)],
     # eight tiny tables of eight dims: eight operator groups, against many_small's one
     "many_dims": [(100, 8 * (i + 1), 1) for i in range(8)],
+    # The same ids, rows and bags over wide and over narrow rows, in one operator group and
+    # small enough to stay in the cache: only the bytes moved differ. In the sets above bytes
+    # grow with ids, unique rows, bags or cold rows (large tables are the only ones with many
+    # bytes per id, and they are all cold), so on one thread, where the per-item work weighs
+    # most, the fit could trade the byte term for the others and drop it.
+    "wide": [(4_000, 256, 8)],
+    "thin": [(4_000, 8, 8)],
 }
+# Placements each probe set is timed in (default: every one of PROBE_TYPES). The byte pair needs
+# no row or column split: it measures bytes, and the other sets measure the splits' work.
+PROBE_SET_TYPES: dict[str, tuple[str, ...]] = {"wide": ("table_wise", "data_parallel"),
+                                                "thin": ("table_wise", "data_parallel")}
 PROBE_TYPES = ("table_wise", "row_wise", "data_parallel", "column_wise")
 FIT_TERMS = ("bytes", "id_s", "row_s", "cold_byte_s", "bag_s", "kernel_overhead_s", "group_s", "route_id_s", "route_table_s",
              "column_stat_id_s", "column_stat_shard_s", "feature_s", "dist_id_s", "dist_value_s", "step_overhead_s")
@@ -197,7 +210,7 @@ def compute_cases(batches: tuple[int, ...], quick: bool = False) -> list[tuple[s
     for set_name in PROBE_SETS:
         if quick and set_name in ("large", "narrow"):
             continue
-        for kind in PROBE_TYPES:
+        for kind in PROBE_SET_TYPES.get(set_name, PROBE_TYPES):
             if set_name == "large" and kind == "data_parallel":
                 continue  # same bytes as table-wise; skip to keep calibration short
             if set_name in ("many_small", "many_dims") and kind == "column_wise":
