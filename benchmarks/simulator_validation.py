@@ -154,9 +154,20 @@ def measure(g: Group, plan: str, steps: int, batch: int) -> tuple[float, dict | 
         env = dict(os.environ, OMP_NUM_THREADS="1")
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0 or not summary.is_file():
-            raise SystemExit(f"run failed ({g.name}, {plan}):\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
+            raise SystemExit(failure_report(f"{g.name}, {plan}", cmd, proc))
         out = json.loads(summary.read_text())
         return float(out["train_samples_per_sec"]), out.get("plan")
+
+
+def failure_report(what: str, cmd: list[str], proc: subprocess.CompletedProcess) -> str:
+    """A failed run's message: the lines of its output that name an error, its tails, and where
+    its whole output was kept (every rank's, which the tails cut off)."""
+    with tempfile.NamedTemporaryFile("w", prefix="recscale-validation-failed-", suffix=".log", delete=False) as f:
+        f.write(f"$ {' '.join(cmd)}\nexit status {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines()
+              if any(k in line.lower() for k in ("error", "abort", "terminate", "what():", "fatal", "exception"))]
+    return (f"run failed ({what}), exit status {proc.returncode}; whole output in {f.name}\n"
+            + "\n".join(errors[-30:]) + f"\n--- tail\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
 
 
 _LOADER: dict[tuple, float] = {}
