@@ -345,7 +345,8 @@ def run_paired(args, pair: tuple[Setting, Setting], batches, spi: int, root: Pat
                    for j, r in enumerate(reports)]
     if [c["kind"] == "full" for c in checkpoints] != [c["position"] == 0 for c in checkpoints]:
         raise RuntimeError("--paired: a checkpoint's kind differs from the one announced before its save")
-    return {"pair": [s.label for s in pair], "paired_by": by, "codecs": [c.name for c in codecs], "intervals": intervals,
+    return {"pair": [s.label for s in pair], "paired_by": by, "codecs": [c.name for c in codecs],
+            "intervals": intervals,
             "checkpoints": checkpoints, "restore_bytes_read": stats.bytes_read, "restore_seconds": restore_s,
             "restored_rel_l2_error": error,
             "restored_chain_codecs": [Codec.from_dict(m.weight_codec).name for m in chain]}

@@ -163,7 +163,8 @@ def failure_report(what: str, cmd: list[str], proc: subprocess.CompletedProcess)
     """A failed run's message: the lines of its output that name an error, its tails, and where
     its whole output was kept (every rank's, which the tails cut off)."""
     with tempfile.NamedTemporaryFile("w", prefix="recscale-validation-failed-", suffix=".log", delete=False) as f:
-        f.write(f"$ {' '.join(cmd)}\nexit status {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+        f.write(f"$ {' '.join(cmd)}\nexit status {proc.returncode}\n"
+                f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
     errors = [line for line in (proc.stdout + proc.stderr).splitlines()
               if any(k in line.lower() for k in ("error", "abort", "terminate", "what():", "fatal", "exception"))]
     return (f"run failed ({what}), exit status {proc.returncode}; whole output in {f.name}\n"

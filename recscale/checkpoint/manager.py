@@ -139,7 +139,8 @@ class CheckpointManager:
         )
         held: list[torch.Tensor] = []  # snapshot buffers, reused once this checkpoint is written
         snaps = [self._snapshot(s, kind, held) for s in self.shards if s.writer]
-        changed = self._changed_rows(codec)
+        self.ranges_used |= codec.method == "adaptive"
+        changed = self._changed_rows()
         if self.tracker is not None:
             self.tracker.advance(kind)
         self.policy.record(kind, fraction)
@@ -167,14 +168,13 @@ class CheckpointManager:
         self.last_step, self.last_time = step, time.monotonic()
         return stall
 
-    def _changed_rows(self, codec: Codec) -> dict[tuple[str, int, int], torch.Tensor] | None:
-        """Per shard written, the rows updated since the last checkpoint (copies: the tracker
-        clears its flags next), for the writer to stop keeping their adaptive encodings; None
-        without a tracker (no row is kept then), or while no adaptive encoding is kept."""
-        self.ranges_used |= codec.method == "adaptive"
+    def _changed_rows(self) -> dict[tuple[str, int, int], torch.Tensor] | None:
+        """Per shard written, the rows updated since the last checkpoint, for the writer to stop
+        keeping their adaptive encodings; None without a tracker (no row is kept then), or while
+        no adaptive encoding is kept."""
         if self.tracker is None or not self.ranges_used:
             return None
-        return {(s.table.name, s.row_offset, s.col_offset): self.tracker.shard_mask(s, "incremental").clone()
+        return {(s.table.name, s.row_offset, s.col_offset): self.tracker.changed_this_interval(s)
                 for s in self.shards if s.writer}
 
     def _snapshot(self, s: LocalShard, kind: str, held: list[torch.Tensor]) -> ShardSnapshot:

@@ -166,9 +166,9 @@ def _codes(x: torch.Tensor, bias: torch.Tensor, inv: torch.Tensor, bits: int) ->
 
 def quantize_packed(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int,
                     native: bool = True) -> tuple[torch.Tensor, torch.Tensor, bytes | memoryview]:
-    """Per row the fp16 scale and offset of [lo, hi] and the codes on them, packed (``pack_bits``). The native kernel (when built; the
-    same bytes) computes and packs each row's codes in one pass, without the five full-size
-    temporaries of the PyTorch and NumPy definition."""
+    """Per row the fp16 scale and offset of [lo, hi] and the codes on them, packed (``pack_on``).
+    The native kernel (when built; the same bytes) computes and packs each row's codes in one
+    pass, without the five full-size temporaries of the PyTorch and NumPy definition."""
     scale, bias, _ = _scales(lo, hi, bits)
     return scale, bias, pack_on(x, scale, bias, bits, native)
 

@@ -73,11 +73,11 @@ class RangeMemory:
             self._kept[key].index_fill_(0, rows, tracked)
 
     def changed(self, key: ShardKey, mask: torch.Tensor) -> None:
-        """Rows of a shard (``mask``: bool per local row) updated since the last checkpoint: no
-        longer kept."""
+        """Rows of a shard (``mask``: bool per local row, on the CPU) updated since the last
+        checkpoint: no longer kept."""
         kept = self._kept.get(key)
         if kept is not None and kept.shape[0] == mask.shape[0]:
-            kept &= ~mask.to("cpu", torch.bool)
+            kept &= ~mask
 
     def kept_rows(self) -> int:
         return sum(int(k.sum()) for k in self._kept.values())

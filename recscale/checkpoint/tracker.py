@@ -63,6 +63,12 @@ class RowTracker:
             return touched.bool()
         return (touched | self._since_base[id(g)][off : off + shard.num_rows]).bool()
 
+    def changed_this_interval(self, shard: LocalShard) -> torch.Tensor:
+        """Rows of ``shard`` updated since the last checkpoint: a bool copy on the CPU (``advance``
+        clears the flags it is taken from)."""
+        g, off = shard.group()
+        return self._flags(g)[off : off + shard.num_rows].to("cpu", torch.bool, copy=True)
+
     def changed_since_init(self, shard: LocalShard) -> torch.Tensor:
         """Rows of ``shard`` updated since initialisation (or restored to other values): a
         superset of the rows that differ from their initial values, so a full checkpoint that

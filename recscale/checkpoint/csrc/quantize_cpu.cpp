@@ -499,35 +499,28 @@ struct Pack {
   uint8_t* codes;  // d bytes of scratch
 };
 
-// quantize.py's `_scales` for one row, bit for bit: the offset is lo clamped to fp16's range and
-// rounded to fp16 (c10::Half rounds to nearest even, as torch's .half() does), the scale is
-// (hi - offset) / levels in float32 clamped to [0, fp16 max] and rounded, the inverse 1 / scale
-// of the rounded scale (0 for a constant row). Then the row's codes, packed at its place.
-inline void pack_row(const float* x, int64_t r, int64_t d, float lo, float hi, float levels, const Pack& pk) {
-  constexpr float kMax = 65504.0f;
-  const float lc = lo < -kMax ? -kMax : (kMax < lo ? kMax : lo);
-  const c10::Half b(lc);
-  const float bf = static_cast<float>(b);
-  float sv = (hi - bf) / levels;
-  sv = sv < 0.0f ? 0.0f : (kMax < sv ? kMax : sv);
-  const c10::Half s(sv);
-  const float sf = static_cast<float>(s);
-  const float inv = sf > 0.0f ? 1.0f / sf : 0.0f;
-  pk.scale[r] = s;
-  pk.bias[r] = b;
-  row_codes(x + r * d, d, bf, inv, levels, pk.codes);
-  put_bits(pk.codes, d, pk.bits, r * d * pk.bits, pk.out);
-}
-
-// A row kept from its last encoding: its codes on that encoding's fp16 scale and offset (its
-// inverse as quantize.py's `pack_on` takes it), packed at its place, and no search.
-inline void pack_kept(const float* x, int64_t r, int64_t d, c10::Half s, c10::Half b, float levels, const Pack& pk) {
+// A row's codes on its fp16 scale and offset (the inverse 1 / scale of the rounded scale, 0 for
+// a constant row, as quantize.py's `pack_on` takes it), packed at its place; the scale and
+// offset stored. A row kept from its last encoding comes here directly, without a search.
+inline void pack_on(const float* x, int64_t r, int64_t d, c10::Half s, c10::Half b, float levels, const Pack& pk) {
   const float sf = static_cast<float>(s);
   const float inv = sf > 0.0f ? 1.0f / sf : 0.0f;
   pk.scale[r] = s;
   pk.bias[r] = b;
   row_codes(x + r * d, d, static_cast<float>(b), inv, levels, pk.codes);
   put_bits(pk.codes, d, pk.bits, r * d * pk.bits, pk.out);
+}
+
+// quantize.py's `_scales` for one row, bit for bit: the offset is lo clamped to fp16's range and
+// rounded to fp16 (c10::Half rounds to nearest even, as torch's .half() does), the scale is
+// (hi - offset) / levels in float32 clamped to [0, fp16 max] and rounded. Then `pack_on`.
+inline void pack_row(const float* x, int64_t r, int64_t d, float lo, float hi, float levels, const Pack& pk) {
+  constexpr float kMax = 65504.0f;
+  const float lc = lo < -kMax ? -kMax : (kMax < lo ? kMax : lo);
+  const c10::Half b(lc);
+  float sv = (hi - static_cast<float>(b)) / levels;
+  sv = sv < 0.0f ? 0.0f : (kMax < sv ? kMax : sv);
+  pack_on(x, r, d, c10::Half(sv), b, levels, pk);
 }
 
 // Searches the rows idx[0 .. count) (count <= kLanes), cold, or warm from `start` (uint8 pairs
@@ -627,7 +620,7 @@ Searched search_rows(const at::Tensor& x, int64_t levels, int64_t bins, int64_t 
   int nc = 0, nh = 0;
   for (int64_t r = 0; r < n; ++r) {
     if (kept.flag != nullptr && kept.flag[r]) {
-      pack_kept(xp, r, d, kept.scale[r], kept.bias[r], p.lv, pk);
+      pack_on(xp, r, d, kept.scale[r], kept.bias[r], p.lv, pk);
       fp[2 * r] = sp[2 * r];
       fp[2 * r + 1] = sp[2 * r + 1];
       continue;
