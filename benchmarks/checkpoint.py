@@ -279,7 +279,8 @@ def paired_codec(cycle: int, position: int, by: str = "cycle") -> int:
     from its last checkpoint: after one of the other codec it could keep fewer);
     ``by="checkpoint"``: within a cycle the codecs go A B B A, and cycles alternate with their
     mirror B A A B in A B B A order (every position A B B A over four cycles, whatever the
-    cycle's length); without fulls (one_shot, incremental) both are A B B A along the chain."""
+    cycle's length). Without fulls after the first (one_shot, incremental) every checkpoint is
+    in cycle 0, so only ``by="checkpoint"`` alternates: A B B A along the chain."""
     if by == "cycle":
         return abba(cycle)
     return abba(cycle) ^ abba(position)
