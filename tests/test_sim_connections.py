@@ -101,3 +101,18 @@ def test_cpu_replicas_exchange_before_the_bottom_mlp_backward():
     rep = next(op for op in step if op.name == "replica gradient exchange")
     assert all(op.start >= rep.end for op in step if op.name == "bottom MLP backward")
     assert max(op.start for op in step if op.name == "dense all-reduce") >= rep.end
+
+
+def test_every_replica_collective_pays_the_delay_between_hosts():
+    """The replicas' counts, rows and gradients cross the hosts like any other collective: each
+    of them pays the one-way delay between hosts (``cross_host_latency_ms``)."""
+    from recscale.planner.cost_model import group_collectives
+
+    cfg = load_config(ROOT / "configs" / "synthetic.toml", [*SMALL, "sharding.default=data_parallel"])
+
+    def exchange(ms: float):
+        ops = simulate(cfg, cluster(cross_host_latency_ms=ms)).ops
+        return next(op for op in ops if op.step == 2 and op.name == "replica gradient exchange")
+
+    n = group_collectives([(True, False)])  # one dim: counts, rows, gradients (both tables gathered)
+    assert exchange(5.0).duration_s - exchange(0.0).duration_s == pytest.approx(n * 5e-3)

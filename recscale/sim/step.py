@@ -180,9 +180,10 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
     ids_v, out_v, grad_v, hier_v, cw_v = _volumes(inp, topo)
     hierarchical = any(hier_v)
     column = "column_wise" in kinds.values()
-    lat = collective_s(hw)
-    if topo.hosts > 1:  # one one-way delay between hosts, and across each tier's groups
-        lat += topo.host_link_latency_s + sum(t.latency_s for t in topo.tiers if t.hosts_per_group < topo.hosts)
+    # one one-way delay between hosts, and across each tier's groups, on every collective
+    away = (topo.host_link_latency_s + sum(t.latency_s for t in topo.tiers if t.hosts_per_group < topo.hosts)
+            if topo.hosts > 1 else 0.0)
+    lat = collective_s(hw) + away
     distributed = bool(sharded)
     cpu = c.flops_per_s < 1e12  # a CPU rank's main thread waits in a synchronous collective
     d = inp.dense
@@ -291,7 +292,8 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
             # autograd reaches their backward, and its exchange, before the bottom MLP's: a CPU
             # rank's thread waits in it before the last dense buckets can launch.
             rep = collective("replica gradient exchange", "replica gradients", k, replica_links(inp, topo),
-                             group_collectives(dp_groups) * collective_s(hw, replica=True), top_b, cpu, "replica", ring=True)
+                             group_collectives(dp_groups) * (collective_s(hw, replica=True) + away), top_b, cpu,
+                             "replica", ring=True)
             tail = [rep] * w
         bottom_b = per_rank("bottom MLP backward", "MLP + interaction", k, 2 * bottom_f, lambda r: [tail[r]])
         reduces += [all_reduce(p, bottom_b) for p, needs_bottom in dense_buckets if needs_bottom]
