@@ -17,7 +17,7 @@ from recscale.sim.api import simulate
 from recscale.sim.engine import Op, Simulation
 from recscale.sim.step import StepInputs, replica_links
 from recscale.sim.topology import topology_from_dict
-from recscale.sim.traffic import all_to_all, bandwidths, connections, link_ends, on_wire, ring_all_gather
+from recscale.sim.traffic import all_to_all, bandwidths, connections, link_ends, on_wire
 from recscale.train.config import load_config
 from recscale.train.planning import table_specs
 
