@@ -186,6 +186,11 @@ def topology(g: Group, cfg) -> ClusterTopology:
     if key not in _LOADER:  # the loader's cost per sample of a rank's share, for this data (seconds)
         _LOADER[key] = measure_loader(cfg, world_size=g.hosts * g.ranks_per_host)
     link = {"cross_host_mbit": g.mbit, "cross_host_latency_ms": 1e3 * link_latency(g)} if g.mbit else {}
+    world = g.hosts * g.ranks_per_host
+    if g.mbit and world > g.ranks_per_host:
+        # every rank of every emulated host shares this machine: they slow each other as that
+        # many local ranks do, which a calibration of fewer ranks per host did not measure
+        link["contention"] = machine_contention(world)
     return topology_from_dict({
         "base": calibration(g.ranks_per_host), "hosts": g.hosts, "ranks_per_host": g.ranks_per_host,
         **link, "shared_cores": os.cpu_count() or 1,
@@ -245,6 +250,15 @@ def calibration(ranks_per_host: int) -> str:
             print(f"no calibration of this machine for {ranks_per_host} rank(s) ({why}): pricing on 'local-cpu'")
         _CALIBRATIONS[ranks_per_host] = str(cal) if cal else "local-cpu"
     return _CALIBRATIONS[ranks_per_host]
+
+
+def machine_contention(ranks: int) -> float:
+    """How much ``ranks`` ranks on this machine slow each other: the ``contention`` of its
+    calibration for that many local ranks (as ``calibration`` finds or makes it)."""
+    from recscale.planner.hardware import Hardware
+
+    path = calibration(ranks)
+    return Hardware.load(path).contention if path != "local-cpu" else 0.0
 
 
 def fresh_calibrations(gs: list[Group], out: Path) -> None:

@@ -116,3 +116,32 @@ def test_every_replica_collective_pays_the_delay_between_hosts():
 
     n = group_collectives([(True, False)])  # one dim: counts, rows, gradients (both tables gathered)
     assert exchange(5.0).duration_s - exchange(0.0).duration_s == pytest.approx(n * 5e-3)
+
+
+def test_emulated_hosts_on_one_machine_contend_as_its_local_ranks(tmp_path, monkeypatch):
+    """Emulated hosts of one rank each are priced on the one-rank calibration, which has no
+    neighbour to measure contention with; their ranks share one machine, so the validation takes
+    it from the machine's calibration for that many ranks (topology key ``contention``)."""
+    import json
+    import sys
+
+    from recscale.planner.hardware import LOCAL_CPU
+
+    cfg = load_config(ROOT / "configs" / "synthetic.toml", [*SMALL, "sharding.default=table_wise"])
+    alone = simulate(cfg, cluster(shared_cores=2, contention=0.0)).step_time_s
+    together = cluster(shared_cores=2, contention=0.5)
+    assert together.hardware.contention == 0.5
+    assert simulate(cfg, together).step_time_s > alone
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import simulator_validation as sv
+
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    for path, c in ((one, 0.0), (two, 0.25)):
+        d = {k: getattr(LOCAL_CPU, k) for k in LOCAL_CPU.__dataclass_fields__}
+        path.write_text(json.dumps({**d, "contention": c}))
+    monkeypatch.setattr(sv, "_CALIBRATIONS", {1: str(one), 2: str(two)})
+    monkeypatch.setattr(sv, "_LINK_LATENCY", {"2x1 200 Mbit/s": 1e-3})
+    monkeypatch.setattr(sv, "_LOADER", {})
+    monkeypatch.setattr(sv, "measure_loader", lambda cfg, world_size: 0.0)
+    topo = sv.topology(sv.Group("2x1 hosts", 2, 1, 200, ("table_wise",)), cfg)
+    assert topo.hardware.contention == 0.25 and topo.host_link_latency_s == pytest.approx(1e-3)
