@@ -185,13 +185,52 @@ def topology(g: Group, cfg) -> ClusterTopology:
            cfg.train.seed, g.hosts * g.ranks_per_host)
     if key not in _LOADER:  # the loader's cost per sample of a rank's share, for this data (seconds)
         _LOADER[key] = measure_loader(cfg, world_size=g.hosts * g.ranks_per_host)
+    link = {"cross_host_mbit": g.mbit, "cross_host_latency_ms": 1e3 * link_latency(g)} if g.mbit else {}
+    world = g.hosts * g.ranks_per_host
+    if g.mbit and world > g.ranks_per_host:
+        # every rank of every emulated host shares this machine: they slow each other as that
+        # many local ranks do, which a calibration of fewer ranks per host did not measure
+        link["contention"] = machine_contention(world)
     return topology_from_dict({
         "base": calibration(g.ranks_per_host), "hosts": g.hosts, "ranks_per_host": g.ranks_per_host,
-        **({"cross_host_mbit": g.mbit} if g.mbit else {}), "shared_cores": os.cpu_count() or 1,
+        **link, "shared_cores": os.cpu_count() or 1,
         "load_s_per_sample": _LOADER[key], **_COMPUTE,
         # shaped veth links frame as tc counts them; unshaped ranks talk over loopback (MTU 64 KiB)
         **(EMULATED_FRAMING if g.mbit else {"mtu_bytes": 65536, "frame_bytes": TC_FRAME_BYTES}),
     }, "validation")
+
+
+_LINK_LATENCY: dict[str, float] = {}  # emulated cluster shape -> seconds one small gloo collective takes across it
+
+
+def _shape(g: Group) -> str:
+    return f"{g.hosts}x{g.ranks_per_host} {g.mbit:g} Mbit/s"
+
+
+def link_latency(g: Group) -> float:
+    """Seconds one small collective takes between the group's emulated hosts: measured once per
+    cluster shape by a probe on the same emulated network (``_link_latency.py``: gloo waits for
+    the receiver's notice before it sends, so a few bytes cost round trips through both hosts'
+    network stacks and the ranks' threads' wake-ups). The one-rank calibration the group is
+    priced on has no peer to time, so it prices every collective at nothing."""
+    key = _shape(g)
+    if key not in _LINK_LATENCY:
+        if os.geteuid() != 0:
+            print(f"not root: the collective latency across {key} is not measured (priced at 0)")
+            _LINK_LATENCY[key] = 0.0
+            return 0.0
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "latency.txt"
+            cmd = [sys.executable, "-m", "recscale", "cluster", "--hosts", str(g.hosts), "--ranks-per-host",
+                   str(g.ranks_per_host), "--bandwidth-mbit", str(g.mbit), "--", str(ROOT / "benchmarks" / "_link_latency.py"),
+                   str(out)]
+            proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                                  timeout=600)
+            if proc.returncode != 0 or not out.is_file():
+                raise SystemExit(failure_report(f"collective latency probe, {key}", cmd, proc))
+            _LINK_LATENCY[key] = float(out.read_text())
+        print(f"collective latency across {key}: {_LINK_LATENCY[key] * 1e3:.3f} ms (measured now)", flush=True)
+    return _LINK_LATENCY[key]
 
 
 _CALIBRATIONS: dict[int, str] = {}  # ranks per host -> the planner's calibration of this machine
@@ -211,6 +250,15 @@ def calibration(ranks_per_host: int) -> str:
             print(f"no calibration of this machine for {ranks_per_host} rank(s) ({why}): pricing on 'local-cpu'")
         _CALIBRATIONS[ranks_per_host] = str(cal) if cal else "local-cpu"
     return _CALIBRATIONS[ranks_per_host]
+
+
+def machine_contention(ranks: int) -> float:
+    """How much ``ranks`` ranks on this machine slow each other: the ``contention`` of its
+    calibration for that many local ranks (as ``calibration`` finds or makes it)."""
+    from recscale.planner.hardware import Hardware
+
+    path = calibration(ranks)
+    return Hardware.load(path).contention if path != "local-cpu" else 0.0
 
 
 def fresh_calibrations(gs: list[Group], out: Path) -> None:
@@ -330,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.fresh_calibration).mkdir(parents=True, exist_ok=True)
         fresh_calibrations(gs, Path(args.fresh_calibration))
     if args.refit:
+        _LINK_LATENCY.update(old.get("link_latency_s", {}))
         for c in old["cases"]:
             if (c["group"], c["plan"]) in cases:
                 cases[(c["group"], c["plan"])].measured = c["measured"]
@@ -362,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_json(args.json, {"environment": environment(), "quick": args.quick, "steps": steps, "turns": turns,
                                "batch_size": args.batch_size, "groups": [asdict(g) for g in gs],
-                               "cases": [asdict(c) for c in cases.values()],
+                               "cases": [asdict(c) for c in cases.values()], "link_latency_s": dict(_LINK_LATENCY),
                                **{k: v for k, v in result.items() if k != "rows"}})
         print(f"written to {args.json}")
     return 0

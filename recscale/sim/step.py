@@ -103,8 +103,10 @@ def gradient_links(topo: ClusterTopology, grad_v: list[float], hier_v: list[floa
     """The backward's exchanges: gradients to the owners, the hierarchical shards' step inside
     the host, and the column-wise owners' row statistics to every rank (an all-gather around
     the ring, every part padded to the largest)."""
-    cw = traffic.ring_all_gather(topo, max(cw_v)) if cw_v and max(cw_v) > 0 else {}
-    return traffic.merge(traffic.all_to_all(topo, grad_v), traffic.intra_host(topo, hier_v), cw)
+    part = max(cw_v) if cw_v else 0.0
+    cw = traffic.ring_all_gather(topo, part) if part > 0 else {}
+    return traffic.merge(traffic.all_to_all(topo, grad_v), traffic.intra_host(topo, hier_v), cw,
+                         serial_connections(topo, grad_v, part))
 
 
 def replica_links(inp: StepInputs, topo: ClusterTopology) -> dict:
@@ -125,7 +127,20 @@ def replica_links(inp: StepInputs, topo: ClusterTopology) -> dict:
             gathered += unique_rows(t.rows, t.unique_fraction, ids, ids / w) * (t.dim * 4 + 8)
     if w == 1 or gathered + dense_slice == 0:
         return {}
-    return traffic.merge(traffic.uniform(topo, dense_slice), traffic.ring_all_gather(topo, gathered + dense_slice))
+    return traffic.merge(traffic.uniform(topo, dense_slice), traffic.ring_all_gather(topo, gathered + dense_slice),
+                         serial_connections(topo, [dense_slice] * w, gathered + dense_slice))
+
+
+def over_tcp(topo: ClusterTopology) -> bool:
+    """Whether collectives between hosts run over gloo's TCP connections: CPU ranks (gloo) on
+    several hosts. GPU ranks (NCCL) post their receives ahead and send both ways at once."""
+    return topo.hosts > 1 and topo.compute.flops_per_s < 1e12
+
+
+def serial_connections(topo: ClusterTopology, per_dest: list[float], ring_part: float = 0.0) -> dict:
+    """Over TCP, the connections' bytes that go one direction after the other
+    (``traffic.connections``); nothing elsewhere."""
+    return traffic.connections(topo, per_dest, ring_part) if over_tcp(topo) else {}
 
 
 def contention_factor(topo: ClusterTopology) -> float:
@@ -165,9 +180,10 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
     ids_v, out_v, grad_v, hier_v, cw_v = _volumes(inp, topo)
     hierarchical = any(hier_v)
     column = "column_wise" in kinds.values()
-    lat = collective_s(hw)
-    if topo.hosts > 1:  # one one-way delay between hosts, and across each tier's groups
-        lat += topo.host_link_latency_s + sum(t.latency_s for t in topo.tiers if t.hosts_per_group < topo.hosts)
+    # one one-way delay between hosts, and across each tier's groups, on every collective
+    away = (topo.host_link_latency_s + sum(t.latency_s for t in topo.tiers if t.hosts_per_group < topo.hosts)
+            if topo.hosts > 1 else 0.0)
+    lat = collective_s(hw) + away
     distributed = bool(sharded)
     cpu = c.flops_per_s < 1e12  # a CPU rank's main thread waits in a synchronous collective
     d = inp.dense
@@ -224,7 +240,8 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
     def send(k: int) -> None:
         packs = per_rank("pack ids", "input distribution", k, pack, lambda r: [loads[k][r]])
         n = 3 if distributed else 1  # batch sizes, lengths, ids (only batch sizes when all replicated)
-        ids_op[k] = collective("ids all-to-all", "input distribution", k, traffic.all_to_all(topo, ids_v), n * lat,
+        links = traffic.merge(traffic.all_to_all(topo, ids_v), serial_connections(topo, ids_v))
+        ids_op[k] = collective("ids all-to-all", "input distribution", k, links, n * lat,
                                packs, blocking=cpu and not inp.pipeline)
 
     step_end: list[float] = []
@@ -244,7 +261,8 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
         look = per_rank("embedding lookup", "embedding lookup", k, [e / (1 + bf) for e in emb], lambda r: [ids_op[k]])
         deps_top: list[int] = []
         if distributed:
-            links = traffic.merge(traffic.all_to_all(topo, out_v, toward_dest=False), traffic.intra_host(topo, hier_v))
+            links = traffic.merge(traffic.all_to_all(topo, out_v, toward_dest=False), traffic.intra_host(topo, hier_v),
+                                  serial_connections(topo, out_v))
             out = collective("output all-to-all", "output distribution", k, links, (1 + hierarchical) * lat, look, False)
             deps_top = per_rank("unpack outputs", "output distribution", k, unpack, lambda r: [out])
         bottom = per_rank("bottom MLP forward", "MLP + interaction", k, bottom_f, lambda r: [loads[k][r]])
@@ -268,16 +286,20 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
             # issued asynchronously as the interaction's backward ends; the embeddings' backward
             # waits for it after the bottom MLP's backward has launched the last buckets
             grad_dep = [collective("gradient all-to-all", "gradient distribution", k, links, n * lat, top_b, False)]
-        bottom_b = per_rank("bottom MLP backward", "MLP + interaction", k, 2 * bottom_f, lambda r: [top_b[r]])
+        tail = top_b
+        if dp_groups:
+            # The replicas pool after the bottom MLP's forward (while the outputs travel), so
+            # autograd reaches their backward, and its exchange, before the bottom MLP's: a CPU
+            # rank's thread waits in it before the last dense buckets can launch.
+            rep = collective("replica gradient exchange", "replica gradients", k, replica_links(inp, topo),
+                             group_collectives(dp_groups) * (collective_s(hw, replica=True) + away), top_b, cpu,
+                             "replica", ring=True)
+            tail = [rep] * w
+        bottom_b = per_rank("bottom MLP backward", "MLP + interaction", k, 2 * bottom_f, lambda r: [tail[r]])
         reduces += [all_reduce(p, bottom_b) for p, needs_bottom in dense_buckets if needs_bottom]
         upd = per_rank("embedding backward + update", "embedding backward + update", k, [e * bf / (1 + bf) for e in emb],
                        lambda r: grad_dep if len(grad_dep) == 1 else [grad_dep[r]])
-        tail = upd
-        if dp_groups:
-            rep = collective("replica gradient exchange", "replica gradients", k, replica_links(inp, topo),
-                             group_collectives(dp_groups) * collective_s(hw, replica=True), upd, cpu, "replica", ring=True)
-            tail = [rep] * w
-        opt = per_rank("dense optimizer", "dense optimizer", k, optim, lambda r: [tail[r], *reduces, bottom_b[r]])
+        opt = per_rank("dense optimizer", "dense optimizer", k, optim, lambda r: [upd[r], tail[r], *reduces, bottom_b[r]])
         if c.loop_s:  # the training loop's own work, whatever the batch
             opt = per_rank("training loop", "training loop", k, stretch * c.loop_s, lambda r: [opt[r]])
         if ckpt:

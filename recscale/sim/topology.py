@@ -20,6 +20,7 @@ file (TOML or JSON)::
     load_s_per_sample = 1e-6      # optional: data loader time per sample
     checkpoint_gbyte_s = 1.0      # optional: checkpoint write rate per rank (stalls)
     shared_cores = 2              # optional: all ranks run on one machine of this many cores
+    contention = 0.18             # optional: how much ranks sharing a machine slow each other (the base's)
     mtu_bytes = 1500              # optional: TCP/IP packets on host links and tiers (0: payload alone)
     frame_bytes = 38              # optional: per frame beyond the IP packet (Ethernet; 14 under tc)
     segments_per_ack = 2          # optional: a pure ACK back per this many segments (0: none)
@@ -248,7 +249,7 @@ def _is_hardware_json(p: Path) -> bool:
 _KEYS = {"base", "hosts", "ranks_per_host", "cross_host_mbit", "cross_host_latency_ms", "intra_host_gbyte_s",
          "flops_per_s", "op_overhead_s", "load_s_per_sample", "tiers", "name", "checkpoint_gbyte_s",
          "shared_cores", "value_s", "send_buffer_mib", "mtu_bytes", "frame_bytes", "segments_per_ack",
-         "cores_per_host", "loop_s", "burst_bytes"}
+         "cores_per_host", "loop_s", "burst_bytes", "contention"}
 
 
 def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = None,
@@ -269,6 +270,9 @@ def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = No
     link = mbit * 1e6 / 8 if mbit else hw.cross_host_bw * r
     # the cost model's cross-host figure is per rank: an R-rank host's link carries R shares
     hw = replace(hw, cross_host_bw=link / r, intra_host_bw=intra * 1e9 if intra else hw.intra_host_bw)
+    contention = _num(d, "contention", source)
+    if contention is not None:  # ranks sharing a machine the base was not calibrated with several ranks on
+        hw = replace(hw, contention=contention)
     c0 = _compute_for(hw.name)
     compute = DenseCompute(
         _num(d, "flops_per_s", source, c0.flops_per_s, positive=True),  # type: ignore[arg-type]

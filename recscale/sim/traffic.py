@@ -12,7 +12,9 @@ from recscale.sim.topology import ClusterTopology
 
 def bandwidths(topo: ClusterTopology) -> dict[str, float]:
     bw = {"intra_out": topo.hardware.intra_host_bw, "intra_in": topo.hardware.intra_host_bw,
-          "host_out": topo.host_link_bw, "host_in": topo.host_link_bw}
+          "host_out": topo.host_link_bw, "host_in": topo.host_link_bw,
+          # one TCP connection between two ranks of different hosts, both ways in turn (``connections``)
+          "pair": topo.host_link_bw}
     for i, t in enumerate(topo.tiers):
         bw[f"tier{i}_out"] = bw[f"tier{i}_in"] = t.bandwidth
     return bw
@@ -23,7 +25,8 @@ def bursts(topo: ClusterTopology) -> dict[str, float]:
     into its host (shared memory, NVLink) is not shaped."""
     if not topo.burst_bytes:
         return {}
-    return {k: topo.burst_bytes for k in bandwidths(topo) if not k.startswith("intra")}
+    # a connection's two directions pass two shapers, each with its own bucket
+    return {k: topo.burst_bytes * (2 if k == "pair" else 1) for k in bandwidths(topo) if not k.startswith("intra")}
 
 
 def _groups(topo: ClusterTopology) -> list[tuple[str, int]]:
@@ -98,6 +101,36 @@ def _ring(topo: ClusterTopology, v: float) -> dict[Link, float]:
     return links
 
 
+def connections(topo: ClusterTopology, per_dest: list[float] | None = None, ring_part: float = 0.0) -> dict[Link, float]:
+    """The bytes each connection between two ranks of different hosts carries one direction
+    after the other, as gloo runs its all-to-all (``per_dest``: bytes every rank sends rank d)
+    and, between two ranks, its all-gather of ``ring_part`` bytes a rank.
+
+    gloo sends a message only once the receiver has told it that its receive is posted, and
+    that notice travels on the same TCP connection as the data. Each rank posts its send before
+    its receive: the rank that comes second finds the first one's notice waiting, sends its
+    data at once and only then its own notice, which queues behind that data on the link. So
+    the first rank's data leaves once the second rank's has arrived: a pair's two directions
+    go in turn, and an exchange of N bytes each way takes as long as 2 N one way. gloo's
+    all-gather sends in two halves, so at W = 2 the first rank's first half overlaps the second
+    rank's second half: 3/2 of a part in turn. A ring of more ranks sends and receives on
+    different connections (nothing in turn); an all-reduce posts its receives first."""
+    w, r = topo.world_size, topo.ranks_per_host
+    links: dict[Link, float] = {}
+    if topo.hosts < 2:
+        return links
+    for s in range(w):
+        for d in range(s + 1, w):
+            if s // r == d // r:
+                continue
+            v = (per_dest[d] + per_dest[s]) if per_dest else 0.0
+            if w == 2:
+                v += 1.5 * ring_part
+            if v > 0:
+                links[("pair", s * w + d)] = v
+    return links
+
+
 def intra_host(topo: ClusterTopology, per_rank: list[float]) -> dict[Link, float]:
     """A reduce-scatter or all-gather inside each host: ``per_rank[r]`` bytes out of and into r."""
     links: dict[Link, float] = {}
@@ -131,6 +164,10 @@ def link_ends(topo: ClusterTopology):
         if link in cache:
             return cache[link]
         kind, index = link
+        if kind == "pair":  # a connection: both ranks send and receive over it
+            both = frozenset([index // w, index % w])
+            cache[link] = (both, both)
+            return cache[link]
         prefix, direction = kind.rsplit("_", 1)
         if prefix == "intra":
             inside = frozenset(range(index // r * r, min(w, (index // r + 1) * r))) if topo.hosts > 1 else everyone
@@ -148,8 +185,9 @@ def link_ends(topo: ClusterTopology):
 def on_wire(topo: ClusterTopology, links: dict[Link, float]) -> dict[Link, float]:
     """What ``links`` (payload bytes) put on each link with the network's framing: every host
     link and tier carries its payload times the framing's data factor plus the acknowledgements
-    of the payload going the other way (``host_out`` h answers ``host_in`` h); the links
-    inside a host (shared memory, NVLink) carry payload alone."""
+    of the payload going the other way (``host_out`` h answers ``host_in`` h), a connection
+    (``pair``) its payload framed; the links inside a host (shared memory, NVLink) carry payload
+    alone."""
     f = topo.framing
     if f is None or not links:
         return links
@@ -160,7 +198,7 @@ def on_wire(topo: ClusterTopology, links: dict[Link, float]) -> dict[Link, float
             out[(kind, i)] = out.get((kind, i), 0.0) + v
             continue
         out[(kind, i)] = out.get((kind, i), 0.0) + v * data
-        if ack and v > 0:
+        if ack and v > 0 and kind != "pair":
             prefix, direction = kind.rsplit("_", 1)
             back = (f"{prefix}_{'in' if direction == 'out' else 'out'}", i)
             out[back] = out.get(back, 0.0) + v * ack
