@@ -136,7 +136,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class RunFailed(RuntimeError):
+    """A measured run exited with an error or wrote no summary (the message: ``failure_report``)."""
+
+
+# Failed runs that were run again (``measure``): each one's message, reported with the results.
+_FAILED: list[str] = []
+
+
 def measure(g: Group, plan: str, steps: int, batch: int) -> tuple[float, dict | None]:
+    """One run's samples/s and plan. A failed run is reported and run once more, so that one
+    rare failure does not discard an hour of turns; a second failure stops the validation."""
+    try:
+        return _measure_once(g, plan, steps, batch)
+    except RunFailed as e:
+        _FAILED.append(str(e))
+        print(f"{e}\n(run again once)", file=sys.stderr, flush=True)
+    try:
+        return _measure_once(g, plan, steps, batch)
+    except RunFailed as e:
+        raise SystemExit(str(e)) from None
+
+
+def _measure_once(g: Group, plan: str, steps: int, batch: int) -> tuple[float, dict | None]:
     with tempfile.TemporaryDirectory() as tmp:
         summary = Path(tmp) / "summary.json"
         train = ["train", "--config", str(CONFIG), "--summary-json", str(summary)]
@@ -154,7 +176,7 @@ def measure(g: Group, plan: str, steps: int, batch: int) -> tuple[float, dict | 
         env = dict(os.environ, OMP_NUM_THREADS="1")
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0 or not summary.is_file():
-            raise SystemExit(failure_report(f"{g.name}, {plan}", cmd, proc))
+            raise RunFailed(failure_report(f"{g.name}, {plan}", cmd, proc))
         out = json.loads(summary.read_text())
         return float(out["train_samples_per_sec"]), out.get("plan")
 
@@ -408,10 +430,13 @@ def main(argv: list[str] | None = None) -> int:
         c.predicted = predict(g, key[1], steps, args.batch_size, c.run_plan)
     result = score(gs, cases)
     report(result)
+    if _FAILED:
+        print(f"{len(_FAILED)} run(s) failed and were run again:\n" + "\n".join(m.splitlines()[0] for m in _FAILED))
     if args.json:
         write_json(args.json, {"environment": environment(), "quick": args.quick, "steps": steps, "turns": turns,
                                "batch_size": args.batch_size, "groups": [asdict(g) for g in gs],
                                "cases": [asdict(c) for c in cases.values()], "link_latency_s": dict(_LINK_LATENCY),
+                               "failed_runs": list(_FAILED),
                                **{k: v for k, v in result.items() if k != "rows"}})
         print(f"written to {args.json}")
     return 0

@@ -173,6 +173,29 @@ def test_validation_scoring():
     assert grp["tau"] == pytest.approx(1 / 3) and grp["sim_best"] == "c" and grp["best_within_5pct"]
 
 
+def test_validation_runs_a_failed_run_once_more(monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import simulator_validation as sv
+
+    g = sv.Group("g", 1, 2, None, ("a",))
+    outcomes = [sv.RunFailed("run failed (g, a), exit status -6"), (123.0, None)]
+
+    def once(*_):
+        o = outcomes.pop(0)
+        if isinstance(o, Exception):
+            raise o
+        return o
+
+    monkeypatch.setattr(sv, "_measure_once", once)
+    monkeypatch.setattr(sv, "_FAILED", [])
+    assert sv.measure(g, "a", 20, 1024) == (123.0, None)
+    assert sv._FAILED == ["run failed (g, a), exit status -6"]
+    # a second failure in a row stops the validation with its message
+    outcomes[:] = [sv.RunFailed("first"), sv.RunFailed("second")]
+    with pytest.raises(SystemExit, match="second"):
+        sv.measure(g, "a", 20, 1024)
+
+
 def test_validation_pipeline_pairs():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import simulator_validation as sv
