@@ -9,6 +9,7 @@ error instead of a hang.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 
@@ -18,7 +19,8 @@ import torch.distributed as dist
 from recscale.comm.errors import DistributedError
 from recscale.comm.shared_memory import close_shared_memory, enable_shared_memory, shared_memory_wanted
 
-__all__ = ["DistributedError", "ProcessGroups", "Topology", "destroy_process_groups", "env_topology", "init_process_groups"]
+__all__ = ["DistributedError", "ProcessGroups", "Topology", "destroy_process_groups", "env_topology", "finish_process_groups",
+           "init_process_groups"]
 
 
 @dataclass(frozen=True)
@@ -151,3 +153,16 @@ def destroy_process_groups() -> None:
     close_shared_memory()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def finish_process_groups() -> None:
+    """End a job that succeeded: wait until every rank is done (no peer's collective is still in
+    flight toward this rank), destroy the groups, and free their objects now. A group that
+    outlives them (held in a reference cycle of the model) is otherwise freed while the
+    interpreter shuts down, and gloo's worker threads then abort the process ("terminate called
+    without an active exception") after its work is done. A failed job only destroys: a barrier
+    with a peer that will never come would hang until the timeout."""
+    if dist.is_initialized():
+        dist.barrier()
+    destroy_process_groups()
+    gc.collect()

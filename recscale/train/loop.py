@@ -16,7 +16,8 @@ import torch
 
 from recscale.comm.collectives import CommStats, all_gather_object_check
 from recscale.comm.dense_sync import DenseGradSync
-from recscale.comm.process_group import ProcessGroups, destroy_process_groups, env_topology, init_process_groups
+from recscale.comm.process_group import (ProcessGroups, destroy_process_groups, env_topology, finish_process_groups,
+                                         init_process_groups)
 from recscale.embedding.tier_hooks import close_tiers
 from recscale.model import DLRM
 from recscale.train.checkpointing import TrainCheckpointing
@@ -55,10 +56,15 @@ def train(cfg: Config, log: Callable[[str], None] = print, replay: Replay | None
     device = pick_device(cfg.train.device, tiers=cfg.tiers.enabled())
     groups = init_process_groups(topology, cfg.dist.timeout_s, device=device, shared_memory=cfg.dist.shared_memory)
     try:
-        return _train(cfg, groups, log if groups.rank == 0 else (lambda _: None), replay, tuning)
-    finally:
+        summary = _train(cfg, groups, log if groups.rank == 0 else (lambda _: None), replay, tuning)
+    except BaseException:
         if groups.world_size > 1:
             destroy_process_groups()
+        raise
+    if groups.world_size > 1:
+        del groups  # so that finishing frees the groups
+        finish_process_groups()
+    return summary
 
 
 def _tune(cfg: Config, ranks_per_host: int) -> ProcessTuning:
