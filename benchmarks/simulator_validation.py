@@ -166,8 +166,7 @@ def _measure_once(g: Group, plan: str, steps: int, batch: int) -> tuple[float, d
             train += ["--set", o]
         py = [sys.executable, "-m"]
         if g.mbit is not None:
-            cmd = py + ["recscale", "cluster", "--hosts", str(g.hosts), "--ranks-per-host", str(g.ranks_per_host),
-                        "--bandwidth-mbit", str(g.mbit), "--"] + train
+            cmd = cluster_command(g, train)
         elif g.ranks_per_host > 1:
             cmd = py + ["torch.distributed.run", f"--nproc_per_node={g.ranks_per_host}", "--master_addr=127.0.0.1",
                         f"--master_port={_free_port()}", "-m", "recscale"] + train
@@ -179,6 +178,13 @@ def _measure_once(g: Group, plan: str, steps: int, batch: int) -> tuple[float, d
             raise RunFailed(failure_report(f"{g.name}, {plan}", cmd, proc))
         out = json.loads(summary.read_text())
         return float(out["train_samples_per_sec"]), out.get("plan")
+
+
+def cluster_command(g: Group, job: list[str]) -> list[str]:
+    """``recscale cluster`` running ``job`` (a recscale command or a script) on the group's
+    emulated hosts and shaped link."""
+    return [sys.executable, "-m", "recscale", "cluster", "--hosts", str(g.hosts), "--ranks-per-host", str(g.ranks_per_host),
+            "--bandwidth-mbit", str(g.mbit), "--", *job]
 
 
 def failure_report(what: str, cmd: list[str], proc: subprocess.CompletedProcess) -> str:
@@ -243,9 +249,7 @@ def link_latency(g: Group) -> float:
             return 0.0
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "latency.txt"
-            cmd = [sys.executable, "-m", "recscale", "cluster", "--hosts", str(g.hosts), "--ranks-per-host",
-                   str(g.ranks_per_host), "--bandwidth-mbit", str(g.mbit), "--", str(ROOT / "benchmarks" / "_link_latency.py"),
-                   str(out)]
+            cmd = cluster_command(g, [str(ROOT / "benchmarks" / "_link_latency.py"), str(out)])
             proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                                   timeout=600)
             if proc.returncode != 0 or not out.is_file():

@@ -77,3 +77,14 @@ def test_calibrate_times_under_trainings_openmp_policy():
     out = [subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, check=True).stdout.strip()
            for args in (["calibrate", "--ranks", "2"], ["plan"])]
     assert out == ["PASSIVE", "None"]
+
+
+@pytest.mark.parametrize("copies,cores,expected", [(2, 2, 0.25), (4, 2, 0.25), (4, 1, 0.25), (2, 4, 0.25)])
+def test_contention_counts_copies_beyond_the_cores_per_core(monkeypatch, copies, cores, expected):
+    # four copies on two cores take turns: twice the time is their share of the cores (which the
+    # simulator charges), only what is left is the memory system's contention
+    turns = max(1.0, copies / cores)
+    monkeypatch.setattr(calibrate, "usable_cores", lambda: cores)
+    monkeypatch.setattr(calibrate, "time_contention",
+                        lambda jobs, n, steps, rounds: ([[1e-3, 2e-3]] * len(jobs), [[1.25e-3 * turns, 3e-3 * turns]] * len(jobs)))
+    assert calibrate.measure_contention(copies, 64, 1, rounds=2) == pytest.approx(expected)
