@@ -32,7 +32,7 @@ one training makes on first use, made here if missing; ``--fresh-calibration DIR
 taken now, beside the measurements), the simulator's dense compute and training loop
 (``recscale.sim.calibrate``, cached; ``--measure-compute`` measures them again) and the loader's cost for each data set and
 world size (measured here, a second each). The full run (45 configurations, ``--turns 5``,
-60 steps: 225 runs of 15-30 s) takes about 1-1.5 hours on 2 cores; ``--quick`` (9, one turn,
+60 steps: 225 runs of 10-30 s) takes about an hour on 2 cores; ``--quick`` (9, one turn,
 20 steps) about 4.5 minutes.
 
 Run it alone on the machine: it times things.
