@@ -8,6 +8,7 @@ import pytest
 
 from recscale.comm.process_group import Topology
 from recscale.embedding import TableConfig
+from recscale.host_cpus import CpuBudget
 from recscale.planner import calibrate
 from recscale.planner.cost_model import TableSpec
 from recscale.planner.measure import synthetic_batches, time_contention, time_plans
@@ -84,7 +85,7 @@ def test_contention_counts_copies_beyond_the_cores_per_core(monkeypatch, copies,
     # four copies on two cores take turns: twice the time is their share of the cores (which the
     # simulator charges), only what is left is the memory system's contention
     turns = max(1.0, copies / cores)
-    monkeypatch.setattr(calibrate, "usable_cores", lambda: cores)
+    monkeypatch.setattr(calibrate, "usable_cpus", lambda read_cgroup: CpuBudget(cores, "test"))
     monkeypatch.setattr(calibrate, "time_contention",
                         lambda jobs, n, steps, rounds: ([[1e-3, 2e-3]] * len(jobs), [[1.25e-3 * turns, 3e-3 * turns]] * len(jobs)))
     assert calibrate.measure_contention(copies, 64, 1, rounds=2) == pytest.approx(expected)

@@ -10,13 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from recscale.train.process_tuning import (
-    cgroup_cpu_quota,
-    prefer_passive_openmp,
-    size_threads,
-    tuning_requested,
-    usable_cpus,
-)
+from recscale.host_cpus import cgroup_cpu_quota, usable_cpus
+from recscale.train.process_tuning import prefer_passive_openmp, size_threads, tuning_requested
 
 
 def _write(path: Path, text: str) -> None:

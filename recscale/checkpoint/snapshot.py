@@ -13,24 +13,17 @@ just not handed back in between.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from recscale.host_cpus import usable_cpus
 from recscale.host_memory import advise_huge_pages
 
 # Below this a copy is not worth splitting over threads.
 _PARALLEL_MIN_BYTES = 64 << 20
-
-
-def usable_cores() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 # Snapshot buffers start on a page: the writer's direct I/O then takes whole chunks straight
@@ -54,7 +47,7 @@ class SnapshotBuffers:
     asked: a snapshot gets a prefix view."""
 
     def __init__(self, threads: int | None = None, min_parallel_bytes: int = _PARALLEL_MIN_BYTES) -> None:
-        self.threads = threads or usable_cores()
+        self.threads = threads or usable_cpus(read_cgroup=False).cpus
         self.min_parallel_bytes = min_parallel_bytes
         self._free: dict[tuple, list[torch.Tensor]] = {}
         self._lock = threading.Lock()

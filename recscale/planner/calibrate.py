@@ -50,6 +50,7 @@ from recscale.comm.local_processes import free_port, start_local_processes
 from recscale.comm.process_group import Topology
 from recscale.comm.shared_memory import enable_shared_memory, shared_memory_wanted
 from recscale.embedding import TableConfig
+from recscale.host_cpus import usable_cpus
 from recscale.planner.cost_model import TableSpec, Workload, cold_fraction, groups_per_rank
 from recscale.planner.hardware import Hardware
 from recscale.planner.measure import shard_loads, synthetic_batches, time_contention, time_plans
@@ -313,14 +314,9 @@ def measure_contention(world_size: int, batch: int = 4096, steps: int = 5, round
                 progress(f"round {r + 1}: {name}: {x * 1e3:.2f} ms alone, {y * 1e3:.2f} ms with {world_size} at once")
     # Copies beyond the cores take turns on them: that slowdown is the ranks' share of the cores
     # (what the simulator's ``cores.CoreShare`` charges), not the memory system's contention.
-    turns = max(1.0, world_size / usable_cores())
+    turns = max(1.0, world_size / usable_cpus(read_cgroup=False).cpus)
     ratios = [min(t) / min(a) / turns for a, t in zip(alone, together)]
     return max(0.0, statistics.median(ratios) - 1.0)
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _a2a_worker(rank: int, world: int, port: int, out: str) -> None:
