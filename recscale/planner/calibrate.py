@@ -53,7 +53,7 @@ from recscale.embedding import TableConfig
 from recscale.host_cpus import usable_cpus
 from recscale.planner.cost_model import TableSpec, Workload, cold_fraction, groups_per_rank
 from recscale.planner.hardware import Hardware
-from recscale.planner.measure import shard_loads, synthetic_batches, time_contention, time_plans
+from recscale.planner.measure import shard_loads, synthetic_batches, threads_per_rank, time_contention, time_plans
 from recscale.sharding.default_plan import TableSharding, default_plan, single_rank_plan
 from recscale.sharding.plan import ShardingPlan
 
@@ -236,7 +236,7 @@ def measure_compute(world_size: int, batches: tuple[int, ...] = (1024, 4096), st
     ``world_size`` local ranks. Every probe is timed once per round over all probes, so a burst
     of load on a shared machine moves one round, not one probe's figure (and with it a constant).
     ``into``: the dict to add this call's rounds to (``measure`` fills one round at a time)."""
-    threads = max(1, (os.cpu_count() or 1) // world_size)
+    threads = threads_per_rank(world_size)
     cases = compute_cases(batches, quick)
     times = into if into is not None else {}
     for name, *_ in cases:
