@@ -7,7 +7,8 @@ column-wise, table-row-wise, data-parallel and the planner's), with heavier pool
 the wire and the pipeline off as variants; predicts each with the simulator on the same
 topology (``local-cpu``, or this machine's ``recscale calibrate`` cache for 2 ranks, with the
 link rate and the machine's shared cores); prints measured and predicted samples/s per
-configuration and reports:
+configuration (training's ``steady_samples_per_sec``: the rate after the first steps'
+start-up, as a long run settles at and the simulator predicts) and reports:
 
 - the geometric mean of |predicted - measured| / measured over all configurations;
 - Kendall's tau between predicted and measured order of the plans within each group (not for
@@ -177,7 +178,8 @@ def _measure_once(g: Group, plan: str, steps: int, batch: int) -> tuple[float, d
         if proc.returncode != 0 or not summary.is_file():
             raise RunFailed(failure_report(f"{g.name}, {plan}", cmd, proc))
         out = json.loads(summary.read_text())
-        return float(out["train_samples_per_sec"]), out.get("plan")
+        # the rate after the first steps' start-up: the steady step is what the simulator predicts
+        return float(out.get("steady_samples_per_sec") or out["train_samples_per_sec"]), out.get("plan")
 
 
 def cluster_command(g: Group, job: list[str]) -> list[str]:
@@ -426,9 +428,11 @@ def main(argv: list[str] | None = None) -> int:
     if m is None:  # the simulator's calibration of this machine's dense compute, kept for next time
         m, source = measure_compute(), "measured"
         save_compute(m)
-    _COMPUTE.update(flops_per_s=m.flops_per_s, value_s=m.value_s, op_overhead_s=m.op_overhead_s, loop_s=m.loop_s)
+    _COMPUTE.update(flops_per_s=m.flops_per_s, value_s=m.value_s, op_overhead_s=m.op_overhead_s, loop_s=m.loop_s,
+                    sync_jitter=m.sync_jitter)
     print(f"dense compute ({source}): {m.flops_per_s / 1e9:.0f} GFLOP/s, {m.value_s * 1e9:.2f} ns per value, "
-          f"{m.op_overhead_s * 1e6:.1f} us per operator, training loop {m.loop_s * 1e3:.2f} ms per step")
+          f"{m.op_overhead_s * 1e6:.1f} us per operator, training loop {m.loop_s * 1e3:.2f} ms per step, "
+          f"cores' jitter {m.sync_jitter:.2f}")
     for key, c in cases.items():
         g = next(g for g in gs if g.name == key[0])
         c.predicted = predict(g, key[1], steps, args.batch_size, c.run_plan)

@@ -29,7 +29,8 @@ def small(*extra: str):
 
 def topo(hosts: int = 1, per_host: int = 1, base: str = "local-cpu", **kw):
     return topology_from_dict({"base": base, "hosts": hosts, "ranks_per_host": per_host, "cross_host_mbit": 10_000,
-                               "flops_per_s": 2e10, "op_overhead_s": 2e-5, "value_s": 1e-9, "loop_s": 0.0, **kw}, "test")
+                               "flops_per_s": 2e10, "op_overhead_s": 2e-5, "value_s": 1e-9, "loop_s": 0.0, "sync_jitter": 0.0,
+                               **kw}, "test")
 
 
 def _mlp_s(res) -> float:

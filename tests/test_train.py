@@ -91,7 +91,7 @@ def test_cli_train_writes_summary(tmp_path, capsys):
         args += ["--set", o]
     assert main(args) == 0
     s = json.loads(out.read_text())
-    for key in ("eval_auc", "eval_logloss", "eval_ne", "train_samples_per_sec", "steps", "world_size"):
+    for key in ("eval_auc", "eval_logloss", "eval_ne", "train_samples_per_sec", "steady_samples_per_sec", "steps", "world_size"):
         assert key in s
     assert s["steps"] == 3 and s["world_size"] == 1
     assert "eval: auc" in capsys.readouterr().out

@@ -23,6 +23,7 @@ import numpy as np
 
 from recscale.atomic import write_text_atomic
 from recscale.sim.dense import DenseModel
+from recscale.sim.jitter import measure_jitter
 from recscale.sim.topology import DenseCompute
 
 # (bottom MLP, top MLP, tables, dim): small and large enough to separate per-op cost from FLOPs
@@ -77,8 +78,9 @@ def measure_compute(repeats: int = 15, load_s_per_sample: float = 0.0, loop: boo
     """Least-squares fit (relative errors, coefficients >= 0) of time = 3 (FLOPs / rate +
     values x value_s) + (3 ops + 2 tensors) x overhead (forward, backward, and the dense
     optimizer's step over each parameter tensor) over ``SHAPES`` x ``BATCHES`` at one thread,
-    in wall time; with ``loop``, the training loop's own time per step
-    (``measure_loop``, on this machine's calibration if it has one)."""
+    in wall time; the cores' ``sync_jitter`` (``recscale.sim.jitter``); with ``loop``, the
+    training loop's own time per step (``measure_loop``, on this machine's calibration if it
+    has one)."""
     import torch
 
     threads = torch.get_num_threads()
@@ -98,7 +100,9 @@ def measure_compute(repeats: int = 15, load_s_per_sample: float = 0.0, loop: boo
     a, y = np.asarray(rows, dtype=float), np.asarray(ys)
     # relative errors matter: weight each point by 1/time
     coef = _nonnegative_fit(a / y[:, None], np.ones_like(y))
-    c = DenseCompute(1.0 / max(coef[0], 1e-15), coef[2], load_s_per_sample, coef[1])
+    # every core busy at once, as a distributed run on this machine keeps them
+    c = DenseCompute(1.0 / max(coef[0], 1e-15), coef[2], load_s_per_sample, coef[1],
+                     sync_jitter=measure_jitter(os.cpu_count() or 1))
     if not loop:
         return c
     from recscale.planner.hardware import cached_calibration
@@ -207,5 +211,5 @@ def save_compute(c: DenseCompute, path: Path | None = None) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(p, json.dumps({"flops_per_s": c.flops_per_s, "op_overhead_s": c.op_overhead_s,
                                      "load_s_per_sample": c.load_s_per_sample, "value_s": c.value_s,
-                                     "loop_s": c.loop_s}, indent=1) + "\n")
+                                     "loop_s": c.loop_s, "sync_jitter": c.sync_jitter}, indent=1) + "\n")
     return p

@@ -34,6 +34,7 @@ from recscale.sharding.plan import ShardingPlan
 from recscale.sim import traffic
 from recscale.sim.dense import DenseModel, bucket_groups
 from recscale.sim.engine import Op, Simulation
+from recscale.sim.jitter import sync_wait_factor
 from recscale.sim.topology import ClusterTopology
 
 STEPS = 5  # simulated; the third (index 2) is reported: warm pipeline, later batches to send and load
@@ -163,11 +164,14 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
     local = wl.batch_size / w
     c = topo.compute
     bf = hw.backward_factor
-    share = contention_factor(topo)
+    # ranks that meet at every collective wait for the slowest: their compute takes the
+    # expected maximum over them, beyond the mean the constants give
+    wait = sync_wait_factor(c.sync_jitter, w)
+    share = contention_factor(topo) * wait
     cores = topo.core_share(inp.threads)
     stretch = topo.compute_stretch * share
     if hw.ranks_per_host > 1:  # the planner prices the embeddings' contention itself
-        emb = [(rl.compute_s + rl.contention_s) * topo.compute_stretch for rl in result.ranks]
+        emb = [(rl.compute_s + rl.contention_s) * topo.compute_stretch * wait for rl in result.ranks]
     else:
         emb = [rl.compute_s * stretch for rl in result.ranks]
     pack = stretch * (local * sum(t.pooling * hw.dist_id_s for t in sharded) + len(inp.tables) * hw.feature_s

@@ -17,6 +17,7 @@ file (TOML or JSON)::
     op_overhead_s = 30e-6         # optional: fixed cost per dense operator (launch, autograd)
     value_s = 1e-9                # optional: per activation value written (forward; x3 with backward)
     loop_s = 0.2e-3               # optional: the training loop's own CPU time per step
+    sync_jitter = 0.2             # optional: the cores' unsteadiness (ranks wait for the slowest)
     load_s_per_sample = 1e-6      # optional: data loader time per sample
     checkpoint_gbyte_s = 1.0      # optional: checkpoint write rate per rank (stalls)
     shared_cores = 2              # optional: all ranks run on one machine of this many cores
@@ -107,13 +108,16 @@ class DenseCompute:
     FLOPs), ``op_overhead_s`` per operator (launch, autograd and Python), the loader's
     ``load_s_per_sample``, and ``loop_s``: the training loop's own CPU time per step beyond
     the operators priced (pipeline bookkeeping, the loss's record, the guards, the optimizers'
-    Python), which does not shrink with a rank's share of the batch."""
+    Python), which does not shrink with a rank's share of the batch; ``sync_jitter``: how
+    unsteady the cores' speed is (``recscale.sim.jitter``), which makes ranks that meet at
+    collectives wait for the slowest."""
 
     flops_per_s: float
     op_overhead_s: float = 0.0
     load_s_per_sample: float = 0.0
     value_s: float = 0.0
     loop_s: float = 0.0
+    sync_jitter: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -249,7 +253,7 @@ def _is_hardware_json(p: Path) -> bool:
 _KEYS = {"base", "hosts", "ranks_per_host", "cross_host_mbit", "cross_host_latency_ms", "intra_host_gbyte_s",
          "flops_per_s", "op_overhead_s", "load_s_per_sample", "tiers", "name", "checkpoint_gbyte_s",
          "shared_cores", "value_s", "send_buffer_mib", "mtu_bytes", "frame_bytes", "segments_per_ack",
-         "cores_per_host", "loop_s", "burst_bytes", "contention"}
+         "cores_per_host", "loop_s", "burst_bytes", "contention", "sync_jitter"}
 
 
 def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = None,
@@ -280,6 +284,7 @@ def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = No
         _num(d, "load_s_per_sample", source, c0.load_s_per_sample),  # type: ignore[arg-type]
         _num(d, "value_s", source, c0.value_s),  # type: ignore[arg-type]
         _num(d, "loop_s", source, c0.loop_s),  # type: ignore[arg-type]
+        _num(d, "sync_jitter", source, c0.sync_jitter),  # type: ignore[arg-type]
     )
     tiers = []
     for i, t in enumerate(d.get("tiers", [])):

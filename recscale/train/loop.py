@@ -169,6 +169,7 @@ def _train(cfg: Config, groups: ProcessGroups, log: Callable[[str], None], repla
         "train_logloss": state.mean_loss(),
         "train_samples_per_sec": state.samples / max(state.train_seconds, 1e-9),
         "train_seconds": state.train_seconds,
+        "steady_samples_per_sec": state.steady_samples_per_sec(),
         "steps": state.step,
         "samples": state.samples,
         "world_size": world,

@@ -15,6 +15,9 @@ from recscale.train.checkpointing import Progress
 
 # The bar's figures need a host sync (the loss lives on the device): refresh every this many steps.
 REFRESH_EVERY_STEPS = 20
+# Steps a process runs before its steady rate is timed: the first builds the collectives'
+# connections and buffers, fills the pipeline and grows the allocator's pools.
+WARMUP_STEPS = 5
 
 
 @dataclass
@@ -32,6 +35,7 @@ class TrainState:
     evals: list[dict[str, float]] = field(default_factory=list)
     first_step: int = 0  # the step this process started from (after a resume, not 0)
     _span_start: float | None = None
+    _warm: tuple[int, float] | None = None  # (samples, training seconds) once WARMUP_STEPS are through
 
     @classmethod
     def from_progress(cls, p: Progress, device: torch.device) -> TrainState:
@@ -56,6 +60,19 @@ class TrainState:
         self.samples += global_batch_size
         self.running_loss += loss_sum
         self.running_n += batch_size
+        if self.steps_this_process == WARMUP_STEPS:
+            if self.running_loss.is_cuda:
+                torch.cuda.synchronize()  # the warm-up's queued kernels count as warm-up
+            self._warm = (self.samples, self.elapsed())
+
+    def steady_samples_per_sec(self) -> float | None:
+        """Samples per second after this process's first ``WARMUP_STEPS`` steps: what a long
+        run settles at (a short run's whole-run rate carries its start-up); ``None`` for a run
+        of fewer than twice as many steps, too short to tell."""
+        if self._warm is None or self.steps_this_process < 2 * WARMUP_STEPS:
+            return None
+        samples, seconds = self._warm
+        return (self.samples - samples) / max(self.train_seconds - seconds, 1e-9)
 
     def mean_loss(self) -> float:
         return float(self.running_loss) / max(self.running_n, 1)

@@ -20,8 +20,8 @@ from recscale.train.config import Config, ConfigError, config_from_dict
 
 # Summary fields that measure time: they differ between equal runs. The rest, ``evals``,
 # losses, AUC, plan and config included, are equal bit for bit.
-TIMING_FIELDS = ("train_seconds", "train_samples_per_sec", "comm_seconds_per_step", "restore_seconds",
-                 "checkpoint_stall_s")
+TIMING_FIELDS = ("train_seconds", "train_samples_per_sec", "steady_samples_per_sec", "comm_seconds_per_step",
+                 "restore_seconds", "checkpoint_stall_s")
 # Per checkpoint in ``checkpoints``: its stall and background write times.
 CHECKPOINT_TIMING_FIELDS = ("stall_s", "background_s")
 

@@ -36,7 +36,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"ne {summary['eval_ne']:.4f}  calibration {summary['eval_calibration']:.3f}  "
         f"({summary['eval_num_samples']:,} samples)\n"
         f"train: {summary['steps']:,} steps, {summary['samples']:,} samples in {summary['train_seconds']:.1f} s "
-        f"({summary['train_samples_per_sec']:,.0f} samples/s), world size {summary['world_size']}"
+        f"({summary['train_samples_per_sec']:,.0f} samples/s"
+        + (f"; {summary['steady_samples_per_sec']:,.0f} after the first steps" if summary.get("steady_samples_per_sec") else "")
+        + f"), world size {summary['world_size']}"
         + (
             "\ncomm bytes sent per step by rank 0: "
             + ", ".join(f"{k} {v:,.0f}" for k, v in sorted(summary["comm_bytes_per_step"].items()))

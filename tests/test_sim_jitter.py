@@ -1,0 +1,67 @@
+"""The synchronisation wait: ranks that meet at collectives take the expected maximum of their
+unsteady compute times, priced from a jitter this machine's cores are measured for."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from recscale.sim.api import simulate
+from recscale.sim.jitter import expected_max_normal, measure_jitter, sync_wait_factor, wait_excess
+from recscale.sim.topology import TopologyError, topology_from_dict
+from recscale.train.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["model.table_rows=[5000, 300]", "data.pooling_factors=[2, 1]", "model.embedding_dim=16",
+         "train.batch_size=1024", "sharding.default=table_wise", "data.num_workers=0"]
+
+
+def topo(per_host: int, jitter: float):
+    return topology_from_dict({"base": "local-cpu", "ranks_per_host": per_host, "flops_per_s": 2e10,
+                               "op_overhead_s": 2e-5, "loop_s": 0.0, "sync_jitter": jitter}, "test")
+
+
+def test_expected_maximum_of_standard_normals():
+    assert expected_max_normal(1) == 0.0
+    assert expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-4)
+    assert expected_max_normal(3) == pytest.approx(1.5 / math.sqrt(math.pi), rel=1e-4)
+    draws = random.Random(0)
+    sampled = sum(max(draws.gauss(0, 1) for _ in range(8)) for _ in range(20000)) / 20000
+    assert expected_max_normal(8) == pytest.approx(sampled, abs=0.03)
+    assert sync_wait_factor(0.3, 1) == 1.0 and sync_wait_factor(0.0, 16) == 1.0
+    assert sync_wait_factor(0.2, 2) < sync_wait_factor(0.2, 16)
+
+
+def test_wait_excess_of_aligned_chunks():
+    # two cores' chunks, in step: one core is slow exactly when the other is fast
+    a = [(k * 1.0, 0.5 if k % 2 else 1.0) for k in range(100)]
+    b = [(k * 1.0, 1.0 if k % 2 else 0.5) for k in range(100)]
+    assert wait_excess([a, b]) == pytest.approx(1.0 / 0.75 - 1.0)
+    # cores that move together never wait for each other
+    assert wait_excess([a, list(a)]) == pytest.approx(0.0)
+    with pytest.raises(RuntimeError, match="never overlapped"):
+        wait_excess([a, [(1000.0, 1.0)]])
+
+
+def test_jitter_stretches_every_distributed_step_and_no_lone_rank():
+    cfg = load_config(ROOT / "configs" / "synthetic.toml", SMALL)
+    steady, shaky = simulate(cfg, topo(2, 0.0)), simulate(cfg, topo(2, 0.3))
+    assert shaky.step_time_s > steady.step_time_s * 1.05
+    # the compute stretches by the factor; the bytes' time does not
+    assert shaky.step_time_s < steady.step_time_s * sync_wait_factor(0.3, 2) + 1e-9
+    one = load_config(ROOT / "configs" / "synthetic.toml", SMALL)
+    assert simulate(one, topo(1, 0.3)).step_time_s == pytest.approx(simulate(one, topo(1, 0.0)).step_time_s)
+
+
+def test_a_negative_jitter_is_refused():
+    with pytest.raises(TopologyError, match="sync_jitter"):
+        topo(2, -0.1)
+
+
+def test_measured_jitter_is_a_small_nonnegative_number():
+    j = measure_jitter(2, chunk_s=0.002, seconds=0.6, windows=1)
+    assert 0.0 <= j < 5.0
+    assert measure_jitter(1) == 0.0
