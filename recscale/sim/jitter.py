@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import queue
 import time
 
 import numpy as np
@@ -94,6 +95,9 @@ def measure_jitter(processes: int, chunk_s: float = 0.003, seconds: float = 6.0,
         p.start()
     try:
         chunks = [out.get(timeout=120 + seconds) for _ in procs]
+    except queue.Empty:
+        codes = [p.exitcode for p in procs]
+        raise RuntimeError(f"measuring jitter: a probe process reported nothing (exit codes {codes})") from None
     finally:
         for p in procs:
             p.join(timeout=10)
