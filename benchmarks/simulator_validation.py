@@ -30,9 +30,9 @@ all configurations alike. Emulated hosts need root; without it those groups are 
 Every prediction is priced from this machine's calibrations, never from these measurements:
 ``recscale calibrate --ranks N`` for each group's N ranks per host (the full one, else the quick
 one training makes on first use, made here if missing; ``--fresh-calibration DIR``: a quick one
-taken now, beside the measurements), the simulator's dense compute and training loop
-(``recscale.sim.calibrate``, cached; ``--measure-compute`` measures them again) and the loader's cost for each data set and
-world size (measured here, a second each). The full run (45 configurations, ``--turns 5``,
+taken now, beside the measurements), the simulator's dense compute, training loop and
+cores' jitter (``recscale.sim.calibrate``, cached; ``--measure-compute`` measures them again)
+and the loader's cost for each data set and world size (measured here, a second each). The full run (45 configurations, ``--turns 5``,
 60 steps: 225 runs of 10-30 s) takes about an hour on 2 cores; ``--quick`` (9, one turn,
 20 steps) about 4.5 minutes.
 
