@@ -1,9 +1,10 @@
-"""Probe run on emulated hosts (``recscale cluster ... -- benchmarks/_link_latency.py OUT``): the
-time one small gloo collective takes between the hosts (an all-to-all, an all-gather and an
-all-reduce of a few bytes, in turn, median per collective), which rank 0 writes to OUT in
-seconds. A gloo collective waits for the receiver's notice before it sends, so even a few bytes
-cost round trips through both hosts' network stacks and wake-ups of the ranks' threads: the
-latency ``simulator_validation.py`` prices every collective between the emulated hosts at."""
+"""Probe run on emulated hosts (``recscale cluster ... -- benchmarks/_link_latency.py OUT``) or
+on one host (``torchrun``): the time one small gloo collective takes between the ranks (an
+all-to-all, an all-gather and an all-reduce of a few bytes, in turn, median per collective),
+which rank 0 writes to OUT in seconds. A gloo collective waits for the receiver's notice before
+it sends, so even a few bytes cost round trips through the network stacks and wake-ups of the
+ranks' threads. ``simulator_validation.py`` prices what the emulated link adds: its time across
+the hosts less its time over loopback."""
 
 from __future__ import annotations
 

@@ -219,8 +219,10 @@ def topology(g: Group, cfg) -> ClusterTopology:
     world = g.hosts * g.ranks_per_host
     if g.mbit and world > g.ranks_per_host:
         # every rank of every emulated host shares this machine: they slow each other as that
-        # many local ranks do, which a calibration of fewer ranks per host did not measure
+        # many local ranks do, which a calibration of fewer ranks per host did not measure, and
+        # their collectives cost what that many local ranks' cost over TCP
         link["contention"] = machine_contention(world)
+        link.update(machine_tcp(world))
     return topology_from_dict({
         "base": calibration(g.ranks_per_host), "hosts": g.hosts, "ranks_per_host": g.ranks_per_host,
         **link, "shared_cores": os.cpu_count() or 1,
@@ -230,7 +232,7 @@ def topology(g: Group, cfg) -> ClusterTopology:
     }, "validation")
 
 
-_LINK_LATENCY: dict[str, float] = {}  # emulated cluster shape -> seconds one small gloo collective takes across it
+_LINK_LATENCY: dict[str, float] = {}  # emulated cluster shape -> seconds its link adds to one small gloo collective
 
 
 def _shape(g: Group) -> str:
@@ -238,27 +240,41 @@ def _shape(g: Group) -> str:
 
 
 def link_latency(g: Group) -> float:
-    """Seconds one small collective takes between the group's emulated hosts: measured once per
-    cluster shape by a probe on the same emulated network (``_link_latency.py``: gloo waits for
-    the receiver's notice before it sends, so a few bytes cost round trips through both hosts'
-    network stacks and the ranks' threads' wake-ups). The one-rank calibration the group is
-    priced on has no peer to time, so it prices every collective at nothing."""
+    """Seconds the group's emulated link adds to one collective: a small collective's time
+    between the emulated hosts less its time between as many ranks on this host over loopback
+    TCP, each measured once per cluster shape by the same probe (``_link_latency.py``). What a
+    collective costs the ranks over TCP inside a step (their threads' wake-ups, the network
+    stack) is the calibration's (``machine_tcp``); the link adds its shaping and the veth hops."""
     key = _shape(g)
     if key not in _LINK_LATENCY:
         if os.geteuid() != 0:
             print(f"not root: the collective latency across {key} is not measured (priced at 0)")
             _LINK_LATENCY[key] = 0.0
             return 0.0
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "latency.txt"
-            cmd = cluster_command(g, [str(ROOT / "benchmarks" / "_link_latency.py"), str(out)])
-            proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                                  timeout=600)
-            if proc.returncode != 0 or not out.is_file():
-                raise SystemExit(failure_report(f"collective latency probe, {key}", cmd, proc))
-            _LINK_LATENCY[key] = float(out.read_text())
-        print(f"collective latency across {key}: {_LINK_LATENCY[key] * 1e3:.3f} ms (measured now)", flush=True)
+        across = _probe_latency(g, cluster=True)
+        local = _probe_latency(g, cluster=False)
+        _LINK_LATENCY[key] = max(0.0, across - local)
+        print(f"collective latency across {key}: {across * 1e3:.3f} ms, over loopback {local * 1e3:.3f} ms "
+              f"(measured now)", flush=True)
     return _LINK_LATENCY[key]
+
+
+def _probe_latency(g: Group, cluster: bool) -> float:
+    """The probe's small-collective time between the group's emulated hosts (``cluster``), or
+    between as many ranks on this host over loopback TCP."""
+    world = g.hosts * g.ranks_per_host
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "latency.txt"
+        job = [str(ROOT / "benchmarks" / "_link_latency.py"), str(out)]
+        cmd = cluster_command(g, job) if cluster else [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_addr=127.0.0.1",
+            f"--master_port={_free_port()}", *job]
+        proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                              timeout=600)
+        if proc.returncode != 0 or not out.is_file():
+            raise SystemExit(failure_report(f"collective latency probe, {_shape(g)}{'' if cluster else ' (loopback)'}",
+                                            cmd, proc))
+        return float(out.read_text())
 
 
 _CALIBRATIONS: dict[int, str] = {}  # ranks per host -> the planner's calibration of this machine
@@ -287,6 +303,23 @@ def machine_contention(ranks: int) -> float:
 
     path = calibration(ranks)
     return Hardware.load(path).contention if path != "local-cpu" else 0.0
+
+
+def machine_tcp(ranks: int) -> dict[str, float]:
+    """What a collective over TCP costs ``ranks`` ranks on this machine inside a step (topology
+    keys), from its calibration for that many local ranks; nothing where it has none (then
+    the shared-memory figures price them, and the run says so)."""
+    from recscale.planner.hardware import Hardware
+
+    path = calibration(ranks)
+    hw = Hardware.load(path) if path != "local-cpu" else None
+    if hw is None or hw.tcp_latency_s is None:
+        print(f"the calibration for {ranks} ranks has no collectives over TCP (make it again with `recscale calibrate "
+              f"--ranks {ranks}`): the emulated hosts' collectives are priced as over shared memory")
+        return {}
+    tcp = hw.over_tcp()
+    return {"tcp_latency_ms": 1e3 * tcp.latency_s, "tcp_replica_latency_ms": 1e3 * tcp.replica_collective_latency_s,
+            "tcp_replica_byte_ns": 1e9 * tcp.replica_byte_s}
 
 
 def fresh_calibrations(gs: list[Group], out: Path) -> None:

@@ -200,6 +200,10 @@ def _calibrate(args: argparse.Namespace) -> int:
           f"and shard {hw.column_stat_shard_s * 1e6:.0f} us, "
           f"per distributed id {hw.dist_id_s * 1e9:.1f} ns, per distributed value {hw.dist_value_s * 1e9:.2f} ns, "
           f"per step {hw.step_overhead_s * 1e6:.0f} us")
+    if hw.tcp_latency_s is not None:
+        tcp = hw.over_tcp()
+        print(f"over TCP (ranks on different hosts): latency {tcp.latency_s * 1e6:.0f} us "
+              f"(replica groups' {tcp.replica_collective_latency_s * 1e6:.0f} us)")
     print(f"written to {out} (use it with: recscale plan --topology {out}; the trainer's planner uses the cached file "
           "by default)")
     return 0

@@ -54,7 +54,7 @@ def test_contention_times_every_job_alone_and_side_by_side_in_every_round_on_one
 def test_a_calibration_round_times_each_plan_once_for_all_batch_sizes(monkeypatch):
     seen = []
 
-    def fake(jobs, steps, threads=None):
+    def fake(jobs, steps, threads=None, shared_memory=True):
         seen.append(len(jobs))
         return [[1e-3] * len(j[2]) for j in jobs]
 

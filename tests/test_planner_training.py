@@ -221,6 +221,15 @@ def test_recorded_measurements_fit_again_to_the_same_machine_after_a_json_round_
                     for name, plan, tables, gb in cases}
     assert m.complete
     hw = fit_hardware(m)
+    assert hw.tcp_latency_s is None  # no steps over TCP measured (an older calibration's record)
+    # stage 5: the same steps over TCP, where each collective costs far more
+    tcp = replace(link, latency_s=900e-6)
+    m.collection_tcp = {name: [score_plan(plan, tables, tcp, Workload(gb[0].batch_size)).max_rank_s]
+                        for name, plan, tables, gb in cases}
+    hw = fit_hardware(m)
+    # (the quick probes' one table set splits a collective's cost between its terms loosely)
+    assert hw.tcp_latency_s > 3 * hw.latency_s and hw.latency_s < 200e-6
+    assert hw.over_tcp().latency_s == hw.tcp_latency_s
     again = fit_hardware(Measurements(**json.loads(json.dumps(asdict(m)))))
     assert again == hw
     assert hw.cache_bytes == 16 << 20 and hw.contention == 0.05 and hw.memory_bytes == pytest.approx(8e9 * 0.6 / 2)

@@ -255,11 +255,13 @@ def _by_plan(cases: list[tuple[str, ShardingPlan, list[TableSpec], list]]) -> li
     return list(jobs.values())
 
 
-def _time_round(cases, times: dict[str, list[float]], steps: int, threads: int | None, progress, label: str) -> None:
+def _time_round(cases, times: dict[str, list[float]], steps: int, threads: int | None, progress, label: str,
+                shared_memory: bool = True) -> None:
     """One round of ``cases``: each plan built once for its batch sizes, and several ranks started
     once for the whole round (``time_plans``), each probe's time added to ``times``."""
     jobs = _by_plan(cases)
-    got = time_plans([(job[0][1], job[0][2], [gb for *_, gb in job]) for job in jobs], steps, threads=threads)
+    got = time_plans([(job[0][1], job[0][2], [gb for *_, gb in job]) for job in jobs], steps, threads=threads,
+                     shared_memory=shared_memory)
     for job, secs in zip(jobs, got):
         for (name, *_), t in zip(job, secs):
             times[name].append(t)
@@ -379,21 +381,24 @@ def collection_cases(world_size: int, batches: tuple[int, ...], sets: tuple[str,
 
 def measure_collection(world_size: int, batches: tuple[int, ...] = (1024, 4096), steps: int = 5,
                        progress=None, sets: tuple[str, ...] = ("mixed", "large", "many_small"),
-                       rounds: int = 3, into: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+                       rounds: int = 3, into: dict[str, list[float]] | None = None,
+                       shared_memory: bool = True) -> dict[str, list[float]]:
     """Stage 4's measurements (more than one rank): steps of the real collection on
     ``world_size`` local processes for balanced plans (table-wise, row-wise, data-parallel,
     column shards over every rank) and for every table on rank 0 (the others only exchange),
     each probe's time in every round, by name. ``fit_collection`` turns them into what a
     collective costs inside a step and what data-parallel replicas pay per byte. ``into``: the
-    dict to add this call's rounds to (``measure`` fills one round at a time)."""
+    dict to add this call's rounds to (``measure`` fills one round at a time). ``shared_memory``
+    off: the ranks exchange over gloo's TCP transport (stage 5), as ranks on different hosts do."""
     cases = collection_cases(world_size, batches, sets)
     # Round-robin over the probes, as in stage 1: a burst of load lasting longer than one probe
     # moves one round of several probes, not every round of one.
     times = into if into is not None else {}
     for name, *_ in cases:
         times.setdefault(name, [])
+    label = f"{world_size} ranks{'' if shared_memory else ' over TCP'}, "
     for _ in range(rounds):
-        _time_round(cases, times, steps, None, progress, f"{world_size} ranks, ")
+        _time_round(cases, times, steps, None, progress, label, shared_memory)
     return times
 
 
@@ -457,6 +462,8 @@ class Measurements:
     all_to_all: dict[str, float]  # stage 2: isolated latency and bandwidth
     contention: float = 0.0  # stage 3
     collection: dict[str, list[float]] = field(default_factory=dict)  # stage 4: probe name -> seconds per round
+    # stage 5: stage 4's probes with the ranks exchanging over TCP (empty: not measured)
+    collection_tcp: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def batches(self) -> tuple[int, ...]:
@@ -506,6 +513,9 @@ def measure(world_size: int = 2, progress=None, quick: bool = False,
             measure_collection(world_size, m.collection_batches, steps, progress=progress, sets=m.collection_sets,
                                rounds=1, into=m.collection)
             clock.done(f"round {r + 1}: collection probes")
+            measure_collection(world_size, m.collection_batches, steps, progress=progress, sets=m.collection_sets,
+                               rounds=1, into=m.collection_tcp, shared_memory=False)
+            clock.done(f"round {r + 1}: collection probes over TCP")
         if between_rounds is not None:
             between_rounds(m)
             clock.done(f"round {r + 1}: between rounds")
@@ -574,6 +584,17 @@ def fit_hardware(m: Measurements, memory_fraction: float = 0.6, progress=None) -
         hw = replace(hw, latency_s=max(fitted["latency_s"], comm["latency_s"]), intra_host_bw=fitted["intra_host_bw"],
                      cross_host_bw=fitted["intra_host_bw"], replica_byte_s=fitted["replica_byte_s"],
                      replica_latency_s=fitted["replica_latency_s"])
+        if m.collection_tcp and all(m.collection_tcp.values()):
+            tcp = fit_collection(hw, [(plan, tables, gb[0].batch_size, statistics.median(m.collection_tcp[name]))
+                                      for name, plan, tables, gb in collection_cases(world_size, m.collection_batches,
+                                                                                     m.collection_sets)])
+            # bytes keep the shared-memory rate (a link between hosts has its own); the fixed
+            # costs are what TCP changes: a collective's wake-ups and the network stack
+            hw = replace(hw, tcp_latency_s=max(tcp["latency_s"], hw.latency_s), tcp_replica_latency_s=tcp["replica_latency_s"],
+                         tcp_replica_byte_s=tcp["replica_byte_s"])
+            if progress:
+                progress(f"over TCP: {tcp['latency_s'] * 1e6:.0f} us a collective (replica groups' "
+                         f"{tcp['replica_latency_s'] * 1e6:.0f} us), replicas combine rows at {_rate(tcp['replica_byte_s'])}")
     return hw
 
 

@@ -73,6 +73,14 @@ class Hardware:
     # exchanges' latency: a step of several replicated tables costs about the sum of one-table
     # steps, so the collectives they share cost little, and the exchanges' latency prices them low.
     replica_latency_s: float | None = None
+    # The same three costs when the collectives go through gloo's TCP transport (ranks on
+    # different hosts, or shared memory off) rather than shared memory: fitted from the same
+    # steps run over TCP. Inside a step a collective then costs its ranks their threads'
+    # wake-ups and the network stack's work, several times an isolated round trip. None: not
+    # measured (a one-rank calibration, a GPU preset), the figures above hold.
+    tcp_latency_s: float | None = None
+    tcp_replica_latency_s: float | None = None
+    tcp_replica_byte_s: float | None = None
     # Ranks of one host (CPU processes) slow each other while both compute (shared memory
     # bandwidth and caches): a rank pays ``contention`` x the time it computes alongside each
     # other rank of its host (min of the two computes, averaged over the others). Measured by
@@ -104,10 +112,19 @@ class Hardware:
                 raise ValueError(f"hardware '{self.name}': {key} must be >= 0")
         if self.replica_latency_s is not None and self.replica_latency_s < 0:
             raise ValueError(f"hardware '{self.name}': replica_latency_s must be >= 0 (or null: as latency_s)")
+        for key in ("tcp_latency_s", "tcp_replica_latency_s", "tcp_replica_byte_s"):
+            if getattr(self, key) is not None and getattr(self, key) < 0:
+                raise ValueError(f"hardware '{self.name}': {key} must be >= 0 (or null: not measured)")
 
     @property
     def replica_collective_latency_s(self) -> float:
         return self.latency_s if self.replica_latency_s is None else self.replica_latency_s
+
+    def over_tcp(self) -> Hardware:
+        """This hardware with its collectives priced as they cost over TCP, where measured."""
+        pairs = (("latency_s", self.tcp_latency_s), ("replica_latency_s", self.tcp_replica_latency_s),
+                 ("replica_byte_s", self.tcp_replica_byte_s))
+        return replace(self, **{k: v for k, v in pairs if v is not None})
 
     @property
     def num_hosts(self) -> int:

@@ -134,10 +134,10 @@ def _job_times(rank: int, world: int, jobs, steps: int, groups) -> list[list[lis
     return out
 
 
-def _worker(rank, world, port, jobs, steps, out_dir) -> None:
+def _worker(rank, world, port, jobs, steps, out_dir, shared_memory=True) -> None:
     torch.set_num_threads(threads_per_rank(world))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    groups = init_process_groups(Topology(world, rank, world), timeout_s=120)
+    groups = init_process_groups(Topology(world, rank, world), timeout_s=120, shared_memory=shared_memory)
     try:
         torch.save(_job_times(rank, world, jobs, steps, groups), Path(out_dir) / f"r{rank}.pt")
     finally:
@@ -192,11 +192,12 @@ def time_plan(plan: ShardingPlan, tables: list[TableSpec], batches: list[JaggedB
 Job = tuple[ShardingPlan, list[TableSpec], list[list[JaggedBatch]]]  # a plan, its tables, batch sets to time it on
 
 
-def time_plans(jobs: list[Job], steps: int = 7, threads: int | None = None) -> list[list[float]]:
+def time_plans(jobs: list[Job], steps: int = 7, threads: int | None = None, shared_memory: bool = True) -> list[list[float]]:
     """``time_plan`` of many plans of one world size: per job, per batch set, the median over
     steps of the slowest rank's step time. Each job's collection is built once for all its batch
     sets, and several ranks are started once for all jobs (a process start and a large table's
-    build cost seconds each, far more than the steps timed on them)."""
+    build cost seconds each, far more than the steps timed on them). ``shared_memory`` off: the
+    ranks exchange over gloo's TCP transport, as ranks on different hosts do."""
     if not jobs:
         return []
     world = jobs[0][0].world_size
@@ -212,7 +213,7 @@ def time_plans(jobs: list[Job], steps: int = 7, threads: int | None = None) -> l
             torch.set_num_threads(before)
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            args = (world, free_port(), [(p.to_dict(), t, b) for p, t, b in jobs], steps, tmp)
+            args = (world, free_port(), [(p.to_dict(), t, b) for p, t, b in jobs], steps, tmp, shared_memory)
             start_local_processes(_worker, args, world)
             per_rank = [torch.load(Path(tmp) / f"r{r}.pt") for r in range(world)]
     return [[statistics.median(max(ts) for ts in zip(*(pr[j][k] for pr in per_rank))) for k in range(len(job[2]))]

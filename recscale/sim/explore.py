@@ -24,7 +24,7 @@ from recscale.sharding.plan import ShardingPlan
 from recscale.sim import traffic
 from recscale.sim.api import NUM_DENSE, _DENSE_WIRE
 from recscale.sim.dense import DenseModel, bucket_groups
-from recscale.sim.step import (StepInputs, StepResult, _volumes, gradient_links, replica_links,
+from recscale.sim.step import (StepInputs, StepResult, _volumes, gradient_links, replica_links, step_hardware,
                                 simulate_step)
 from recscale.sim.tiers import TieredCluster
 from recscale.sim.topology import ClusterTopology
@@ -109,7 +109,7 @@ def _link_s(topo: ClusterTopology, links: dict) -> float:
 
 
 def pieces(specs: list[TableSpec], cfg: Config, topo: ClusterTopology, plan: ShardingPlan) -> Pieces:
-    hw, w = topo.hardware, topo.world_size
+    hw, w = step_hardware(topo), topo.world_size
     unit = Workload(cfg.train.batch_size, 1.0, 1.0)
     res = score_plan(plan, specs, hw, Workload(cfg.train.batch_size))
     fits = all(r.memory_bytes <= hw.memory_bytes for r in res.ranks)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from recscale.planner.cost_model import (TableSpec, Workload, collective_s, dp_group_flags, dp_reduces_dense,
                                          group_collectives, routing_s, unique_rows)
+from recscale.planner.hardware import Hardware
 from recscale.planner.search import PlanResult, score_plan
 from recscale.sharding.plan import ShardingPlan
 from recscale.sim import traffic
@@ -138,6 +139,12 @@ def over_tcp(topo: ClusterTopology) -> bool:
     return topo.hosts > 1 and topo.compute.flops_per_s < 1e12
 
 
+def step_hardware(topo: ClusterTopology) -> Hardware:
+    """The hardware a step is priced on: over TCP (``over_tcp``), with the calibration's
+    collective costs over TCP where it measured them; else the topology's own."""
+    return topo.hardware.over_tcp() if over_tcp(topo) else topo.hardware
+
+
 def serial_connections(topo: ClusterTopology, per_dest: list[float], ring_part: float = 0.0) -> dict:
     """Over TCP, the connections' bytes that go one direction after the other
     (``traffic.connections``); nothing elsewhere."""
@@ -155,7 +162,7 @@ def contention_factor(topo: ClusterTopology) -> float:
 
 
 def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
-    hw, wl, w = topo.hardware, inp.workload, topo.world_size
+    hw, wl, w = step_hardware(topo), inp.workload, topo.world_size
     if inp.plan.world_size != w:
         raise ValueError(f"the plan is for {inp.plan.world_size} ranks, the topology has {w}")
     result = score_plan(inp.plan, inp.tables, hw, wl)

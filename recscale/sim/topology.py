@@ -253,7 +253,8 @@ def _is_hardware_json(p: Path) -> bool:
 _KEYS = {"base", "hosts", "ranks_per_host", "cross_host_mbit", "cross_host_latency_ms", "intra_host_gbyte_s",
          "flops_per_s", "op_overhead_s", "load_s_per_sample", "tiers", "name", "checkpoint_gbyte_s",
          "shared_cores", "value_s", "send_buffer_mib", "mtu_bytes", "frame_bytes", "segments_per_ack",
-         "cores_per_host", "loop_s", "burst_bytes", "contention", "sync_jitter"}
+         "cores_per_host", "loop_s", "burst_bytes", "contention", "sync_jitter", "tcp_latency_ms",
+         "tcp_replica_latency_ms", "tcp_replica_byte_ns"}
 
 
 def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = None,
@@ -277,6 +278,13 @@ def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = No
     contention = _num(d, "contention", source)
     if contention is not None:  # ranks sharing a machine the base was not calibrated with several ranks on
         hw = replace(hw, contention=contention)
+    # collectives over TCP, as a calibration of several ranks measures them (``Hardware.over_tcp``),
+    # for a base that has none (a one-rank calibration) or other figures
+    tcp = {k: _num(d, key, source) for k, key in (("tcp_latency_s", "tcp_latency_ms"),
+                                                   ("tcp_replica_latency_s", "tcp_replica_latency_ms"),
+                                                   ("tcp_replica_byte_s", "tcp_replica_byte_ns"))}
+    scale = {"tcp_latency_s": 1e-3, "tcp_replica_latency_s": 1e-3, "tcp_replica_byte_s": 1e-9}
+    hw = replace(hw, **{k: v * scale[k] for k, v in tcp.items() if v is not None})  # type: ignore[operator]
     c0 = _compute_for(hw.name)
     compute = DenseCompute(
         _num(d, "flops_per_s", source, c0.flops_per_s, positive=True),  # type: ignore[arg-type]
