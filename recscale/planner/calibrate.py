@@ -588,8 +588,8 @@ def fit_hardware(m: Measurements, memory_fraction: float = 0.6, progress=None) -
             tcp = fit_collection(hw, [(plan, tables, gb[0].batch_size, statistics.median(m.collection_tcp[name]))
                                       for name, plan, tables, gb in collection_cases(world_size, m.collection_batches,
                                                                                      m.collection_sets)])
-            # bytes keep the shared-memory rate (a link between hosts has its own); the fixed
-            # costs are what TCP changes: a collective's wake-ups and the network stack
+            # the exchanges' bandwidth stays the shared-memory fit (between hosts the link's rate
+            # prices the bytes); TCP changes what each collective and replica byte costs the ranks
             hw = replace(hw, tcp_latency_s=max(tcp["latency_s"], hw.latency_s), tcp_replica_latency_s=tcp["replica_latency_s"],
                          tcp_replica_byte_s=tcp["replica_byte_s"])
             if progress:
