@@ -256,6 +256,8 @@ def test_calibrate_measures_this_machine(tmp_path, capsys):
     assert hw.world_size == 2 and hw.memory_bw > 1e8 and hw.intra_host_bw > 1e6
     # Real steps cost something per step and per id or byte; the fit never goes negative.
     assert hw.step_overhead_s + hw.latency_s > 0  # (Hardware itself rejects negative constants)
+    # the same steps over TCP, as ranks on different hosts exchange: never cheaper per collective
+    assert hw.tcp_latency_s is not None and hw.tcp_latency_s >= hw.latency_s
     assert main(["plan", "--topology", str(out), "--set", "data.num_workers=0"]) == 0
     assert "predicted step (slowest rank)" in capsys.readouterr().out
 
