@@ -221,8 +221,7 @@ def topology(g: Group, cfg) -> ClusterTopology:
         # every rank of every emulated host shares this machine: they slow each other as that
         # many local ranks do, which a calibration of fewer ranks per host did not measure, and
         # their collectives cost what that many local ranks' cost over TCP
-        link["contention"] = machine_contention(world)
-        link.update(machine_tcp(world))
+        link.update(shared_machine(world))
     return topology_from_dict({
         "base": calibration(g.ranks_per_host), "hosts": g.hosts, "ranks_per_host": g.ranks_per_host,
         **link, "shared_cores": os.cpu_count() or 1,
@@ -244,7 +243,7 @@ def link_latency(g: Group) -> float:
     between the emulated hosts less its time between as many ranks on this host over loopback
     TCP, each measured once per cluster shape by the same probe (``_link_latency.py``). What a
     collective costs the ranks over TCP inside a step (their threads' wake-ups, the network
-    stack) is the calibration's (``machine_tcp``); the link adds its shaping and the veth hops."""
+    stack) is the calibration's (``shared_machine``); the link adds its shaping and the veth hops."""
     key = _shape(g)
     if key not in _LINK_LATENCY:
         if os.geteuid() != 0:
@@ -296,30 +295,30 @@ def calibration(ranks_per_host: int) -> str:
     return _CALIBRATIONS[ranks_per_host]
 
 
-def machine_contention(ranks: int) -> float:
-    """How much ``ranks`` ranks on this machine slow each other: the ``contention`` of its
-    calibration for that many local ranks (as ``calibration`` finds or makes it)."""
-    from recscale.planner.hardware import Hardware
+_SHARED: dict[str, dict[str, float]] = {}  # calibration file -> its topology keys (``shared_machine``)
 
+
+def shared_machine(ranks: int) -> dict[str, float]:
+    """Topology keys for ``ranks`` ranks sharing this machine, from its calibration for that many
+    local ranks (as ``calibration`` finds or makes it): how much they slow each other
+    (``contention``) and what a collective over TCP costs them inside a step (the ``tcp_``
+    keys; none where the calibration has none: then the shared-memory figures price them, and
+    the run says so). Each calibration file is read once."""
     path = calibration(ranks)
-    return Hardware.load(path).contention if path != "local-cpu" else 0.0
+    if path not in _SHARED:
+        from recscale.planner.hardware import Hardware
 
-
-def machine_tcp(ranks: int) -> dict[str, float]:
-    """What a collective over TCP costs ``ranks`` ranks on this machine inside a step (topology
-    keys), from its calibration for that many local ranks; nothing where it has none (then
-    the shared-memory figures price them, and the run says so)."""
-    from recscale.planner.hardware import Hardware
-
-    path = calibration(ranks)
-    hw = Hardware.load(path) if path != "local-cpu" else None
-    if hw is None or hw.tcp_latency_s is None:
-        print(f"the calibration for {ranks} ranks has no collectives over TCP (make it again with `recscale calibrate "
-              f"--ranks {ranks}`): the emulated hosts' collectives are priced as over shared memory")
-        return {}
-    tcp = hw.over_tcp()
-    return {"tcp_latency_ms": 1e3 * tcp.latency_s, "tcp_replica_latency_ms": 1e3 * tcp.replica_collective_latency_s,
-            "tcp_replica_byte_ns": 1e9 * tcp.replica_byte_s}
+        hw = Hardware.load(path) if path != "local-cpu" else None
+        keys = {"contention": hw.contention if hw else 0.0}
+        if hw is None or hw.tcp_latency_s is None:
+            print(f"the calibration for {ranks} ranks has no collectives over TCP (make it again with `recscale "
+                  f"calibrate --ranks {ranks}`): the emulated hosts' collectives are priced as over shared memory")
+        else:
+            tcp = hw.over_tcp()
+            keys.update(tcp_latency_ms=1e3 * tcp.latency_s, tcp_replica_latency_ms=1e3 * tcp.replica_collective_latency_s,
+                        tcp_replica_byte_ns=1e9 * tcp.replica_byte_s)
+        _SHARED[path] = keys
+    return _SHARED[path]
 
 
 def fresh_calibrations(gs: list[Group], out: Path) -> None:

@@ -571,9 +571,12 @@ def fit_hardware(m: Measurements, memory_fraction: float = 0.6, progress=None) -
     )
     if world_size > 1:
         hw = replace(hw, contention=m.contention)
-        measured = [(plan, tables, gb[0].batch_size, statistics.median(m.collection[name]))
-                    for name, plan, tables, gb in collection_cases(world_size, m.collection_batches, m.collection_sets)]
-        fitted = fit_collection(hw, measured)
+        cases = collection_cases(world_size, m.collection_batches, m.collection_sets)
+
+        def steps(times: dict[str, list[float]]) -> list[tuple[ShardingPlan, list[TableSpec], int, float]]:
+            return [(plan, tables, gb[0].batch_size, statistics.median(times[name])) for name, plan, tables, gb in cases]
+
+        fitted = fit_collection(hw, steps(m.collection))
         if progress:
             progress(f"contention {m.contention:.2f} (compute x{1 + m.contention:.2f} while every rank is busy); "
                      f"isolated all-to-all: {comm['latency_s'] * 1e6:.0f} us, {comm['intra_host_bw'] / 1e9:.2f} GB/s; "
@@ -585,9 +588,7 @@ def fit_hardware(m: Measurements, memory_fraction: float = 0.6, progress=None) -
                      cross_host_bw=fitted["intra_host_bw"], replica_byte_s=fitted["replica_byte_s"],
                      replica_latency_s=fitted["replica_latency_s"])
         if m.collection_tcp and all(m.collection_tcp.values()):
-            tcp = fit_collection(hw, [(plan, tables, gb[0].batch_size, statistics.median(m.collection_tcp[name]))
-                                      for name, plan, tables, gb in collection_cases(world_size, m.collection_batches,
-                                                                                     m.collection_sets)])
+            tcp = fit_collection(hw, steps(m.collection_tcp))
             # the exchanges' bandwidth stays the shared-memory fit (between hosts the link's rate
             # prices the bytes); TCP changes what each collective and replica byte costs the ranks
             hw = replace(hw, tcp_latency_s=max(tcp["latency_s"], hw.latency_s), tcp_replica_latency_s=tcp["replica_latency_s"],

@@ -110,11 +110,10 @@ class Hardware:
                     "min_row_read_bytes", "cache_bytes", "cold_byte_s"):
             if getattr(self, key) < 0:
                 raise ValueError(f"hardware '{self.name}': {key} must be >= 0")
-        if self.replica_latency_s is not None and self.replica_latency_s < 0:
-            raise ValueError(f"hardware '{self.name}': replica_latency_s must be >= 0 (or null: as latency_s)")
-        for key in ("tcp_latency_s", "tcp_replica_latency_s", "tcp_replica_byte_s"):
+        for key, null in (("replica_latency_s", "as latency_s"), ("tcp_latency_s", "not measured"),
+                          ("tcp_replica_latency_s", "not measured"), ("tcp_replica_byte_s", "not measured")):
             if getattr(self, key) is not None and getattr(self, key) < 0:
-                raise ValueError(f"hardware '{self.name}': {key} must be >= 0 (or null: not measured)")
+                raise ValueError(f"hardware '{self.name}': {key} must be >= 0 (or null: {null})")
 
     @property
     def replica_collective_latency_s(self) -> float:

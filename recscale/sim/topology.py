@@ -280,11 +280,10 @@ def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = No
         hw = replace(hw, contention=contention)
     # collectives over TCP, as a calibration of several ranks measures them (``Hardware.over_tcp``),
     # for a base that has none (a one-rank calibration) or other figures
-    tcp = {k: _num(d, key, source) for k, key in (("tcp_latency_s", "tcp_latency_ms"),
-                                                   ("tcp_replica_latency_s", "tcp_replica_latency_ms"),
-                                                   ("tcp_replica_byte_s", "tcp_replica_byte_ns"))}
-    scale = {"tcp_latency_s": 1e-3, "tcp_replica_latency_s": 1e-3, "tcp_replica_byte_s": 1e-9}
-    hw = replace(hw, **{k: v * scale[k] for k, v in tcp.items() if v is not None})  # type: ignore[operator]
+    tcp = {field: (_num(d, key, source), unit) for field, key, unit in (
+        ("tcp_latency_s", "tcp_latency_ms", 1e-3), ("tcp_replica_latency_s", "tcp_replica_latency_ms", 1e-3),
+        ("tcp_replica_byte_s", "tcp_replica_byte_ns", 1e-9))}
+    hw = replace(hw, **{field: v * unit for field, (v, unit) in tcp.items() if v is not None})  # type: ignore[operator]
     c0 = _compute_for(hw.name)
     compute = DenseCompute(
         _num(d, "flops_per_s", source, c0.flops_per_s, positive=True),  # type: ignore[arg-type]
