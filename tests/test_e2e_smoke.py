@@ -1,8 +1,8 @@
 """Smoke test of benchmarks/e2e.py: its --quick mode races recscale (plain, sharded at one
-process, bf16) against plain PyTorch (fp32 and under bf16 autocast) on the DCNv2 config,
-1 process and 2 ranks, and TorchRec where it is installed (where it is not,
-its systems are skipped with a note); prints the table and writes the JSON. No timing
-assertions."""
+process) against plain PyTorch on the DCNv2 config, 1 process and 2 ranks, and TorchRec where
+it is installed (where it is not, its systems are skipped with a note); prints the table and
+writes the JSON. No timing assertions. The bf16 twins are left out (they double the run's
+time; bf16 training has tests of its own)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_e2e_quick_runs_and_prints_the_table(tmp_path: Path) -> None:
     out = tmp_path / "e2e.json"
     proc = proc_utils.run(
-        [sys.executable, "benchmarks/e2e.py", "--quick", "--configs", "dcnv2", "--bf16-configs", "dcnv2",
+        [sys.executable, "benchmarks/e2e.py", "--quick", "--configs", "dcnv2", "--bf16-configs", "",
          "--batch-size", "64", "--systems", "recscale,recscale-sharded,plain,torchrec", "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
@@ -40,18 +40,13 @@ def test_e2e_quick_runs_and_prints_the_table(tmp_path: Path) -> None:
             assert ((config, setup, "torchrec") in got) != skipped
         assert (config, "1proc", "recscale-sharded") in got
         assert (config, "2ranks", "recscale-sharded") not in got  # at 2 ranks recscale itself is sharded
-    # A CPU without fast bf16 matrix products (no AVX-512 BF16 or AMX) skips the bf16 systems, with a note.
-    bf16_skipped = any("bf16 systems skipped" in n for n in data["notes"])
-    for setup in ("1proc", "2ranks"):
-        pair = {("dcnv2", setup, "recscale-bf16"), ("dcnv2", setup, "plain-bf16")}
-        assert not (pair & got) if bf16_skipped else pair <= got
+    assert not any(r["system"].endswith("-bf16") for r in rows)  # no --bf16-configs: no bf16 twins
     for r in rows:
         assert r["samples_per_s"]["median"] > 0 and r["peak_rss_bytes"] > 0
         assert abs(sum(r["time_shares"].values()) - 1.0) < 1e-6
         assert 0 < r["roofline_share"]
         assert r["process"]["OMP_WAIT_POLICY"] == "PASSIVE" and "mmap_threshold" in r["process"]["GLIBC_TUNABLES"]
-        plain = "plain-bf16" if r["system"].endswith("-bf16") else "plain"
-        peer = next(p for p in rows if (p["config"], p["setup"], p["system"]) == (r["config"], r["setup"], plain))
+        peer = next(p for p in rows if (p["config"], p["setup"], p["system"]) == (r["config"], r["setup"], "plain"))
         assert abs(r["vs_plain"] - r["samples_per_s"]["median"] / peer["samples_per_s"]["median"]) < 1e-9
     assert data["machine"]["mem_bw_gbs"] > 0 and data["machine"]["fp32_gflops"] > 0
     assert data["specs"][0]["interaction"] == "dcn" and data["specs"][0]["dcn_low_rank"] == 512
