@@ -31,10 +31,12 @@ Every prediction is priced from this machine's calibrations, never from these me
 ``recscale calibrate --ranks N`` for each group's N ranks per host (the full one, else the quick
 one training makes on first use, made here if missing; ``--fresh-calibration DIR``: a quick one
 taken now, beside the measurements), the simulator's dense compute, training loop and
-cores' jitter (``recscale.sim.calibrate``, cached; ``--measure-compute`` measures them again)
-and the loader's cost for each data set and world size (measured here, a second each). The full run (45 configurations, ``--turns 5``,
-60 steps: 225 runs of 10-30 s) takes about an hour on 2 cores; ``--quick`` (9, one turn,
-20 steps) about 4.5 minutes.
+cores' jitter (``recscale.sim.calibrate``, cached; ``--measure-compute`` measures them again;
+a calibration's own jitter first, which its collective figures are fitted net of) and the
+loader's cost for each data set and world size (measured here, a second each). The full run
+(45 configurations, ``--turns 5``, 60 steps on emulated hosts and 300 on this host alone:
+225 runs of 10-30 s) takes about 70 minutes on 2 cores; ``--quick`` (9, one turn, 20 steps)
+about 4.5 minutes.
 
 Run it alone on the machine: it times things.
 """
@@ -222,10 +224,15 @@ def topology(g: Group, cfg) -> ClusterTopology:
         # many local ranks do, which a calibration of fewer ranks per host did not measure, and
         # their collectives cost what that many local ranks' cost over TCP
         link.update(shared_machine(world))
+    compute = dict(_COMPUTE)
+    if "sync_jitter" in link or calibration_jitter(g.ranks_per_host):
+        # the calibration's collective figures are fitted net of the wait at its own jitter:
+        # the simulator adds back that wait (topology_from_dict takes the base's), not another
+        del compute["sync_jitter"]
     return topology_from_dict({
         "base": calibration(g.ranks_per_host), "hosts": g.hosts, "ranks_per_host": g.ranks_per_host,
         **link, "shared_cores": os.cpu_count() or 1,
-        "load_s_per_sample": _LOADER[key], **_COMPUTE,
+        "load_s_per_sample": _LOADER[key], **compute,
         # shaped veth links frame as tc counts them; unshaped ranks talk over loopback (MTU 64 KiB)
         **(EMULATED_FRAMING if g.mbit else {"mtu_bytes": 65536, "frame_bytes": TC_FRAME_BYTES}),
     }, "validation")
@@ -298,27 +305,39 @@ def calibration(ranks_per_host: int) -> str:
 _SHARED: dict[str, dict[str, float]] = {}  # calibration file -> its topology keys (``shared_machine``)
 
 
-def shared_machine(ranks: int) -> dict[str, float]:
+def calibration_jitter(ranks: int) -> float:
+    """The cores' jitter the calibration for ``ranks`` local ranks measured (0: none)."""
+    return shared_machine(ranks, quiet=True).get("sync_jitter", 0.0)
+
+
+def shared_machine(ranks: int, quiet: bool = False) -> dict[str, float]:
     """Topology keys for ``ranks`` ranks sharing this machine, from its calibration for that many
     local ranks (as ``calibration`` finds or makes it): how much they slow each other
-    (``contention``) and what a collective over TCP costs them inside a step (the ``tcp_``
-    keys; none where the calibration has none: then the shared-memory figures price them, and
-    the run says so). Each calibration file is read once."""
+    (``contention``), what a collective over TCP costs them inside a step (the ``tcp_`` keys;
+    none where the calibration has none: then the shared-memory figures price them, and the run
+    says so once, unless ``quiet``), and the cores' jitter its collective figures are fitted net
+    of (``sync_jitter``, where it measured one). Each calibration file is read once."""
     path = calibration(ranks)
     if path not in _SHARED:
         from recscale.planner.hardware import Hardware
 
         hw = Hardware.load(path) if path != "local-cpu" else None
         keys = {"contention": hw.contention if hw else 0.0}
-        if hw is None or hw.tcp_latency_s is None:
-            print(f"the calibration for {ranks} ranks has no collectives over TCP (make it again with `recscale "
-                  f"calibrate --ranks {ranks}`): the emulated hosts' collectives are priced as over shared memory")
-        else:
+        if hw is not None and hw.sync_jitter > 0:
+            keys["sync_jitter"] = hw.sync_jitter
+        if hw is not None and hw.tcp_latency_s is not None:
             tcp = hw.over_tcp()
             keys.update(tcp_latency_ms=1e3 * tcp.latency_s, tcp_replica_latency_ms=1e3 * tcp.replica_collective_latency_s,
                         tcp_replica_byte_ns=1e9 * tcp.replica_byte_s)
         _SHARED[path] = keys
+    if not quiet and "tcp_latency_ms" not in _SHARED[path] and path not in _NO_TCP_SAID:
+        _NO_TCP_SAID.add(path)
+        print(f"the calibration for {ranks} ranks has no collectives over TCP (make it again with `recscale "
+              f"calibrate --ranks {ranks}`): the emulated hosts' collectives are priced as over shared memory")
     return _SHARED[path]
+
+
+_NO_TCP_SAID: set[str] = set()  # calibration files whose missing TCP figures were reported
 
 
 def fresh_calibrations(gs: list[Group], out: Path) -> None:
@@ -413,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="9 configurations, one turn, 20 steps (a smoke run)")
     ap.add_argument("--turns", type=int, default=None, help="interleaved turns (default 3; quick 1)")
     ap.add_argument("--steps", type=int, default=None, help="training steps per run (default 60; quick 20)")
+    ap.add_argument("--local-steps", type=int, default=None,
+                    help="training steps per run of the groups on this host alone (default 300; quick as --steps): "
+                         "their plans differ by a few percent and a short run's rate by much more")
     ap.add_argument("--batch-size", type=int, default=1024)
     ap.add_argument("--json", metavar="PATH", help="write every measurement and prediction")
     ap.add_argument("--measure-compute", action="store_true",
@@ -427,7 +449,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.refit:
         old = json.loads(Path(args.refit).read_text())
         args.quick, args.steps, args.batch_size = old["quick"], old["steps"], old["batch_size"]
+        args.local_steps = old.get("local_steps", old["steps"])
     steps = args.steps or (20 if args.quick else 60)
+    local_steps = args.local_steps or (steps if args.quick else 300)
+
+    def steps_of(g: Group) -> int:
+        return steps if g.mbit is not None else local_steps
     turns = args.turns or (1 if args.quick else 3)
     gs = [g for g in groups(args.quick) if not args.only or any(o in g.name for o in args.only)]
     if os.geteuid() != 0 and not args.refit:
@@ -449,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
             rot = order[turn % len(order):] + order[: turn % len(order)]
             for key in rot:
                 g = next(g for g in gs if g.name == key[0])
-                samples, run_plan = measure(g, key[1], steps, args.batch_size)
+                samples, run_plan = measure(g, key[1], steps_of(g), args.batch_size)
                 cases[key].measured.append(samples)
                 cases[key].run_plan = run_plan
                 print(f"turn {turn + 1}/{turns}  {key[0]:36s} {key[1]:15s} {cases[key].measured[-1]:10,.0f} samples/s", flush=True)
@@ -467,13 +494,14 @@ def main(argv: list[str] | None = None) -> int:
           f"cores' jitter {m.sync_jitter:.2f}")
     for key, c in cases.items():
         g = next(g for g in gs if g.name == key[0])
-        c.predicted = predict(g, key[1], steps, args.batch_size, c.run_plan)
+        c.predicted = predict(g, key[1], steps_of(g), args.batch_size, c.run_plan)
     result = score(gs, cases)
     report(result)
     if _FAILED:
         print(f"{len(_FAILED)} run(s) failed and were run again:\n" + "\n".join(m.splitlines()[0] for m in _FAILED))
     if args.json:
-        write_json(args.json, {"environment": environment(), "quick": args.quick, "steps": steps, "turns": turns,
+        write_json(args.json, {"environment": environment(), "quick": args.quick, "steps": steps, "local_steps": local_steps,
+                               "turns": turns,
                                "batch_size": args.batch_size, "groups": [asdict(g) for g in gs],
                                "cases": [asdict(c) for c in cases.values()], "link_latency_s": dict(_LINK_LATENCY),
                                "failed_runs": list(_FAILED),

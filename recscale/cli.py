@@ -204,6 +204,9 @@ def _calibrate(args: argparse.Namespace) -> int:
         tcp = hw.over_tcp()
         print(f"over TCP (ranks on different hosts): latency {tcp.latency_s * 1e6:.0f} us "
               f"(replica groups' {tcp.replica_collective_latency_s * 1e6:.0f} us)")
+    if hw.world_size > 1:
+        print(f"cores' jitter {hw.sync_jitter:.2f}: collectives are fitted net of the ranks' wait for the slowest "
+              "(the simulator adds it to their compute)")
     print(f"written to {out} (use it with: recscale plan --topology {out}; the trainer's planner uses the cached file "
           "by default)")
     return 0

@@ -258,6 +258,8 @@ def test_calibrate_measures_this_machine(tmp_path, capsys):
     assert hw.step_overhead_s + hw.latency_s > 0  # (Hardware itself rejects negative constants)
     # the same steps over TCP, as ranks on different hosts exchange: never cheaper per collective
     assert hw.tcp_latency_s is not None and hw.tcp_latency_s >= hw.latency_s
+    # the cores' jitter, which the collective figures are fitted net of, is measured and said
+    assert f"cores' jitter {hw.sync_jitter:.2f}" in capsys.readouterr().out
     assert main(["plan", "--topology", str(out), "--set", "data.num_workers=0"]) == 0
     assert "predicted step (slowest rank)" in capsys.readouterr().out
 

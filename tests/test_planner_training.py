@@ -250,6 +250,7 @@ def test_each_calibration_round_times_both_stages_so_every_hook_sees_the_same_ro
     clock = iter(range(1, 10_000))
     monkeypatch.setattr(calibrate, "time_plans", lambda jobs, *a, **k: [[float(next(clock)) for _ in j[2]] for j in jobs])
     monkeypatch.setattr(calibrate, "measure_contention", lambda *a, **k: 0.05)
+    monkeypatch.setattr(calibrate, "measure_jitter", lambda *a, **k: 0.3)
     monkeypatch.setattr(calibrate, "measure_all_to_all", lambda w: {"intra_host_bw": 1e9, "latency_s": 1e-4})
     seen = []
 
@@ -294,6 +295,42 @@ def test_collection_fit_recovers_latency_bandwidth_and_replica_cost():
     assert got["replica_latency_s"] == pytest.approx(truth.replica_latency_s, rel=1e-2)
     assert got["intra_host_bw"] == pytest.approx(truth.intra_host_bw, rel=1e-2)
     assert got["replica_byte_s"] == pytest.approx(truth.replica_byte_s, rel=1e-2)
+
+
+def test_collection_fit_is_net_of_the_ranks_wait_for_the_slowest():
+    # On unsteady cores every rank's compute between collectives runs long by the wait for the
+    # slowest (``sync_wait_factor``); the simulator adds that wait to the compute, so the fit
+    # must not leave it in the collectives' latency as well.
+    from dataclasses import replace
+
+    from recscale.comm.process_group import Topology
+    from recscale.embedding import TableConfig
+    from recscale.planner.jitter import sync_wait_factor
+    from recscale.sharding.default_plan import default_plan
+
+    truth = replace(LOCAL_CPU, latency_s=80e-6, replica_latency_s=30e-6, intra_host_bw=2.5e9, cross_host_bw=2.5e9,
+                    replica_byte_s=0.0, sync_jitter=0.4)
+    compute_only = replace(truth, latency_s=0.0, replica_latency_s=None, intra_host_bw=1e30, cross_host_bw=1e30)
+    wait = sync_wait_factor(truth.sync_jitter, 2)
+    assert wait > 1.2
+    topo = Topology(2, 0, 2)
+    measured = []
+    for rows in ([(200_000, 32, 8.0), (50_000, 16, 20.0)], [(1_000, 16, 1.0)] * 8):
+        tables = [TableSpec(f"t{i}", r, d, p, 0.4) for i, (r, d, p) in enumerate(rows)]
+        cfgs = [TableConfig(t.name, t.rows, t.dim) for t in tables]
+        for batch in (1024, 4096):
+            for kind in ("table_wise", "row_wise", "data_parallel", "column_wise"):
+                plan = default_plan(cfgs, topo, kind)
+                step = score_plan(plan, tables, truth, Workload(batch)).max_rank_s
+                stretch = (wait - 1) * score_plan(plan, tables, compute_only, Workload(batch)).max_rank_s
+                measured.append((plan, tables, batch, step + stretch))
+    start = replace(truth, latency_s=0.0, replica_latency_s=None, intra_host_bw=1e12, cross_host_bw=1e12)
+    got = fit_collection(start, measured)
+    assert got["latency_s"] == pytest.approx(truth.latency_s, rel=2e-2)
+    assert got["replica_latency_s"] == pytest.approx(truth.replica_latency_s, rel=2e-2)
+    # a machine measured as steady takes the wait for collective cost
+    steady = fit_collection(replace(start, sync_jitter=0.0), measured)
+    assert steady["latency_s"] > 1.2 * truth.latency_s
 
 
 def _torchrec():

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from recscale.sim.api import simulate
-from recscale.sim.jitter import expected_max_normal, measure_jitter, sync_wait_factor, wait_excess
-from recscale.sim.topology import TopologyError, topology_from_dict
+from recscale.planner.jitter import expected_max_normal, measure_jitter, sync_wait_factor, wait_excess
+from recscale.sim.topology import TopologyError, load_topology, topology_from_dict
 from recscale.train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,3 +65,20 @@ def test_measured_jitter_is_a_small_nonnegative_number():
     j = measure_jitter(2, chunk_s=0.002, seconds=0.6, windows=1)
     assert 0.0 <= j < 5.0
     assert measure_jitter(1) == 0.0
+
+
+def test_a_calibration_prices_the_wait_at_its_own_jitter(tmp_path):
+    # Its collective figures are fitted net of the wait at the jitter it measured: the
+    # simulator must add back that wait, not another measurement's; a topology key still wins.
+    from dataclasses import replace
+
+    from recscale.planner.hardware import PRESETS
+
+    path = tmp_path / "calibration.json"
+    replace(PRESETS["local-cpu"], world_size=2, ranks_per_host=2, sync_jitter=0.37).save(path)
+    assert topology_from_dict({"base": str(path)}, "test").compute.sync_jitter == 0.37
+    assert topology_from_dict({"base": str(path), "sync_jitter": 0.1}, "test").compute.sync_jitter == 0.1
+    assert topology_from_dict({"base": "local-cpu"}, "test").compute.sync_jitter != 0.37
+    assert load_topology(str(path)).compute.sync_jitter == 0.37  # the file itself as --topology
+    with pytest.raises(ValueError, match="sync_jitter"):
+        replace(PRESETS["local-cpu"], sync_jitter=-0.1)

@@ -23,9 +23,12 @@ from the same minutes:
    counts both directions).
 3. *Contention* (more than one rank): single-thread steps alone and as ``world_size`` copies
    side by side; the slowdown from sharing the host's memory system (``measure_contention``).
+   And the cores' unsteadiness (``sync_jitter``, ``recscale.planner.jitter``): every core runs
+   the same short chunks at once, and the slowest of them sets when ranks meet.
 4. *Collection* (more than one rank): steps of the real sharded collection on ``world_size``
    local processes, fitted for what a collective costs inside a step and what data-parallel
-   replicas pay per byte of row gradients they combine (``measure_collection``).
+   replicas pay per byte of row gradients they combine (``measure_collection``), net of the
+   ranks' wait for the slowest (``fit_collection``).
 
 The result is a ``Hardware`` JSON (``recscale calibrate --out FILE``) with the fit's residuals.
 """
@@ -53,6 +56,7 @@ from recscale.embedding import TableConfig
 from recscale.host_cpus import usable_cpus
 from recscale.planner.cost_model import TableSpec, Workload, cold_fraction, groups_per_rank
 from recscale.planner.hardware import Hardware
+from recscale.planner.jitter import measure_jitter, sync_wait_factor
 from recscale.planner.measure import shard_loads, synthetic_batches, threads_per_rank, time_contention, time_plans
 from recscale.sharding.default_plan import TableSharding, default_plan, single_rank_plan
 from recscale.sharding.plan import ShardingPlan
@@ -417,9 +421,15 @@ def fit_collection(hw: Hardware, measured: list[tuple[ShardingPlan, list[TableSp
     group, where each replica meets the others mid-backward (per byte rather than per row: wide
     rows measured dearer). (Fitting a contention factor here instead, as before, charged every
     plan for the waits these replicas do: column shards, whose ranks do the same work and rarely
-    wait, came out 25-35% too slow and data-parallel plans 15-25% too fast.)"""
+    wait, came out 25-35% too slow and data-parallel plans 15-25% too fast.)
+
+    The ranks meet at every collective and wait there for the slowest one, whose compute runs
+    long by the cores' unsteadiness: the compute is stretched by ``sync_wait_factor`` at
+    ``hw.sync_jitter`` first, so the collectives' figures are net of that wait and a simulator
+    that adds it to the compute does not count it twice."""
     from recscale.planner.search import score_plan
 
+    wait = sync_wait_factor(hw.sync_jitter, hw.ranks_per_host)
     fast = replace(hw, intra_host_bw=1e30, cross_host_bw=1e30, latency_s=0.0, replica_latency_s=None, replica_byte_s=0.0)
     ys, rows_a = [], []
     for plan, tables, batch, meas in measured:
@@ -429,7 +439,7 @@ def fit_collection(hw: Hardware, measured: list[tuple[ShardingPlan, list[TableSp
             return score_plan(plan, tables, replace(fast, **k), workload).max_rank_s - base
 
         base = score_plan(plan, tables, fast, workload).max_rank_s  # every rank computing, no exchange
-        ys.append((meas - base) / meas)
+        ys.append((meas - wait * base) / meas)
         exchange = extra(latency_s=1e-3, replica_latency_s=0.0)
         rows_a.append([exchange / 1e-3 / meas, extra(replica_latency_s=1e-3) / 1e-3 / meas,
                        extra(intra_host_bw=1e9, cross_host_bw=1e9) * 1e9 / meas, extra(replica_byte_s=1e-9) * 1e9 / meas])
@@ -461,6 +471,7 @@ class Measurements:
     compute: dict[str, list[float]]  # stage 1: probe name -> step seconds per round
     all_to_all: dict[str, float]  # stage 2: isolated latency and bandwidth
     contention: float = 0.0  # stage 3
+    sync_jitter: float = 0.0  # stage 3 too: the cores' unsteadiness (0: one rank, not measured)
     collection: dict[str, list[float]] = field(default_factory=dict)  # stage 4: probe name -> seconds per round
     # stage 5: stage 4's probes with the ranks exchanging over TCP (empty: not measured)
     collection_tcp: dict[str, list[float]] = field(default_factory=dict)
@@ -503,6 +514,10 @@ def measure(world_size: int = 2, progress=None, quick: bool = False,
     if world_size > 1:
         m.contention = measure_contention(world_size, m.batches[-1], steps, progress=progress, quick=quick)
         clock.done("contention")
+        # every core busy at once, as the simulator's own measurement (its wait on top of the
+        # fitted collective costs must be the one they were fitted net of)
+        m.sync_jitter = measure_jitter(os.cpu_count() or 1, seconds=3.0 if quick else 6.0)
+        clock.done("jitter")
     # Each round times stage 1's probes and then stage 4's: the compute constants and the
     # collectives fitted on top of them come from the same minutes, so a shared VM's speed drift
     # is not taken for collective costs.
@@ -570,7 +585,7 @@ def fit_hardware(m: Measurements, memory_fraction: float = 0.6, progress=None) -
         step_overhead_s=coef["step_overhead_s"],
     )
     if world_size > 1:
-        hw = replace(hw, contention=m.contention)
+        hw = replace(hw, contention=m.contention, sync_jitter=m.sync_jitter)
         cases = collection_cases(world_size, m.collection_batches, m.collection_sets)
 
         def steps(times: dict[str, list[float]]) -> list[tuple[ShardingPlan, list[TableSpec], int, float]]:
@@ -579,6 +594,8 @@ def fit_hardware(m: Measurements, memory_fraction: float = 0.6, progress=None) -
         fitted = fit_collection(hw, steps(m.collection))
         if progress:
             progress(f"contention {m.contention:.2f} (compute x{1 + m.contention:.2f} while every rank is busy); "
+                     f"cores' jitter {m.sync_jitter:.2f} (fitted net of a x{sync_wait_factor(m.sync_jitter, world_size):.2f} "
+                     f"wait for the slowest rank); "
                      f"isolated all-to-all: {comm['latency_s'] * 1e6:.0f} us, {comm['intra_host_bw'] / 1e9:.2f} GB/s; "
                      f"in the collection: {fitted['latency_s'] * 1e6:.0f} us, {fitted['intra_host_bw'] / 1e9:.2f} GB/s, "
                      f"data-parallel replicas combine rows at {_rate(fitted['replica_byte_s'])}")

@@ -86,6 +86,11 @@ class Hardware:
     # other rank of its host (min of the two computes, averaged over the others). Measured by
     # running single-thread steps side by side. 0 on GPUs (own HBM).
     contention: float = 0.0
+    # How unsteady the cores' speed is (``recscale.planner.jitter``): ranks that meet at every
+    # collective wait for the slowest of them, which the collective figures above are fitted
+    # net of (the simulator adds the wait to the ranks' compute). 0: not measured (one rank, a
+    # GPU preset).
+    sync_jitter: float = 0.0
     # Rows of a shard larger than the rank's share of the last-level cache come from DRAM: each
     # byte of a unique row touched (looked up, then updated: row and optimizer state) costs
     # ``cold_byte_s`` more, times the share of the shard that does not fit
@@ -107,7 +112,7 @@ class Hardware:
                 raise ValueError(f"hardware '{self.name}': {key} must be > 0")
         for key in ("latency_s", "kernel_overhead_s", "group_s", "backward_factor", "id_s", "row_s", "bag_s", "route_id_s", "route_table_s",
                     "column_stat_id_s", "column_stat_shard_s", "feature_s", "dist_id_s", "dist_value_s", "step_overhead_s", "replica_byte_s", "contention",
-                    "min_row_read_bytes", "cache_bytes", "cold_byte_s"):
+                    "sync_jitter", "min_row_read_bytes", "cache_bytes", "cold_byte_s"):
             if getattr(self, key) < 0:
                 raise ValueError(f"hardware '{self.name}': {key} must be >= 0")
         for key, null in (("replica_latency_s", "as latency_s"), ("tcp_latency_s", "not measured"),

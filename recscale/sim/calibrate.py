@@ -23,7 +23,7 @@ import numpy as np
 
 from recscale.atomic import write_text_atomic
 from recscale.sim.dense import DenseModel
-from recscale.sim.jitter import measure_jitter
+from recscale.planner.jitter import measure_jitter
 from recscale.sim.topology import DenseCompute
 
 # (bottom MLP, top MLP, tables, dim): small and large enough to separate per-op cost from FLOPs
@@ -78,7 +78,7 @@ def measure_compute(repeats: int = 15, load_s_per_sample: float = 0.0, loop: boo
     """Least-squares fit (relative errors, coefficients >= 0) of time = 3 (FLOPs / rate +
     values x value_s) + (3 ops + 2 tensors) x overhead (forward, backward, and the dense
     optimizer's step over each parameter tensor) over ``SHAPES`` x ``BATCHES`` at one thread,
-    in wall time; the cores' ``sync_jitter`` (``recscale.sim.jitter``); with ``loop``, the
+    in wall time; the cores' ``sync_jitter`` (``recscale.planner.jitter``); with ``loop``, the
     training loop's own time per step (``measure_loop``, on this machine's calibration if it
     has one)."""
     import torch

@@ -35,7 +35,7 @@ from recscale.sharding.plan import ShardingPlan
 from recscale.sim import traffic
 from recscale.sim.dense import DenseModel, bucket_groups
 from recscale.sim.engine import Op, Simulation
-from recscale.sim.jitter import sync_wait_factor
+from recscale.planner.jitter import sync_wait_factor
 from recscale.sim.topology import ClusterTopology
 
 STEPS = 5  # simulated; the third (index 2) is reported: warm pipeline, later batches to send and load

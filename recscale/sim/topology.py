@@ -109,7 +109,7 @@ class DenseCompute:
     ``load_s_per_sample``, and ``loop_s``: the training loop's own CPU time per step beyond
     the operators priced (pipeline bookkeeping, the loss's record, the guards, the optimizers'
     Python), which does not shrink with a rank's share of the batch; ``sync_jitter``: how
-    unsteady the cores' speed is (``recscale.sim.jitter``), which makes ranks that meet at
+    unsteady the cores' speed is (``recscale.planner.jitter``), which makes ranks that meet at
     collectives wait for the slowest."""
 
     flops_per_s: float
@@ -206,13 +206,18 @@ def _base(name: str, world: int | None, per_host: int | None) -> Hardware:
         raise TopologyError(str(e)) from None
 
 
-def _compute_for(hw_name: str) -> DenseCompute:
-    if hw_name in PRESET_COMPUTE and hw_name != "local-cpu":
-        return PRESET_COMPUTE[hw_name]
-    # a calibration of this machine: the CPU figures, or this machine's measured dense rate
-    from recscale.sim.calibrate import cached_compute
+def _compute_for(hw: Hardware) -> DenseCompute:
+    """The dense compute a step on ``hw`` is priced with: a preset's own, else this machine's
+    measured one (``recscale simulate --measure-compute``), else the CPU preset's; and the
+    calibration's own jitter where it measured one, since its collective figures are fitted
+    net of the wait at that jitter (the simulator adds the wait back, once)."""
+    if hw.name in PRESET_COMPUTE and hw.name != "local-cpu":
+        c = PRESET_COMPUTE[hw.name]
+    else:  # a calibration of this machine: the CPU figures, or this machine's measured dense rate
+        from recscale.sim.calibrate import cached_compute
 
-    return cached_compute() or PRESET_COMPUTE["local-cpu"]
+        c = cached_compute() or PRESET_COMPUTE["local-cpu"]
+    return replace(c, sync_jitter=hw.sync_jitter) if hw.sync_jitter > 0 else c
 
 
 def load_topology(spec: str, hosts: int | None = None, ranks_per_host: int | None = None) -> ClusterTopology:
@@ -232,7 +237,7 @@ def load_topology(spec: str, hosts: int | None = None, ranks_per_host: int | Non
         r = ranks_per_host or hw0.ranks_per_host
         world = (hosts * r) if hosts else (hw0.world_size if not ranks_per_host else max(hw0.num_hosts, 1) * r)
         hw = _base(spec, world, r)
-        return ClusterTopology(hw.name, hw, hw.cross_host_bw * hw.ranks_per_host, 0.0, _compute_for(hw.name),
+        return ClusterTopology(hw.name, hw, hw.cross_host_bw * hw.ranks_per_host, 0.0, _compute_for(hw),
                                framing=PRESET_FRAMING.get(hw.name, tcp_framing()))
     if not p.is_file():
         raise TopologyError(f"--topology '{spec}' is neither a preset {sorted(PRESETS)} nor an existing file")
@@ -284,7 +289,7 @@ def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = No
         ("tcp_latency_s", "tcp_latency_ms", 1e-3), ("tcp_replica_latency_s", "tcp_replica_latency_ms", 1e-3),
         ("tcp_replica_byte_s", "tcp_replica_byte_ns", 1e-9))}
     hw = replace(hw, **{field: v * unit for field, (v, unit) in tcp.items() if v is not None})  # type: ignore[operator]
-    c0 = _compute_for(hw.name)
+    c0 = _compute_for(hw)
     compute = DenseCompute(
         _num(d, "flops_per_s", source, c0.flops_per_s, positive=True),  # type: ignore[arg-type]
         _num(d, "op_overhead_s", source, c0.op_overhead_s),  # type: ignore[arg-type]
