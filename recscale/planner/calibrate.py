@@ -516,7 +516,7 @@ def measure(world_size: int = 2, progress=None, quick: bool = False,
         clock.done("contention")
         # every core busy at once, as the simulator's own measurement (its wait on top of the
         # fitted collective costs must be the one they were fitted net of)
-        m.sync_jitter = measure_jitter(os.cpu_count() or 1, seconds=3.0 if quick else 6.0)
+        m.sync_jitter = measure_jitter(os.cpu_count() or 1, **({"seconds": 8.0, "windows": 8} if quick else {}))
         clock.done("jitter")
     # Each round times stage 1's probes and then stage 4's: the compute constants and the
     # collectives fitted on top of them come from the same minutes, so a shared VM's speed drift

@@ -85,9 +85,11 @@ def wait_excess(chunks: list[list[tuple[float, float]]]) -> float:
     return max(0.0, float(np.mean(worst)) / float(np.mean(np.concatenate(durations))) - 1.0)
 
 
-def measure_jitter(processes: int, chunk_s: float = 0.003, seconds: float = 6.0, windows: int = 3) -> float:
+def measure_jitter(processes: int, chunk_s: float = 0.003, seconds: float = 24.0, windows: int = 12) -> float:
     """This machine's ``jitter`` from ``processes`` cores at once (0 for fewer than two): the
-    median over ``windows`` stretches of ``seconds``, so one burst of other work does not set it."""
+    median over ``windows`` stretches of ``seconds``, so one burst of other work does not set it.
+    (On a shared 2-core VM three 2-second windows gave anything from 0.1 to 1.0 from one run to
+    the next; twelve gave 0.21 +- 0.01, with one run in four at 0.35.)"""
     if processes < 2:
         return 0.0
     ctx = mp.get_context("spawn")
