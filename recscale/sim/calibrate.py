@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from recscale.atomic import write_text_atomic
-from recscale.sim.dense import DenseModel
 from recscale.planner.jitter import measure_jitter
+from recscale.sim.dense import DenseModel
 from recscale.sim.topology import DenseCompute
 
 # (bottom MLP, top MLP, tables, dim): small and large enough to separate per-op cost from FLOPs

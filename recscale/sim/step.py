@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 from recscale.planner.cost_model import (TableSpec, Workload, collective_s, dp_group_flags, dp_reduces_dense,
                                          group_collectives, routing_s, unique_rows)
 from recscale.planner.hardware import Hardware
+from recscale.planner.jitter import sync_wait_factor
 from recscale.planner.search import PlanResult, score_plan
 from recscale.sharding.plan import ShardingPlan
 from recscale.sim import traffic
 from recscale.sim.dense import DenseModel, bucket_groups
 from recscale.sim.engine import Op, Simulation
-from recscale.planner.jitter import sync_wait_factor
 from recscale.sim.topology import ClusterTopology
 
 STEPS = 5  # simulated; the third (index 2) is reported: warm pipeline, later batches to send and load
