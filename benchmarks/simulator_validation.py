@@ -228,7 +228,7 @@ def topology(g: Group, cfg) -> ClusterTopology:
     if "sync_jitter" in link or calibration_jitter(g.ranks_per_host):
         # the calibration's collective figures are fitted net of the wait at its own jitter:
         # the simulator adds back that wait (topology_from_dict takes the base's), not another
-        del compute["sync_jitter"]
+        compute.pop("sync_jitter", None)
     return topology_from_dict({
         "base": calibration(g.ranks_per_host), "hosts": g.hosts, "ranks_per_host": g.ranks_per_host,
         **link, "shared_cores": os.cpu_count() or 1,

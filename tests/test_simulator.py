@@ -227,6 +227,7 @@ def test_validation_prices_a_pipeline_pair_from_one_loader_measurement(monkeypat
     calls = []
     monkeypatch.setattr(sv, "measure_loader", lambda cfg, world_size: calls.append(world_size) or 1e-5)
     monkeypatch.setattr(sv, "_LOADER", {})
+    monkeypatch.setattr(sv, "link_latency", lambda g: 0.0)  # the link's probe is not under test
     on, off = sv.pipeline_pair()
     topos = [sv.topology(g, sv.load_config(sv.CONFIG, sv.overrides(g, "table_wise", 4, 64))) for g in (on, off)]
     assert calls == [2] and topos[0].compute.load_s_per_sample == topos[1].compute.load_s_per_sample
