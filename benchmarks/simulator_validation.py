@@ -224,15 +224,10 @@ def topology(g: Group, cfg) -> ClusterTopology:
         # many local ranks do, which a calibration of fewer ranks per host did not measure, and
         # their collectives cost what that many local ranks' cost over TCP
         link.update(shared_machine(world))
-    compute = dict(_COMPUTE)
-    if "sync_jitter" in link or calibration_jitter(g.ranks_per_host):
-        # the calibration's collective figures are fitted net of the wait at its own jitter:
-        # the simulator adds back that wait (topology_from_dict takes the base's), not another
-        compute.pop("sync_jitter", None)
     return topology_from_dict({
         "base": calibration(g.ranks_per_host), "hosts": g.hosts, "ranks_per_host": g.ranks_per_host,
         **link, "shared_cores": os.cpu_count() or 1,
-        "load_s_per_sample": _LOADER[key], **compute,
+        "load_s_per_sample": _LOADER[key], **_COMPUTE,
         # shaped veth links frame as tc counts them; unshaped ranks talk over loopback (MTU 64 KiB)
         **(EMULATED_FRAMING if g.mbit else {"mtu_bytes": 65536, "frame_bytes": TC_FRAME_BYTES}),
     }, "validation")
@@ -305,18 +300,13 @@ def calibration(ranks_per_host: int) -> str:
 _SHARED: dict[str, dict[str, float]] = {}  # calibration file -> its topology keys (``shared_machine``)
 
 
-def calibration_jitter(ranks: int) -> float:
-    """The cores' jitter the calibration for ``ranks`` local ranks measured (0: none)."""
-    return shared_machine(ranks, quiet=True).get("sync_jitter", 0.0)
-
-
-def shared_machine(ranks: int, quiet: bool = False) -> dict[str, float]:
+def shared_machine(ranks: int) -> dict[str, float]:
     """Topology keys for ``ranks`` ranks sharing this machine, from its calibration for that many
     local ranks (as ``calibration`` finds or makes it): how much they slow each other
     (``contention``), what a collective over TCP costs them inside a step (the ``tcp_`` keys;
     none where the calibration has none: then the shared-memory figures price them, and the run
-    says so once, unless ``quiet``), and the cores' jitter its collective figures are fitted net
-    of (``sync_jitter``, where it measured one). Each calibration file is read once."""
+    says so), and the cores' jitter its collective figures are fitted net of (``sync_jitter``,
+    where it measured one). Each calibration file is read once."""
     path = calibration(ranks)
     if path not in _SHARED:
         from recscale.planner.hardware import Hardware
@@ -325,19 +315,15 @@ def shared_machine(ranks: int, quiet: bool = False) -> dict[str, float]:
         keys = {"contention": hw.contention if hw else 0.0}
         if hw is not None and hw.sync_jitter > 0:
             keys["sync_jitter"] = hw.sync_jitter
-        if hw is not None and hw.tcp_latency_s is not None:
+        if hw is None or hw.tcp_latency_s is None:
+            print(f"the calibration for {ranks} ranks has no collectives over TCP (make it again with `recscale "
+                  f"calibrate --ranks {ranks}`): the emulated hosts' collectives are priced as over shared memory")
+        else:
             tcp = hw.over_tcp()
             keys.update(tcp_latency_ms=1e3 * tcp.latency_s, tcp_replica_latency_ms=1e3 * tcp.replica_collective_latency_s,
                         tcp_replica_byte_ns=1e9 * tcp.replica_byte_s)
         _SHARED[path] = keys
-    if not quiet and "tcp_latency_ms" not in _SHARED[path] and path not in _NO_TCP_SAID:
-        _NO_TCP_SAID.add(path)
-        print(f"the calibration for {ranks} ranks has no collectives over TCP (make it again with `recscale "
-              f"calibrate --ranks {ranks}`): the emulated hosts' collectives are priced as over shared memory")
     return _SHARED[path]
-
-
-_NO_TCP_SAID: set[str] = set()  # calibration files whose missing TCP figures were reported
 
 
 def fresh_calibrations(gs: list[Group], out: Path) -> None:
@@ -487,8 +473,9 @@ def main(argv: list[str] | None = None) -> int:
     if m is None:  # the simulator's calibration of this machine's dense compute, kept for next time
         m, source = measure_compute(), "measured"
         save_compute(m)
-    _COMPUTE.update(flops_per_s=m.flops_per_s, value_s=m.value_s, op_overhead_s=m.op_overhead_s, loop_s=m.loop_s,
-                    sync_jitter=m.sync_jitter)
+    # (not its jitter: a calibrated base prices the wait at the jitter its collectives are fitted
+    # net of, else at this same measurement, cached, which topology_from_dict falls back to)
+    _COMPUTE.update(flops_per_s=m.flops_per_s, value_s=m.value_s, op_overhead_s=m.op_overhead_s, loop_s=m.loop_s)
     print(f"dense compute ({source}): {m.flops_per_s / 1e9:.0f} GFLOP/s, {m.value_s * 1e9:.2f} ns per value, "
           f"{m.op_overhead_s * 1e6:.1f} us per operator, training loop {m.loop_s * 1e3:.2f} ms per step, "
           f"cores' jitter {m.sync_jitter:.2f}")

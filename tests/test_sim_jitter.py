@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from recscale.sim.api import simulate
 from recscale.planner.jitter import expected_max_normal, measure_jitter, sync_wait_factor, wait_excess
+from recscale.sim.api import simulate
 from recscale.sim.topology import TopologyError, load_topology, topology_from_dict
 from recscale.train.config import load_config
 
