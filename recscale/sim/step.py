@@ -3,12 +3,14 @@ the event simulation for a few steps; the steady-state step is what ``simulate``
 
 Per step and rank, in program order: load the batch (the loader's own stream), pack its ids,
 the ids all-to-all (with the pipeline: batch i+1's, issued before batch i+2 loads, so it runs
-during batch i), embedding lookups (the planner's per-rank compute, forward share), the output
-all-to-all (asynchronous: the bottom MLP runs meanwhile), unpacking, interaction and top MLP,
-their backward, the gradient all-to-all (asynchronous), the bottom MLP's backward, the dense
-all-reduce buckets as their gradients are there, the embeddings' backward and fused update
-once the gradients arrived (the rest of the per-rank compute), the replicas' gradient exchange
-for data-parallel tables, the dense optimizer and checkpoint stalls. The all-to-alls, the
+during batch i), the sharded tables' lookups (the planner's per-rank compute, forward share),
+the output all-to-all (asynchronous: the bottom MLP runs meanwhile, then the data-parallel
+replicas pool their own samples), unpacking, interaction and top MLP, their backward, the
+gradient all-to-all (asynchronous), the replicas' gradient exchange and update (autograd
+reaches them before the bottom MLP: they pooled after it), the bottom MLP's backward, the
+dense all-reduce buckets as their gradients are there, the sharded tables' backward and fused
+update once the gradients arrived (the rest of the per-rank compute), the dense optimizer and
+checkpoint stalls. The all-to-alls, the
 dense all-reduce and the replica exchange each have a stream (a process group) of their own,
 so their bytes share the links they meet on; every collective's bytes are framed as the
 topology's network carries them (``traffic.on_wire``).
@@ -28,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from recscale.planner.cost_model import (TableSpec, Workload, collective_s, dp_group_flags, dp_reduces_dense,
-                                         group_collectives, routing_s, unique_rows)
+                                         group_collectives, routing_s, shard_cost, unique_rows)
 from recscale.planner.hardware import Hardware
 from recscale.planner.jitter import sync_wait_factor
 from recscale.planner.search import PlanResult, score_plan
@@ -181,6 +183,12 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
         emb = [(rl.compute_s + rl.contention_s) * topo.compute_stretch * wait for rl in result.ranks]
     else:
         emb = [rl.compute_s * stretch for rl in result.ranks]
+    # The replicas' share of each rank's embedding work runs at another point of the step
+    # (after the bottom MLP's forward, and before its backward): split it off.
+    replica = sum(shard_cost(t, "data_parallel", t.rows, t.dim, hw, wl).compute_s
+                  for t in inp.tables if kinds[t.name] == "data_parallel")
+    emb_dp = [e * min(1.0, replica / rl.compute_s) if rl.compute_s > 0 else 0.0 for e, rl in zip(emb, result.ranks)]
+    emb = [e - d for e, d in zip(emb, emb_dp)]
     pack = stretch * (local * sum(t.pooling * hw.dist_id_s for t in sharded) + len(inp.tables) * hw.feature_s
             + sum(routing_s(kinds[t.name], hw) for t in inp.tables))
     unpack = stretch * local * sum(t.dim * hw.dist_value_s for t in sharded)
@@ -269,16 +277,23 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
                 send(k + 1)
             if k + 2 < STEPS:
                 load(k + 2)
+        # In program order (``DLRM.forward``): the sharded lookups, the outputs sent off, the
+        # bottom MLP, the replicas' lookups, then the wait for the outputs.
         look = per_rank("embedding lookup", "embedding lookup", k, [e / (1 + bf) for e in emb], lambda r: [ids_op[k]])
-        deps_top: list[int] = []
+        out = None
         if distributed:
             links = traffic.merge(traffic.all_to_all(topo, out_v, toward_dest=False), traffic.intra_host(topo, hier_v),
                                   serial_connections(topo, out_v))
             out = collective("output all-to-all", "output distribution", k, links, (1 + hierarchical) * lat, look, False)
-            deps_top = per_rank("unpack outputs", "output distribution", k, unpack, lambda r: [out])
         bottom = per_rank("bottom MLP forward", "MLP + interaction", k, bottom_f, lambda r: [loads[k][r]])
+        before_top = bottom
+        if dp_groups:
+            before_top = per_rank("replica lookup", "embedding lookup", k, [e / (1 + bf) for e in emb_dp],
+                                  lambda r: [bottom[r], look[r]])
+        if out is not None:
+            before_top = per_rank("unpack outputs", "output distribution", k, unpack, lambda r: [out, before_top[r]])
         top = per_rank("interaction + top MLP forward", "MLP + interaction", k, top_f,
-                       lambda r: [bottom[r]] + ([deps_top[r]] if deps_top else [look[r]]))
+                       lambda r: [before_top[r], look[r]])
         top_b = per_rank("interaction + top MLP backward", "MLP + interaction", k, 2 * top_f, lambda r: [top[r]])
         # The dense gradients' buckets (the last layers' first) go out on the dense group, the
         # gradient all-to-all on the embedding group: separate connections (gloo) or streams
@@ -300,12 +315,14 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
         tail = top_b
         if dp_groups:
             # The replicas pool after the bottom MLP's forward (while the outputs travel), so
-            # autograd reaches their backward, and its exchange, before the bottom MLP's: a CPU
-            # rank's thread waits in it before the last dense buckets can launch.
+            # autograd reaches their backward, its exchange and their update, before the bottom
+            # MLP's: a CPU rank's thread waits in the exchange, and the last dense buckets
+            # launch only once the replicas are updated.
             rep = collective("replica gradient exchange", "replica gradients", k, replica_links(inp, topo),
                              group_collectives(dp_groups) * (collective_s(hw, replica=True) + away), top_b, cpu,
                              "replica", ring=True)
-            tail = [rep] * w
+            tail = per_rank("replica backward + update", "embedding backward + update", k,
+                            [e * bf / (1 + bf) for e in emb_dp], lambda r: [rep, top_b[r]])
         bottom_b = per_rank("bottom MLP backward", "MLP + interaction", k, 2 * bottom_f, lambda r: [tail[r]])
         reduces += [all_reduce(p, bottom_b) for p, needs_bottom in dense_buckets if needs_bottom]
         upd = per_rank("embedding backward + update", "embedding backward + update", k, [e * bf / (1 + bf) for e in emb],
