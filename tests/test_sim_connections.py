@@ -94,13 +94,18 @@ def test_replica_exchange_serializes_the_gathers_over_tcp():
 
 
 def test_cpu_replicas_exchange_before_the_bottom_mlp_backward():
-    """A CPU rank waits in the replicas' exchange before its bottom MLP's backward, so the last
-    dense bucket's all-reduce starts after it (the trainer's autograd order), not beside it."""
+    """A CPU rank waits in the replicas' exchange, then updates them, before its bottom MLP's
+    backward, so the last dense bucket's all-reduce starts after both (the trainer's autograd
+    order: the replicas pooled after the bottom MLP's forward), not beside them."""
     cfg = load_config(ROOT / "configs" / "synthetic.toml", [*SMALL, "sharding.default=data_parallel"])
     step = [op for op in simulate(cfg, cluster()).ops if op.step == 2]
     rep = next(op for op in step if op.name == "replica gradient exchange")
+    update = next(op for op in step if op.name == "replica backward + update" and 0 in op.ranks)
+    bottom_b = next(op for op in step if op.name == "bottom MLP backward" and 0 in op.ranks)
+    assert update.duration_s > 0 and update.start >= rep.end_for(0)
     assert all(op.start >= rep.end for op in step if op.name == "bottom MLP backward")
-    assert max(op.start for op in step if op.name == "dense all-reduce") >= rep.end
+    assert bottom_b.start >= update.end
+    assert max(op.start for op in step if op.name == "dense all-reduce") >= max(rep.end, bottom_b.end)
 
 
 def test_every_replica_collective_pays_the_delay_between_hosts():

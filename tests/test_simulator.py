@@ -71,10 +71,9 @@ def test_pipeline_never_slower_and_bandwidth_never_hurts():
     assert slow.breakdown.get("output distribution", 0) > 0
 
 
-def test_step_runs_replicas_and_outputs_in_program_order():
-    """As ``DLRM.forward`` runs them: the bottom MLP computes while the pooled outputs travel,
-    the replicas pool after it, and autograd reaches the replicas' exchange and update before
-    the bottom MLP's backward, so the last dense buckets cannot overlap that update."""
+def test_step_runs_the_forward_in_program_order():
+    """As ``DLRM.forward`` runs it: the bottom MLP computes while the pooled outputs travel, and
+    the replicas pool after it (their backward's order: ``test_sim_connections``)."""
     def first(res, name: str, rank: int = 0):
         return next(op for op in res.ops if op.step == 2 and op.name == name and rank in op.ranks)
 
@@ -83,13 +82,8 @@ def test_step_runs_replicas_and_outputs_in_program_order():
     assert bottom.start < out.end_for(0)  # overlapped, not after the outputs arrived
     assert first(sharded, "unpack outputs").start >= out.end_for(0)
     replicated = simulate(small("sharding.default=data_parallel"), topo(2, 2, 1000))
-    look, update = first(replicated, "replica lookup"), first(replicated, "replica backward + update")
+    look = first(replicated, "replica lookup")
     assert look.duration_s > 0 and look.start >= first(replicated, "bottom MLP forward").end
-    assert update.duration_s > 0 and update.start >= first(replicated, "replica gradient exchange").end_for(0)
-    bottom_b = first(replicated, "bottom MLP backward")
-    assert bottom_b.start >= update.end
-    last_bucket = max((op for op in replicated.ops if op.step == 2 and op.name == "dense all-reduce"), key=lambda o: o.start)
-    assert last_bucket.start >= bottom_b.end
 
 
 def test_link_bytes_follow_placement():

@@ -10,10 +10,9 @@ gradient all-to-all (asynchronous), the replicas' gradient exchange and update (
 reaches them before the bottom MLP: they pooled after it), the bottom MLP's backward, the
 dense all-reduce buckets as their gradients are there, the sharded tables' backward and fused
 update once the gradients arrived (the rest of the per-rank compute), the dense optimizer and
-checkpoint stalls. The all-to-alls, the
-dense all-reduce and the replica exchange each have a stream (a process group) of their own,
-so their bytes share the links they meet on; every collective's bytes are framed as the
-topology's network carries them (``traffic.on_wire``).
+checkpoint stalls. The all-to-alls, the dense all-reduce and the replica exchange each have a
+stream (a process group) of their own, so their bytes share the links they meet on; every
+collective's bytes are framed as the topology's network carries them (``traffic.on_wire``).
 
 On CPU ranks four costs of a real step come on top, each priced from the calibration: a rank
 without a loader worker, or whose host's cores its training threads already fill, builds its
