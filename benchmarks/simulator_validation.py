@@ -303,7 +303,7 @@ _SHARED: dict[str, dict[str, float]] = {}  # calibration file -> its topology ke
 def shared_machine(ranks: int) -> dict[str, float]:
     """Topology keys for ``ranks`` ranks sharing this machine, from its calibration for that many
     local ranks (as ``calibration`` finds or makes it): how much they slow each other
-    (``contention``), what a collective over TCP costs them inside a step (the ``tcp_`` keys;
+    (``contention``), what a collective over TCP costs them inside a step and their cores (the ``tcp_`` keys;
     none where the calibration has none: then the shared-memory figures price them, and the run
     says so), and the cores' jitter its collective figures are fitted net of (``sync_jitter``,
     where it measured one). Each calibration file is read once."""
@@ -322,6 +322,8 @@ def shared_machine(ranks: int) -> dict[str, float]:
             tcp = hw.over_tcp()
             keys.update(tcp_latency_ms=1e3 * tcp.latency_s, tcp_replica_latency_ms=1e3 * tcp.replica_collective_latency_s,
                         tcp_replica_byte_ns=1e9 * tcp.replica_byte_s)
+            if hw.tcp_call_s is not None:
+                keys["tcp_call_ms"] = 1e3 * hw.tcp_call_s
         _SHARED[path] = keys
     return _SHARED[path]
 

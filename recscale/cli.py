@@ -203,7 +203,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     if hw.tcp_latency_s is not None:
         tcp = hw.over_tcp()
         print(f"over TCP (ranks on different hosts): latency {tcp.latency_s * 1e6:.0f} us "
-              f"(replica groups' {tcp.replica_collective_latency_s * 1e6:.0f} us)")
+              f"(replica groups' {tcp.replica_collective_latency_s * 1e6:.0f} us)"
+              + (f", {hw.tcp_call_s * 1e6:.0f} us of its rank's CPU" if hw.tcp_call_s is not None else ""))
     if hw.world_size > 1:
         print(f"cores' jitter {hw.sync_jitter:.2f}: collectives are fitted net of the ranks' wait for the slowest "
               "(the simulator adds it to their compute)")

@@ -15,6 +15,7 @@ import torch
 from recscale.planner.calibrate import _nnls, fit, fit_collection, Probe, FIT_TERMS
 from recscale.planner.cost_model import TableSpec, Workload
 from recscale.planner.hardware import LOCAL_CPU, ZIONEX, Hardware, cached_calibration, this_machine
+from recscale.planner.measure import PlanTiming
 from recscale.planner.search import baseline_plan, plan_tables, score_plan
 from recscale.train.config import load_config
 from dist_utils import run_ranks
@@ -230,6 +231,15 @@ def test_recorded_measurements_fit_again_to_the_same_machine_after_a_json_round_
     # (the quick probes' one table set splits a collective's cost between its terms loosely)
     assert hw.tcp_latency_s > 3 * hw.latency_s and hw.latency_s < 200e-6
     assert hw.over_tcp().latency_s == hw.tcp_latency_s
+    assert hw.tcp_call_s is None  # no CPU times recorded (an older calibration's record)
+    # the same steps' CPU time, where each collective takes less than its latency: fitted
+    # (``test_collection_fit_recovers_latency_bandwidth_and_replica_cost`` checks the value),
+    # never above the latency, kept in the record
+    cpu = replace(link, latency_s=300e-6)
+    m.collection_tcp_cpu = {name: [score_plan(plan, tables, cpu, Workload(gb[0].batch_size)).max_rank_s]
+                            for name, plan, tables, gb in cases}
+    hw = fit_hardware(m)
+    assert hw.tcp_call_s is not None and 0 <= hw.tcp_call_s <= hw.tcp_latency_s
     again = fit_hardware(Measurements(**json.loads(json.dumps(asdict(m)))))
     assert again == hw
     assert hw.cache_bytes == 16 << 20 and hw.contention == 0.05 and hw.memory_bytes == pytest.approx(8e9 * 0.6 / 2)
@@ -249,6 +259,8 @@ def test_each_calibration_round_times_both_stages_so_every_hook_sees_the_same_ro
 
     clock = iter(range(1, 10_000))
     monkeypatch.setattr(calibrate, "time_plans", lambda jobs, *a, **k: [[float(next(clock)) for _ in j[2]] for j in jobs])
+    monkeypatch.setattr(calibrate, "time_plans_cpu", lambda jobs, *a, **k: [
+        [PlanTiming(float(next(clock)), 0.5) for _ in j[2]] for j in jobs])
     monkeypatch.setattr(calibrate, "measure_contention", lambda *a, **k: 0.05)
     monkeypatch.setattr(calibrate, "measure_jitter", lambda *a, **k: 0.3)
     monkeypatch.setattr(calibrate, "measure_all_to_all", lambda w: {"intra_host_bw": 1e9, "latency_s": 1e-4})
@@ -263,6 +275,8 @@ def test_each_calibration_round_times_both_stages_so_every_hook_sees_the_same_ro
     m = calibrate.measure(2, between_rounds=hook)
     assert seen == [(True, {1}, True), (True, {2}, True), (True, {3}, True)]
     assert m.complete and {len(t) for t in m.collection.values()} == {3}
+    # stage 5 keeps each probe's CPU time beside its wall time, round by round
+    assert m.collection_tcp_cpu.keys() == m.collection_tcp.keys() and {len(t) for t in m.collection_tcp_cpu.values()} == {3}
 
 
 def test_collection_fit_recovers_latency_bandwidth_and_replica_cost():
@@ -295,6 +309,12 @@ def test_collection_fit_recovers_latency_bandwidth_and_replica_cost():
     assert got["replica_latency_s"] == pytest.approx(truth.replica_latency_s, rel=1e-2)
     assert got["intra_host_bw"] == pytest.approx(truth.intra_host_bw, rel=1e-2)
     assert got["replica_byte_s"] == pytest.approx(truth.replica_byte_s, rel=1e-2)
+    # the bytes priced at a given rate (what a CPU-time fit does): the rest is fitted the same
+    fixed = fit_collection(replace(truth, latency_s=0.0, replica_latency_s=None, replica_byte_s=0.0), measured,
+                           bandwidth=truth.intra_host_bw)
+    assert fixed["intra_host_bw"] == truth.intra_host_bw
+    assert fixed["latency_s"] == pytest.approx(truth.latency_s, rel=1e-2)
+    assert fixed["replica_latency_s"] == pytest.approx(truth.replica_latency_s, rel=1e-2)
 
 
 def test_collection_fit_is_net_of_the_ranks_wait_for_the_slowest():

@@ -57,7 +57,8 @@ from recscale.host_cpus import usable_cpus
 from recscale.planner.cost_model import TableSpec, Workload, cold_fraction, groups_per_rank
 from recscale.planner.hardware import Hardware
 from recscale.planner.jitter import measure_jitter, sync_wait_factor
-from recscale.planner.measure import shard_loads, synthetic_batches, threads_per_rank, time_contention, time_plans
+from recscale.planner.measure import (shard_loads, synthetic_batches, threads_per_rank, time_contention, time_plans,
+                                      time_plans_cpu)
 from recscale.sharding.default_plan import TableSharding, default_plan, single_rank_plan
 from recscale.sharding.plan import ShardingPlan
 
@@ -260,12 +261,20 @@ def _by_plan(cases: list[tuple[str, ShardingPlan, list[TableSpec], list]]) -> li
 
 
 def _time_round(cases, times: dict[str, list[float]], steps: int, threads: int | None, progress, label: str,
-                shared_memory: bool = True) -> None:
+                shared_memory: bool = True, cpu_times: dict[str, list[float]] | None = None) -> None:
     """One round of ``cases``: each plan built once for its batch sizes, and several ranks started
-    once for the whole round (``time_plans``), each probe's time added to ``times``."""
+    once for the whole round (``time_plans``), each probe's time added to ``times`` (and its
+    busiest rank's CPU time to ``cpu_times``, where given)."""
     jobs = _by_plan(cases)
-    got = time_plans([(job[0][1], job[0][2], [gb for *_, gb in job]) for job in jobs], steps, threads=threads,
-                     shared_memory=shared_memory)
+    specs = [(job[0][1], job[0][2], [gb for *_, gb in job]) for job in jobs]
+    if cpu_times is None:
+        got = time_plans(specs, steps, threads=threads, shared_memory=shared_memory)
+    else:
+        timed = time_plans_cpu(specs, steps, threads=threads, shared_memory=shared_memory)
+        got = [[t.seconds for t in job] for job in timed]
+        for job, ts in zip(jobs, timed):
+            for (name, *_), t in zip(job, ts):
+                cpu_times.setdefault(name, []).append(t.cpu_s)
     for job, secs in zip(jobs, got):
         for (name, *_), t in zip(job, secs):
             times[name].append(t)
@@ -386,14 +395,15 @@ def collection_cases(world_size: int, batches: tuple[int, ...], sets: tuple[str,
 def measure_collection(world_size: int, batches: tuple[int, ...] = (1024, 4096), steps: int = 5,
                        progress=None, sets: tuple[str, ...] = ("mixed", "large", "many_small"),
                        rounds: int = 3, into: dict[str, list[float]] | None = None,
-                       shared_memory: bool = True) -> dict[str, list[float]]:
+                       shared_memory: bool = True, cpu_into: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
     """Stage 4's measurements (more than one rank): steps of the real collection on
     ``world_size`` local processes for balanced plans (table-wise, row-wise, data-parallel,
     column shards over every rank) and for every table on rank 0 (the others only exchange),
     each probe's time in every round, by name. ``fit_collection`` turns them into what a
     collective costs inside a step and what data-parallel replicas pay per byte. ``into``: the
     dict to add this call's rounds to (``measure`` fills one round at a time). ``shared_memory``
-    off: the ranks exchange over gloo's TCP transport (stage 5), as ranks on different hosts do."""
+    off: the ranks exchange over gloo's TCP transport (stage 5), as ranks on different hosts do.
+    ``cpu_into``: where to add each probe's CPU seconds (its busiest rank's process)."""
     cases = collection_cases(world_size, batches, sets)
     # Round-robin over the probes, as in stage 1: a burst of load lasting longer than one probe
     # moves one round of several probes, not every round of one.
@@ -402,14 +412,17 @@ def measure_collection(world_size: int, batches: tuple[int, ...] = (1024, 4096),
         times.setdefault(name, [])
     label = f"{world_size} ranks{'' if shared_memory else ' over TCP'}, "
     for _ in range(rounds):
-        _time_round(cases, times, steps, None, progress, label, shared_memory)
+        _time_round(cases, times, steps, None, progress, label, shared_memory, cpu_into)
     return times
 
 
 
-def fit_collection(hw: Hardware, measured: list[tuple[ShardingPlan, list[TableSpec], int, float]]) -> dict[str, float]:
+def fit_collection(hw: Hardware, measured: list[tuple[ShardingPlan, list[TableSpec], int, float]],
+                   bandwidth: float | None = None) -> dict[str, float]:
     """Stage 4's fit: latency, bandwidth and ``replica_byte_s`` from (plan, tables, global batch,
     measured seconds), given ``hw``'s compute constants and contention (relative error weighted).
+    ``bandwidth`` given: the bytes are priced at it, not fitted (a fit of few probes can take
+    a collective's fixed cost for a per-byte one).
 
     Each step is fitted as ``compute + latency x collectives + bytes / bandwidth + replica
     bytes x replica_byte_s``, with compute as stage 1 predicts it for one rank plus the measured
@@ -430,7 +443,8 @@ def fit_collection(hw: Hardware, measured: list[tuple[ShardingPlan, list[TableSp
     from recscale.planner.search import score_plan
 
     wait = sync_wait_factor(hw.sync_jitter, hw.ranks_per_host)
-    fast = replace(hw, intra_host_bw=1e30, cross_host_bw=1e30, latency_s=0.0, replica_latency_s=None, replica_byte_s=0.0)
+    bw = bandwidth or 1e30
+    fast = replace(hw, intra_host_bw=bw, cross_host_bw=bw, latency_s=0.0, replica_latency_s=None, replica_byte_s=0.0)
     ys, rows_a = [], []
     for plan, tables, batch, meas in measured:
         workload = Workload(batch_size=batch)
@@ -442,13 +456,15 @@ def fit_collection(hw: Hardware, measured: list[tuple[ShardingPlan, list[TableSp
         ys.append((meas - wait * base) / meas)
         exchange = extra(latency_s=1e-3, replica_latency_s=0.0)
         rows_a.append([exchange / 1e-3 / meas, extra(replica_latency_s=1e-3) / 1e-3 / meas,
-                       extra(intra_host_bw=1e9, cross_host_bw=1e9) * 1e9 / meas, extra(replica_byte_s=1e-9) * 1e9 / meas])
+                       0.0 if bandwidth else extra(intra_host_bw=1e9, cross_host_bw=1e9) * 1e9 / meas,
+                       extra(replica_byte_s=1e-9) * 1e9 / meas])
     a = np.array(rows_a)
     scale = a.max(0)
     scale[scale == 0] = 1.0
     latency, replica_latency, per_byte, replica_byte = _nnls(a / scale, np.array(ys)) / scale
+    fitted_bw = bandwidth or (float(1.0 / per_byte) if per_byte > 0 else 1e12)
     return {"latency_s": float(latency), "replica_latency_s": float(replica_latency),
-            "intra_host_bw": float(1.0 / per_byte) if per_byte > 0 else 1e12, "replica_byte_s": float(replica_byte)}
+            "intra_host_bw": fitted_bw, "replica_byte_s": float(replica_byte)}
 
 
 def _rate(seconds_per_byte: float) -> str:
@@ -475,6 +491,9 @@ class Measurements:
     collection: dict[str, list[float]] = field(default_factory=dict)  # stage 4: probe name -> seconds per round
     # stage 5: stage 4's probes with the ranks exchanging over TCP (empty: not measured)
     collection_tcp: dict[str, list[float]] = field(default_factory=dict)
+    # stage 5's probes in CPU seconds (the busiest rank's process, user and system; empty: not
+    # measured): what a collective over TCP takes from its rank's cores
+    collection_tcp_cpu: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def batches(self) -> tuple[int, ...]:
@@ -529,7 +548,7 @@ def measure(world_size: int = 2, progress=None, quick: bool = False,
                                rounds=1, into=m.collection)
             clock.done(f"round {r + 1}: collection probes")
             measure_collection(world_size, m.collection_batches, steps, progress=progress, sets=m.collection_sets,
-                               rounds=1, into=m.collection_tcp, shared_memory=False)
+                               rounds=1, into=m.collection_tcp, shared_memory=False, cpu_into=m.collection_tcp_cpu)
             clock.done(f"round {r + 1}: collection probes over TCP")
         if between_rounds is not None:
             between_rounds(m)
@@ -610,9 +629,16 @@ def fit_hardware(m: Measurements, memory_fraction: float = 0.6, progress=None) -
             # prices the bytes); TCP changes what each collective and replica byte costs the ranks
             hw = replace(hw, tcp_latency_s=max(tcp["latency_s"], hw.latency_s), tcp_replica_latency_s=tcp["replica_latency_s"],
                          tcp_replica_byte_s=tcp["replica_byte_s"])
+            if m.collection_tcp_cpu and all(m.collection_tcp_cpu.get(name) for name, *_ in cases):
+                # the same fit on the probes' CPU time: no rank waits for another in it, so no
+                # wait for the slowest to take out; the bytes cost the cores what they cost over
+                # shared memory (copies either way)
+                used = fit_collection(replace(hw, sync_jitter=0.0), steps(m.collection_tcp_cpu), bandwidth=hw.intra_host_bw)
+                hw = replace(hw, tcp_call_s=min(used["latency_s"], hw.tcp_latency_s or used["latency_s"]))
             if progress:
                 progress(f"over TCP: {tcp['latency_s'] * 1e6:.0f} us a collective (replica groups' "
-                         f"{tcp['replica_latency_s'] * 1e6:.0f} us), replicas combine rows at {_rate(tcp['replica_byte_s'])}")
+                         f"{tcp['replica_latency_s'] * 1e6:.0f} us), replicas combine rows at {_rate(tcp['replica_byte_s'])}"
+                         + (f"; its rank's cores spend {hw.tcp_call_s * 1e6:.0f} us of CPU on it" if hw.tcp_call_s is not None else ""))
     return hw
 
 

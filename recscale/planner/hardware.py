@@ -81,6 +81,12 @@ class Hardware:
     tcp_latency_s: float | None = None
     tcp_replica_latency_s: float | None = None
     tcp_replica_byte_s: float | None = None
+    # What one collective over TCP takes from its rank's cores (per log2 step, as latency_s):
+    # the process's CPU time, its own thread's, gloo's and the kernel's network work, fitted
+    # from the same steps' CPU time. A collective its thread does not wait in (asynchronous)
+    # costs the rank this, not its latency: over TCP much of that is the peer's and the
+    # wire's. None: not measured, the latency is charged.
+    tcp_call_s: float | None = None
     # Ranks of one host (CPU processes) slow each other while both compute (shared memory
     # bandwidth and caches): a rank pays ``contention`` x the time it computes alongside each
     # other rank of its host (min of the two computes, averaged over the others). Measured by
@@ -116,7 +122,8 @@ class Hardware:
             if getattr(self, key) < 0:
                 raise ValueError(f"hardware '{self.name}': {key} must be >= 0")
         for key, null in (("replica_latency_s", "as latency_s"), ("tcp_latency_s", "not measured"),
-                          ("tcp_replica_latency_s", "not measured"), ("tcp_replica_byte_s", "not measured")):
+                          ("tcp_replica_latency_s", "not measured"), ("tcp_replica_byte_s", "not measured"),
+                          ("tcp_call_s", "not measured")):
             if getattr(self, key) is not None and getattr(self, key) < 0:
                 raise ValueError(f"hardware '{self.name}': {key} must be >= 0 (or null: {null})")
 

@@ -106,30 +106,42 @@ def _build(plan: ShardingPlan, tables: list[TableSpec], groups) -> ShardedEmbedd
 
 
 def _time_steps(coll: ShardedEmbeddingCollection, rank: int, world: int, batches: list[JaggedBatch], steps: int,
-                groups, after_warm_up: Callable[[], object] | None = None) -> list[float]:
+                groups, after_warm_up: Callable[[], object] | None = None,
+                cpu: list[float] | None = None) -> list[float]:
+    """This rank's wall seconds per step after two warm-up steps; ``cpu``, where given, gets
+    the CPU seconds (user and system, every thread of the process: gloo's and the kernel's
+    network work on its behalf too) each of those steps took."""
     b = batches[0].batch_size
     sizes = [len(c) for c in torch.arange(b).tensor_split(world)]
     locals_ = [g.split(sizes)[rank] if world > 1 else g for g in batches]
-    times = []
+    times, cpus = [], []
     for i in range(steps + 2):  # two warm-up steps
         if i == 2 and after_warm_up is not None:
             after_warm_up()
         local = locals_[i % len(locals_)]
         if groups.embedding is not None:
             torch.distributed.barrier(groups.embedding)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = coll(local)
         out.backward(torch.ones_like(out))
         times.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    if cpu is not None:
+        cpu.extend(cpus[2:])
     return times[2:]
 
 
-def _job_times(rank: int, world: int, jobs, steps: int, groups) -> list[list[list[float]]]:
-    """Per job, per batch set: this rank's step times, on one build of the job's collection."""
+def _job_times(rank: int, world: int, jobs, steps: int, groups) -> list[list[tuple[list[float], list[float]]]]:
+    """Per job, per batch set: this rank's step times and their CPU times, on one build of the
+    job's collection."""
     out = []
     for plan_dict, tables, batch_sets in jobs:
         coll = _build(ShardingPlan.from_dict(plan_dict), tables, groups)
-        out.append([_time_steps(coll, rank, world, gb, steps, groups) for gb in batch_sets])
+        sets = []
+        for gb in batch_sets:
+            cpu: list[float] = []
+            sets.append((_time_steps(coll, rank, world, gb, steps, groups, cpu=cpu), cpu))
+        out.append(sets)
         del coll
     return out
 
@@ -192,12 +204,27 @@ def time_plan(plan: ShardingPlan, tables: list[TableSpec], batches: list[JaggedB
 Job = tuple[ShardingPlan, list[TableSpec], list[list[JaggedBatch]]]  # a plan, its tables, batch sets to time it on
 
 
+@dataclass(frozen=True)
+class PlanTiming:
+    """One plan on one batch set: the median over steps of the slowest rank's wall seconds, and
+    of the busiest rank's CPU seconds (its process's threads, user and system)."""
+
+    seconds: float
+    cpu_s: float
+
+
 def time_plans(jobs: list[Job], steps: int = 7, threads: int | None = None, shared_memory: bool = True) -> list[list[float]]:
     """``time_plan`` of many plans of one world size: per job, per batch set, the median over
     steps of the slowest rank's step time. Each job's collection is built once for all its batch
     sets, and several ranks are started once for all jobs (a process start and a large table's
     build cost seconds each, far more than the steps timed on them). ``shared_memory`` off: the
     ranks exchange over gloo's TCP transport, as ranks on different hosts do."""
+    return [[t.seconds for t in job] for job in time_plans_cpu(jobs, steps, threads, shared_memory)]
+
+
+def time_plans_cpu(jobs: list[Job], steps: int = 7, threads: int | None = None,
+                   shared_memory: bool = True) -> list[list[PlanTiming]]:
+    """``time_plans`` with each probe's CPU time beside its wall time (``PlanTiming``)."""
     if not jobs:
         return []
     world = jobs[0][0].world_size
@@ -216,5 +243,6 @@ def time_plans(jobs: list[Job], steps: int = 7, threads: int | None = None, shar
             args = (world, free_port(), [(p.to_dict(), t, b) for p, t, b in jobs], steps, tmp, shared_memory)
             start_local_processes(_worker, args, world)
             per_rank = [torch.load(Path(tmp) / f"r{r}.pt") for r in range(world)]
-    return [[statistics.median(max(ts) for ts in zip(*(pr[j][k] for pr in per_rank))) for k in range(len(job[2]))]
-            for j, job in enumerate(jobs)]
+    return [[PlanTiming(statistics.median(max(ts) for ts in zip(*(pr[j][k][0] for pr in per_rank))),
+                        statistics.median(max(cs) for cs in zip(*(pr[j][k][1] for pr in per_rank))))
+             for k in range(len(job[2]))] for j, job in enumerate(jobs)]

@@ -26,7 +26,7 @@ link that runs beside it (the planner's cost model charges them the same way).""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from recscale.planner.cost_model import (TableSpec, Workload, collective_s, dp_group_flags, dp_reduces_dense,
                                          group_collectives, routing_s, shard_cost, unique_rows)
@@ -202,6 +202,11 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
     away = (topo.host_link_latency_s + sum(t.latency_s for t in topo.tiers if t.hosts_per_group < topo.hosts)
             if topo.hosts > 1 else 0.0)
     lat = collective_s(hw) + away
+    # What an asynchronous collective takes from its rank's cores: over TCP the calibration's
+    # measured CPU time, on the rank's share of the cores (the link's delay and the wait for
+    # the peers are not the rank's work); elsewhere its latency.
+    tcp_call = over_tcp(topo) and hw.tcp_call_s is not None
+    call_lat = collective_s(replace(hw, latency_s=hw.tcp_call_s)) * topo.compute_stretch if tcp_call else lat
     distributed = bool(sharded)
     cpu = c.flops_per_s < 1e12  # a CPU rank's main thread waits in a synchronous collective
     d = inp.dense
@@ -232,7 +237,7 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
                            deps=deps(r))) for r in all_ranks]
 
     def collective(name: str, cat: str, k: int, links, latency: float, deps: list[int], blocking: bool,
-                   stream: str = "comm", ring: bool = False) -> int:
+                   stream: str = "comm", ring: bool = False, calls: int = 1) -> int:
         copies = [0.0] * w
         if cpu and w > 1:
             # Bytes between ranks of one host are copied by the two ranks' own threads, the
@@ -246,8 +251,8 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
         if cpu and w > 1:
             # A CPU rank's own thread issues the collective and does its part (packing, the
             # synchronisation) while the bytes between hosts travel on their own; a blocking
-            # call has held the thread for its latency already.
-            call = [(0.0 if blocking else latency) + copies[r] for r in all_ranks]
+            # call has held the thread for its latency already. ``calls``: collectives in it.
+            call = [(0.0 if blocking else calls * call_lat) + copies[r] for r in all_ranks]
             if any(x > 0 for x in call):
                 per_rank(f"{name} call", cat, k, call, (lambda r: [op]) if blocking else (lambda r: []))
         return op
@@ -260,7 +265,7 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
         n = 3 if distributed else 1  # batch sizes, lengths, ids (only batch sizes when all replicated)
         links = traffic.merge(traffic.all_to_all(topo, ids_v), serial_connections(topo, ids_v))
         ids_op[k] = collective("ids all-to-all", "input distribution", k, links, n * lat,
-                               packs, blocking=cpu and not inp.pipeline)
+                               packs, blocking=cpu and not inp.pipeline, calls=n)
 
     step_end: list[float] = []
     for k in range(STEPS):
@@ -283,7 +288,8 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
         if distributed:
             links = traffic.merge(traffic.all_to_all(topo, out_v, toward_dest=False), traffic.intra_host(topo, hier_v),
                                   serial_connections(topo, out_v))
-            out = collective("output all-to-all", "output distribution", k, links, (1 + hierarchical) * lat, look, False)
+            out = collective("output all-to-all", "output distribution", k, links, (1 + hierarchical) * lat, look, False,
+                             calls=1 + hierarchical)
         bottom = per_rank("bottom MLP forward", "MLP + interaction", k, bottom_f, lambda r: [loads[k][r]])
         before_top = bottom
         if dp_groups:
@@ -310,7 +316,8 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
             n = 1 + hierarchical + 4 * column
             # issued asynchronously as the interaction's backward ends; the embeddings' backward
             # waits for it after the bottom MLP's backward has launched the last buckets
-            grad_dep = [collective("gradient all-to-all", "gradient distribution", k, links, n * lat, top_b, False)]
+            grad_dep = [collective("gradient all-to-all", "gradient distribution", k, links, n * lat, top_b, False,
+                                   calls=n)]
         tail = top_b
         if dp_groups:
             # The replicas pool after the bottom MLP's forward (while the outputs travel), so

@@ -259,7 +259,7 @@ _KEYS = {"base", "hosts", "ranks_per_host", "cross_host_mbit", "cross_host_laten
          "flops_per_s", "op_overhead_s", "load_s_per_sample", "tiers", "name", "checkpoint_gbyte_s",
          "shared_cores", "value_s", "send_buffer_mib", "mtu_bytes", "frame_bytes", "segments_per_ack",
          "cores_per_host", "loop_s", "burst_bytes", "contention", "sync_jitter", "tcp_latency_ms",
-         "tcp_replica_latency_ms", "tcp_replica_byte_ns"}
+         "tcp_replica_latency_ms", "tcp_replica_byte_ns", "tcp_call_ms"}
 
 
 def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = None,
@@ -287,7 +287,7 @@ def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = No
     # for a base that has none (a one-rank calibration) or other figures
     tcp = {field: (_num(d, key, source), unit) for field, key, unit in (
         ("tcp_latency_s", "tcp_latency_ms", 1e-3), ("tcp_replica_latency_s", "tcp_replica_latency_ms", 1e-3),
-        ("tcp_replica_byte_s", "tcp_replica_byte_ns", 1e-9))}
+        ("tcp_replica_byte_s", "tcp_replica_byte_ns", 1e-9), ("tcp_call_s", "tcp_call_ms", 1e-3))}
     hw = replace(hw, **{field: v * unit for field, (v, unit) in tcp.items() if v is not None})  # type: ignore[operator]
     c0 = _compute_for(hw)
     compute = DenseCompute(
