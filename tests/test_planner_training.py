@@ -325,7 +325,7 @@ def test_collection_fit_is_net_of_the_ranks_wait_for_the_slowest():
 
     from recscale.comm.process_group import Topology
     from recscale.embedding import TableConfig
-    from recscale.planner.jitter import sync_wait_factor
+    from recscale.planner.jitter import sync_wait_factor, synced_stretch
     from recscale.sharding.default_plan import default_plan
 
     truth = replace(LOCAL_CPU, latency_s=80e-6, replica_latency_s=30e-6, intra_host_bw=2.5e9, cross_host_bw=2.5e9,
@@ -342,7 +342,11 @@ def test_collection_fit_is_net_of_the_ranks_wait_for_the_slowest():
             for kind in ("table_wise", "row_wise", "data_parallel", "column_wise"):
                 plan = default_plan(cfgs, topo, kind)
                 step = score_plan(plan, tables, truth, Workload(batch)).max_rank_s
-                stretch = (wait - 1) * score_plan(plan, tables, compute_only, Workload(batch)).max_rank_s
+                # the slowest rank's expected wait: the balanced ranks' factor, less where unbalanced
+                computing = score_plan(plan, tables, compute_only, Workload(batch))
+                factor = synced_stretch([r.time_s + computing.common_s for r in computing.ranks], truth.sync_jitter)
+                assert factor <= wait + 1e-12
+                stretch = (factor - 1) * computing.max_rank_s
                 measured.append((plan, tables, batch, step + stretch))
     start = replace(truth, latency_s=0.0, replica_latency_s=None, intra_host_bw=1e12, cross_host_bw=1e12)
     got = fit_collection(start, measured)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from recscale.planner.jitter import expected_max_normal, measure_jitter, sync_wait_factor, wait_excess
+from recscale.planner.jitter import expected_max_normal, measure_jitter, sync_wait_factor, synced_stretch, wait_excess
 from recscale.sim.api import simulate
 from recscale.sim.topology import TopologyError, load_topology, topology_from_dict
 from recscale.train.config import load_config
@@ -33,6 +33,40 @@ def test_expected_maximum_of_standard_normals():
     assert expected_max_normal(8) == pytest.approx(sampled, abs=0.03)
     assert sync_wait_factor(0.3, 1) == 1.0 and sync_wait_factor(0.0, 16) == 1.0
     assert sync_wait_factor(0.2, 2) < sync_wait_factor(0.2, 16)
+
+
+def test_an_unbalanced_plans_slowest_rank_waits_for_the_others_only_as_much_as_they_can_be_late():
+    # Balanced ranks: the expected maximum of as many draws. One rank far slower than the
+    # rest: barely stretched. In between, E[max] of independent normals (sampled here).
+    assert synced_stretch([4.0, 4.0, 4.0], 0.3) == sync_wait_factor(0.3, 3)
+    assert synced_stretch([4.0, 4.0 + 1e-6], 0.3) == pytest.approx(sync_wait_factor(0.3, 2), rel=1e-4)
+    assert synced_stretch([8.0, 0.0], 0.3) == 1.0 and synced_stretch([8.0, 2.0], 0.0) == 1.0
+    assert synced_stretch([8.0, 0.5], 0.3) == pytest.approx(1.0, abs=1e-3)
+    draws = random.Random(1)
+    means = [8.5, 13.9, 12.0]
+    sampled = sum(max(m * (1 + 0.5 * draws.gauss(0, 1)) for m in means) for _ in range(40000)) / 40000
+    assert synced_stretch(means, 0.5) * max(means) == pytest.approx(sampled, rel=0.01)
+    assert 1.0 < synced_stretch(means, 0.5) < sync_wait_factor(0.5, 3)
+
+
+def test_a_rank_with_every_table_is_stretched_less_than_balanced_ranks():
+    from recscale.comm.process_group import Topology
+    from recscale.embedding import TableConfig
+    from recscale.sharding.default_plan import single_rank_plan
+    from recscale.sim.api import training_plan
+
+    cfg = load_config(ROOT / "configs" / "synthetic.toml", [*SMALL, "sharding.default=row_wise"])
+    balanced = training_plan(cfg, topo(2, 0.0))  # every table split over both ranks alike
+    tables = [TableConfig(t.table, sum(x.num_rows for x in t.shards), t.shards[0].num_cols) for t in balanced.tables]
+    # every table on rank 0: the other rank has no lookups to be late with
+    lopsided = single_rank_plan(tables, Topology(2, 0, 2))
+    lookup = {}
+    for jitter in (0.0, 0.3):
+        for name, plan in (("balanced", balanced), ("lopsided", lopsided)):
+            ops = simulate(cfg, topo(2, jitter), plan).ops
+            lookup[name, jitter] = max(o.duration_s for o in ops if o.name == "embedding lookup")
+    assert lookup["balanced", 0.3] / lookup["balanced", 0.0] == pytest.approx(sync_wait_factor(0.3, 2), rel=1e-6)
+    assert lookup["lopsided", 0.3] == pytest.approx(lookup["lopsided", 0.0])
 
 
 def test_wait_excess_of_aligned_chunks():

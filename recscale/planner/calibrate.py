@@ -56,7 +56,7 @@ from recscale.embedding import TableConfig
 from recscale.host_cpus import usable_cpus
 from recscale.planner.cost_model import TableSpec, Workload, cold_fraction, groups_per_rank
 from recscale.planner.hardware import Hardware
-from recscale.planner.jitter import measure_jitter, sync_wait_factor
+from recscale.planner.jitter import measure_jitter, sync_wait_factor, synced_stretch
 from recscale.planner.measure import (shard_loads, synthetic_batches, threads_per_rank, time_contention, time_plans,
                                       time_plans_cpu)
 from recscale.sharding.default_plan import TableSharding, default_plan, single_rank_plan
@@ -437,9 +437,10 @@ def fit_collection(hw: Hardware, measured: list[tuple[ShardingPlan, list[TableSp
     wait, came out 25-35% too slow and data-parallel plans 15-25% too fast.)
 
     The ranks meet at every collective and wait there for the slowest one, whose compute runs
-    long by the cores' unsteadiness: the compute is stretched by ``sync_wait_factor`` at
-    ``hw.sync_jitter`` first, so the collectives' figures are net of that wait and a simulator
-    that adds it to the compute does not count it twice."""
+    long by the cores' unsteadiness: the compute is stretched by ``synced_stretch`` at
+    ``hw.sync_jitter`` first (``sync_wait_factor`` where the ranks are balanced; less where one
+    rank has most of the work), so the collectives' figures are net of that wait and a
+    simulator that adds it to the compute does not count it twice."""
     from recscale.planner.search import score_plan
 
     wait = sync_wait_factor(hw.sync_jitter, hw.ranks_per_host)
@@ -452,8 +453,10 @@ def fit_collection(hw: Hardware, measured: list[tuple[ShardingPlan, list[TableSp
         def extra(**k: float) -> float:  # what one unit of a term adds to the slowest rank
             return score_plan(plan, tables, replace(fast, **k), workload).max_rank_s - base
 
-        base = score_plan(plan, tables, fast, workload).max_rank_s  # every rank computing, no exchange
-        ys.append((meas - wait * base) / meas)
+        computing = score_plan(plan, tables, fast, workload)  # every rank computing, no exchange
+        base = computing.max_rank_s
+        stretch = synced_stretch([r.time_s + computing.common_s for r in computing.ranks], hw.sync_jitter) if wait > 1 else 1.0
+        ys.append((meas - stretch * base) / meas)
         exchange = extra(latency_s=1e-3, replica_latency_s=0.0)
         rows_a.append([exchange / 1e-3 / meas, extra(replica_latency_s=1e-3) / 1e-3 / meas,
                        0.0 if bandwidth else extra(intra_host_bw=1e9, cross_host_bw=1e9) * 1e9 / meas,

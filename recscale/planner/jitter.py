@@ -43,6 +43,37 @@ def sync_wait_factor(jitter: float, ranks: int) -> float:
     return 1.0 + jitter * expected_max_normal(ranks) if ranks > 1 else 1.0
 
 
+def _normal_cdf(z: np.ndarray) -> np.ndarray:
+    """The standard normal CDF, vectorised (Abramowitz and Stegun 7.1.26: error below 2e-7)."""
+    x = np.abs(z) / math.sqrt(2.0)
+    t = 1.0 / (1.0 + 0.3275911 * x)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    erf = 1.0 - poly * np.exp(-x * x)
+    return 0.5 * (1.0 + np.sign(z) * erf)
+
+
+def synced_stretch(means: list[float], jitter: float) -> float:
+    """How much longer ranks whose compute between two collectives takes ``means`` on average
+    run until the last of them arrives, relative to the slowest mean: E[max_r X_r] / max_r m_r,
+    each X_r normal with mean m_r and spread ``jitter`` x m_r. Balanced ranks give
+    ``sync_wait_factor``; a rank much slower than the others hardly waits for any of them, so
+    only its own spread's share of the maximum is added (an unbalanced plan's slow rank is
+    not stretched as if every rank could be the last)."""
+    m = np.asarray([x for x in means if x > 0], dtype=float)  # ranks without work arrive at once
+    top = float(m.max()) if m.size else 0.0
+    if jitter <= 0 or top <= 0:
+        return 1.0
+    if m.size < 2:  # the only rank with work: the others arrive at once
+        return 1.0
+    if np.allclose(m, top, rtol=1e-9):
+        return sync_wait_factor(jitter, len(means))
+    s = jitter * m
+    x = np.linspace(float((m - 9 * s).min()), float((m + 9 * s).max()), 1201)
+    cdf = np.prod(_normal_cdf((x[:, None] - m[None, :]) / s[None, :]), axis=1)
+    expected = x[0] + float(np.sum((1.0 - cdf[:-1] + 1.0 - cdf[1:]) / 2) * (x[1] - x[0]))
+    return max(1.0, expected / top)
+
+
 def _probe(barrier, chunk_s: float, seconds: float, out) -> None:
     """One core's chunks: (start, duration) of each, in the machine's monotonic clock."""
     import torch

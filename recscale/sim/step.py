@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from recscale.planner.cost_model import (TableSpec, Workload, collective_s, dp_group_flags, dp_reduces_dense,
                                          group_collectives, routing_s, shard_cost, unique_rows)
 from recscale.planner.hardware import Hardware
-from recscale.planner.jitter import sync_wait_factor
+from recscale.planner.jitter import sync_wait_factor, synced_stretch
 from recscale.planner.search import PlanResult, score_plan
 from recscale.sharding.plan import ShardingPlan
 from recscale.sim import traffic
@@ -179,9 +179,13 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
     cores = topo.core_share(inp.threads)
     stretch = topo.compute_stretch * share
     if hw.ranks_per_host > 1:  # the planner prices the embeddings' contention itself
-        emb = [(rl.compute_s + rl.contention_s) * topo.compute_stretch * wait for rl in result.ranks]
+        emb = [(rl.compute_s + rl.contention_s) * topo.compute_stretch for rl in result.ranks]
     else:
-        emb = [rl.compute_s * stretch for rl in result.ranks]
+        emb = [rl.compute_s * topo.compute_stretch * contention_factor(topo) for rl in result.ranks]
+    # the ranks' lookups end at the outputs' exchange: the slowest waits for the others only as
+    # much as they can be later than it (``synced_stretch``; balanced ranks: ``wait``)
+    emb_wait = synced_stretch(emb, c.sync_jitter) if w > 1 else 1.0
+    emb = [e * emb_wait for e in emb]
     # The replicas' share of each rank's embedding work runs at another point of the step
     # (after the bottom MLP's forward, and before its backward): split it off.
     replica = sum(shard_cost(t, "data_parallel", t.rows, t.dim, hw, wl).compute_s
