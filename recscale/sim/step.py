@@ -19,7 +19,8 @@ without a loader worker, or whose host's cores its training threads already fill
 batches in its training thread; ranks that share a machine slow each other's compute
 (``contention``) and divide its cores (``cores.CoreShare``: the MLPs' arithmetic spreads over
 the cores a rank's threads get); each collective costs the thread that calls it its latency,
-also when its bytes travel in the background; and the bytes a collective moves between ranks
+also when its bytes travel in the background (over TCP, an asynchronous one the CPU time the
+calibration measured for it, ``tcp_call_s``); and the bytes a collective moves between ranks
 of one host are copied by those ranks' own threads (through shared memory, or the loopback's
 socket copies), at the calibrated intra-host rate, on both ends: CPU time of the step, not a
 link that runs beside it (the planner's cost model charges them the same way)."""
