@@ -630,14 +630,15 @@ def fit_hardware(m: Measurements, memory_fraction: float = 0.6, progress=None) -
             tcp = fit_collection(hw, steps(m.collection_tcp))
             # the exchanges' bandwidth stays the shared-memory fit (between hosts the link's rate
             # prices the bytes); TCP changes what each collective and replica byte costs the ranks
-            hw = replace(hw, tcp_latency_s=max(tcp["latency_s"], hw.latency_s), tcp_replica_latency_s=tcp["replica_latency_s"],
+            tcp_latency = max(tcp["latency_s"], hw.latency_s)
+            hw = replace(hw, tcp_latency_s=tcp_latency, tcp_replica_latency_s=tcp["replica_latency_s"],
                          tcp_replica_byte_s=tcp["replica_byte_s"])
             if m.collection_tcp_cpu and all(m.collection_tcp_cpu.get(name) for name, *_ in cases):
                 # the same fit on the probes' CPU time: no rank waits for another in it, so no
                 # wait for the slowest to take out; the bytes cost the cores what they cost over
                 # shared memory (copies either way)
                 used = fit_collection(replace(hw, sync_jitter=0.0), steps(m.collection_tcp_cpu), bandwidth=hw.intra_host_bw)
-                hw = replace(hw, tcp_call_s=min(used["latency_s"], hw.tcp_latency_s or used["latency_s"]))
+                hw = replace(hw, tcp_call_s=min(used["latency_s"], tcp_latency))
             if progress:
                 progress(f"over TCP: {tcp['latency_s'] * 1e6:.0f} us a collective (replica groups' "
                          f"{tcp['replica_latency_s'] * 1e6:.0f} us), replicas combine rows at {_rate(tcp['replica_byte_s'])}"

@@ -60,11 +60,9 @@ def synced_stretch(means: list[float], jitter: float) -> float:
     only its own spread's share of the maximum is added (an unbalanced plan's slow rank is
     not stretched as if every rank could be the last)."""
     m = np.asarray([x for x in means if x > 0], dtype=float)  # ranks without work arrive at once
-    top = float(m.max()) if m.size else 0.0
-    if jitter <= 0 or top <= 0:
+    if jitter <= 0 or m.size < 2:  # no spread, or at most one rank with work: no one to wait for
         return 1.0
-    if m.size < 2:  # the only rank with work: the others arrive at once
-        return 1.0
+    top = float(m.max())
     if np.allclose(m, top, rtol=1e-9):
         return sync_wait_factor(jitter, len(means))
     s = jitter * m
