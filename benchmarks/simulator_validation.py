@@ -303,9 +303,9 @@ _SHARED: dict[str, dict[str, float]] = {}  # calibration file -> its topology ke
 def shared_machine(ranks: int) -> dict[str, float]:
     """Topology keys for ``ranks`` ranks sharing this machine, from its calibration for that many
     local ranks (as ``calibration`` finds or makes it): how much they slow each other
-    (``contention``), what a collective over TCP costs them inside a step and their cores (the ``tcp_`` keys;
-    none where the calibration has none: then the shared-memory figures price them, and the run
-    says so), and the cores' jitter its collective figures are fitted net of (``sync_jitter``,
+    (``contention``), what a collective over TCP costs them inside a step and their cores (the
+    ``tcp_`` keys; none where the calibration has none: then the shared-memory figures price
+    them, and the run says so), and the cores' jitter its collective figures are fitted net of (``sync_jitter``,
     where it measured one). Each calibration file is read once."""
     path = calibration(ranks)
     if path not in _SHARED:
