@@ -172,20 +172,41 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from recscale.planner.calibrate import calibrate
+    from recscale.planner.calibrate import fit_hardware, measure
 
+    from recscale.planner.calibration_record import (load_measurements, measurements_path, pool_measurements,
+                                                     save_measurements)
     from recscale.planner.hardware import cached_calibration
 
     from recscale.atomic import check_output_file
     from recscale.train.config import ConfigError
 
-    if args.ranks < 1:
-        raise ConfigError(f"--ranks: expected an integer >= 1, got {args.ranks}")
-    out = args.out or str(cached_calibration(args.ranks, quick=args.quick))
-    check_output_file(out, "--out")
-    hw = calibrate(args.ranks, progress=print if args.verbose else None, quick=args.quick)
+    progress = print if args.verbose else None
+    if args.refit:
+        try:
+            m = pool_measurements([load_measurements(p) for p in args.refit])
+        except ValueError as e:
+            raise ConfigError(f"--refit: {e}") from None
+        if args.ranks is not None and args.ranks != m.world_size:
+            raise ConfigError(f"--ranks {args.ranks}: the recordings are of {m.world_size} rank(s); leave --ranks out "
+                              "with --refit")
+        out = args.out or str(cached_calibration(m.world_size, quick=m.quick))
+        check_output_file(out, "--out")
+        rounds = max((len(v) for v in m.compute.values()), default=0)
+        print(f"fitting {len(args.refit)} recording(s) of {m.world_size} rank(s), no measuring "
+              f"(up to {rounds} round(s) a probe, each probe's median)")
+    else:
+        ranks = 2 if args.ranks is None else args.ranks
+        if ranks < 1:
+            raise ConfigError(f"--ranks: expected an integer >= 1, got {ranks}")
+        out = args.out or str(cached_calibration(ranks, quick=args.quick))
+        check_output_file(out, "--out")
+        m = measure(ranks, progress, args.quick)
+    hw = fit_hardware(m, progress=progress)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     hw.save(out)
+    record = measurements_path(out)
+    save_measurements(m, record)
     print(
         f"this machine, {hw.world_size} local rank(s): row gathers {hw.memory_bw / 1e9:.1f} GB/s, "
         f"backward + update {hw.backward_factor:.2f} x forward, kernel overhead {hw.kernel_overhead_s * 1e6:.0f} us, "
@@ -209,7 +230,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         print(f"cores' jitter {hw.sync_jitter:.2f}: collectives are fitted net of the ranks' wait for the slowest "
               "(the simulator adds it to their compute)")
     print(f"written to {out} (use it with: recscale plan --topology {out}; the trainer's planner uses the cached file "
-          "by default)")
+          f"by default); what was measured: {record} (fit it again: recscale calibrate --refit {record})")
     return 0
 
 
@@ -343,12 +364,15 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=_plan)
 
     c = sub.add_parser("calibrate", help="measure this machine (lookups, updates, collectives) for the planner")
-    c.add_argument("--ranks", type=int, default=2, help="local ranks to measure collectives between")
+    c.add_argument("--ranks", type=int, default=None, help="local ranks to measure collectives between (default 2)")
     c.add_argument("--out", help="hardware JSON to write (default: this machine's cached calibration, "
                    "~/.cache/recscale/topology-local-RANKS.json, which the trainer's planner reads)")
     c.add_argument("--verbose", action="store_true", help="print every probe as it is measured")
     c.add_argument("--quick", action="store_true", help="fewer, smaller probes (seconds; rougher constants; the "
                    "trainer's planner makes this one on first use, cached as topology-local-RANKS-quick.json)")
+    c.add_argument("--refit", nargs="+", metavar="MEASUREMENTS_JSON",
+                   help="measure nothing: fit the recordings that calibrations wrote beside their hardware files "
+                        "(*.measurements.json); several of one kind are pooled, each probe's median over all their rounds")
     c.set_defaults(func=_calibrate)
 
     kb = sub.add_parser("kernels", help="compile the native CPU kernels now (make setup does), not on first use")
