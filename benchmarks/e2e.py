@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import statistics
@@ -81,6 +82,7 @@ def worker_env(threads: int, tuned: bool) -> dict[str, str]:
 
 def worker(args: argparse.Namespace) -> int:
     """One system's process (or rank): executes the driver's commands from the store in order."""
+    faulthandler.enable()  # a native crash (SIGSEGV) leaves every thread's Python stack in the worker's log
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     torch.set_num_threads(args.threads)

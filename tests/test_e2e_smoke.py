@@ -42,6 +42,8 @@ def test_e2e_quick_runs_and_prints_the_table(tmp_path: Path) -> None:
         assert (config, "2ranks", "recscale-sharded") not in got  # at 2 ranks recscale itself is sharded
     assert not any(r["system"].endswith("-bf16") for r in rows)  # no --bf16-configs: no bf16 twins
     for r in rows:
+        # a worker that died (its log's tail, with its threads' stacks, is on stderr) says so
+        assert not r["error"], f"{r['setup']} {r['system']}: {r['error']}\n{proc.stderr[-5000:]}"
         assert r["samples_per_s"]["median"] > 0 and r["peak_rss_bytes"] > 0
         assert abs(sum(r["time_shares"].values()) - 1.0) < 1e-6
         assert 0 < r["roofline_share"]
