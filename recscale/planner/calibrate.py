@@ -644,9 +644,3 @@ def fit_hardware(m: Measurements, memory_fraction: float = 0.6, progress=None) -
                          f"{tcp['replica_latency_s'] * 1e6:.0f} us), replicas combine rows at {_rate(tcp['replica_byte_s'])}"
                          + (f"; its rank's cores spend {hw.tcp_call_s * 1e6:.0f} us of CPU on it" if hw.tcp_call_s is not None else ""))
     return hw
-
-
-def calibrate(world_size: int = 2, memory_fraction: float = 0.6, progress=None, quick: bool = False) -> Hardware:
-    """Measure this machine and fit the cost model's constants to it (``measure``, then
-    ``fit_hardware``)."""
-    return fit_hardware(measure(world_size, progress, quick), memory_fraction, progress)
