@@ -33,9 +33,10 @@ one training makes on first use, made here if missing; ``--fresh-calibration DIR
 taken now, beside the measurements), the simulator's dense compute, training loop and
 cores' jitter (``recscale.sim.calibrate``, cached; ``--measure-compute`` measures them again;
 a calibration's own jitter first, which its collective figures are fitted net of) and the
-loader's cost for each data set and world size (measured here, a second each). The full run
-(45 configurations, ``--turns 5``, 60 steps on emulated hosts and 300 on this host alone:
-225 runs of 10-30 s) takes about 70 minutes on 2 cores; ``--quick`` (9, one turn, 20 steps)
+loader's cost for each data set and world size (measured here as each turn starts, a second
+each, and the median over turns kept; ``--refit`` reuses them). The full run (53
+configurations, ``--turns 5``, 60 steps on emulated hosts and 300 on this host alone: 265 runs
+of 10-30 s) takes about 85 minutes on 2 cores; ``--quick`` (9, one turn, 20 steps)
 about 4.5 minutes.
 
 Run it alone on the machine: it times things.
@@ -68,8 +69,9 @@ from recscale.sim.topology import TC_FRAME_BYTES, ClusterTopology, topology_from
 from recscale.train.config import load_config  # noqa: E402
 
 CONFIG = ROOT / "configs" / "synthetic.toml"
+# Every group of several ranks runs all six: with four plans, one toss-up pair (two plans
+# within the machine's noise of each other) is a tau of 0.67 however good the model is.
 PLANS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel", "auto")
-SOME = ("table_wise", "row_wise", "data_parallel", "auto")
 
 
 @dataclass
@@ -101,13 +103,12 @@ def groups(quick: bool) -> list[Group]:
     return [
         Group("1 rank", 1, 1, None, ("table_wise", "data_parallel", "auto")),
         Group("2 ranks", 1, 2, None, PLANS),
-        Group("2 ranks, pooling x4", 1, 2, None, SOME, (pooled,)),
-        Group("2 ranks, fp16 wire", 1, 2, None, ("table_wise", "row_wise", "column_wise", "auto"),
-              ("comm.forward=fp16", "comm.backward=fp16")),
+        Group("2 ranks, pooling x4", 1, 2, None, PLANS, (pooled,)),
+        Group("2 ranks, fp16 wire", 1, 2, None, PLANS, ("comm.forward=fp16", "comm.backward=fp16")),
         Group("2x1 hosts 200 Mbit/s", 2, 1, 200, PLANS),
-        Group("2x1 hosts 200 Mbit/s, no pipeline", 2, 1, 200, SOME, ("train.pipeline=false",)),
+        Group("2x1 hosts 200 Mbit/s, no pipeline", 2, 1, 200, PLANS, ("train.pipeline=false",)),
         Group("2x1 hosts 1 Gbit/s", 2, 1, 1000, PLANS),
-        Group("2x1 hosts 10 Gbit/s", 2, 1, 10_000, SOME),
+        Group("2x1 hosts 10 Gbit/s", 2, 1, 10_000, PLANS),
         Group("2x2 hosts 1 Gbit/s", 2, 2, 1000, PLANS),
         *pipeline_pair(),
     ]
@@ -203,20 +204,44 @@ def failure_report(what: str, cmd: list[str], proc: subprocess.CompletedProcess)
             + "\n".join(errors[-30:]) + f"\n--- tail\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}")
 
 
-_LOADER: dict[tuple, float] = {}
+# the loader's cost per sample of a rank's share (seconds), per ``loader_key``: one measurement
+# per turn, taken as the turn starts, so that the cost spans the turns' minutes as the
+# measurements do (this machine's speed drifts, and one second of measuring catches one moment)
+_LOADER: dict[str, list[float]] = {}
 _COMPUTE: dict[str, float] = {}  # this machine's dense rate (the simulator's calibration)
+
+
+def loader_key(g: Group, cfg) -> str:
+    """What the loader's cost depends on: the data, the model's tables, the batch, the seed and
+    the world size; a pair that differs only in the training loop (the pipeline on and off)
+    shares its measurements, not two draws of the machine's noise."""
+    d = cfg.to_dict()
+    return json.dumps([{k: d[k] for k in ("data", "model")}, cfg.train.batch_size, cfg.train.seed,
+                       g.hosts * g.ranks_per_host], sort_keys=True, default=str)
+
+
+def sample_loaders(gs: list[Group], steps_of, batch: int) -> None:
+    """One more measurement of the loader's cost for every distinct data set of ``gs``."""
+    done = set()
+    for g in gs:
+        cfg = load_config(CONFIG, overrides(g, g.plans[0], steps_of(g), batch))
+        key = loader_key(g, cfg)
+        if key not in done:
+            done.add(key)
+            _LOADER.setdefault(key, []).append(measure_loader(cfg, world_size=g.hosts * g.ranks_per_host))
+
+
+def loader_cost(g: Group, cfg) -> float:
+    """The median of the loader's measurements for ``cfg``'s data (one taken now if none was)."""
+    key = loader_key(g, cfg)
+    if not _LOADER.get(key):
+        _LOADER[key] = [measure_loader(cfg, world_size=g.hosts * g.ranks_per_host)]
+    return statistics.median(_LOADER[key])
 
 
 def topology(g: Group, cfg) -> ClusterTopology:
     """The group's cluster as the simulator sees it: this machine's calibration (else
     ``local-cpu``), the shaped link, the machine's shared cores, the loader's measured cost."""
-    # keyed on what the loader builds, so a pair that differs only in the training loop (the
-    # pipeline on and off) is priced from one measurement, not two draws of the machine's noise
-    d = cfg.to_dict()
-    key = (json.dumps({k: d[k] for k in ("data", "model")}, sort_keys=True, default=str), cfg.train.batch_size,
-           cfg.train.seed, g.hosts * g.ranks_per_host)
-    if key not in _LOADER:  # the loader's cost per sample of a rank's share, for this data (seconds)
-        _LOADER[key] = measure_loader(cfg, world_size=g.hosts * g.ranks_per_host)
     link = {"cross_host_mbit": g.mbit, "cross_host_latency_ms": 1e3 * link_latency(g)} if g.mbit else {}
     world = g.hosts * g.ranks_per_host
     if g.mbit and world > g.ranks_per_host:
@@ -227,7 +252,7 @@ def topology(g: Group, cfg) -> ClusterTopology:
     return topology_from_dict({
         "base": calibration(g.ranks_per_host), "hosts": g.hosts, "ranks_per_host": g.ranks_per_host,
         **link, "shared_cores": os.cpu_count() or 1,
-        "load_s_per_sample": _LOADER[key], **_COMPUTE,
+        "load_s_per_sample": loader_cost(g, cfg), **_COMPUTE,
         # shaped veth links frame as tc counts them; unshaped ranks talk over loopback (MTU 64 KiB)
         **(EMULATED_FRAMING if g.mbit else {"mtu_bytes": 65536, "frame_bytes": TC_FRAME_BYTES}),
     }, "validation")
@@ -454,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         fresh_calibrations(gs, Path(args.fresh_calibration))
     if args.refit:
         _LINK_LATENCY.update(old.get("link_latency_s", {}))
+        _LOADER.update(old.get("loader_s_per_sample", {}))  # (an older recording: measured now)
         for c in old["cases"]:
             if (c["group"], c["plan"]) in cases:
                 cases[(c["group"], c["plan"])].measured = c["measured"]
@@ -461,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         order = list(cases)
         for turn in range(turns):
+            sample_loaders(gs, steps_of, args.batch_size)
             rot = order[turn % len(order):] + order[: turn % len(order)]
             for key in rot:
                 g = next(g for g in gs if g.name == key[0])
@@ -493,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
                                "turns": turns,
                                "batch_size": args.batch_size, "groups": [asdict(g) for g in gs],
                                "cases": [asdict(c) for c in cases.values()], "link_latency_s": dict(_LINK_LATENCY),
+                               "loader_s_per_sample": dict(_LOADER),
                                "failed_runs": list(_FAILED),
                                **{k: v for k, v in result.items() if k != "rows"}})
         print(f"written to {args.json}")

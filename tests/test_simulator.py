@@ -251,6 +251,30 @@ def test_validation_prices_a_pipeline_pair_from_one_loader_measurement(monkeypat
     assert calls == [2, 2]
 
 
+def test_validation_prices_the_loader_at_the_median_of_its_turns(monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import simulator_validation as sv
+
+    draws = iter([3e-5, 1e-5, 2e-5, 7e-5, 5e-5, 6e-5])
+    calls = []
+    monkeypatch.setattr(sv, "measure_loader", lambda cfg, world_size: calls.append(world_size) or next(draws))
+    monkeypatch.setattr(sv, "_LOADER", {})
+    monkeypatch.setattr(sv, "link_latency", lambda g: 0.0)
+    on, off = sv.pipeline_pair()
+    plain = sv.Group("g", 2, 1, 500, ("table_wise",))  # other data: measurements of its own
+    for _ in range(3):  # one per turn and data set: the pair shares its data
+        sv.sample_loaders([on, off], lambda g: 4, 64)
+    sv.sample_loaders([plain], lambda g: 4, 64)
+    assert calls == [2, 2, 2, 2]
+    cfgs = [sv.load_config(sv.CONFIG, sv.overrides(g, "table_wise", 4, 64)) for g in (on, off, plain)]
+    assert [sv.loader_cost(g, c) for g, c in zip((on, off, plain), cfgs)] == [2e-5, 2e-5, 7e-5]
+    assert sv.topology(off, cfgs[1]).compute.load_s_per_sample == 2e-5
+    # a recording's measurements price a refit alike, without measuring again
+    saved = json.loads(json.dumps(sv._LOADER))
+    monkeypatch.setattr(sv, "_LOADER", saved)
+    assert sv.loader_cost(on, cfgs[0]) == 2e-5 and len(calls) == 4
+
+
 def test_this_machine_needs_a_calibration(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert main(["simulate", "--topology", "this-machine", "--ranks-per-host", "1"]) == 2
