@@ -12,7 +12,9 @@ start-up, as a long run settles at and the simulator predicts) and reports:
 
 - the geometric mean of |predicted - measured| / measured over all configurations;
 - Kendall's tau between predicted and measured order of the plans within each group (not for
-  one rank, which shards nothing: its plans are one program, predicted alike);
+  one rank, which shards nothing: its plans are one program, predicted alike); beside it, the
+  same over only the pairs whose order the turns settle (a sign test: 5 of 5 turns, 9 of 10),
+  where a misorder is the model's and not a draw of the machine's noise;
 - per group, whether the simulator's best plan is within 5% of the best measured;
 - the pipeline's measured (per turn, median and spread) and predicted speed-up on 2 emulated
   hosts: at 200 Mbit/s with the default pooling, and at 500 Mbit/s with pooling x20, where the
@@ -382,6 +384,46 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
     return s / pairs if pairs else float("nan")
 
 
+# A pair's measured order counts as known when a two-sided sign test over the turns (a group's
+# plans run one after the other in every turn: paired) puts a tie at this probability or less:
+# 5 of 5 turns, 9 of 10.
+RESOLVED_P = 0.1
+
+
+def sign_test_p(ahead: int, turns: int) -> float:
+    """Two-sided sign test: the chance that two equally fast plans split ``turns`` at least as
+    unevenly as ``ahead`` to ``turns - ahead``."""
+    k = max(ahead, turns - ahead)
+    return min(1.0, 2 * sum(math.comb(turns, i) for i in range(k, turns + 1)) / 2 ** turns)
+
+
+def resolved_pairs(members: list[Case]) -> list[tuple[int, int]]:
+    """The pairs (faster, slower) of ``members`` whose order the turns settle (``RESOLVED_P``).
+    The others are toss-ups on this machine: their medians' order is a draw of its noise, which
+    no model can predict."""
+    out = []
+    for i in range(len(members)):
+        for j in range(i + 1, len(members)):
+            turns = [(a, b) for a, b in zip(members[i].measured, members[j].measured) if a != b]
+            ahead = sum(a > b for a, b in turns)
+            if turns and sign_test_p(ahead, len(turns)) <= RESOLVED_P:
+                out.append((i, j) if 2 * ahead > len(turns) else (j, i))
+    return out
+
+
+def resolved_tau(members: list[Case], pred: list[float]) -> tuple[float | None, int, list[str]]:
+    """Kendall's tau over the pairs the turns order (``resolved_pairs``; a predicted tie counts
+    0), how many pairs that is, and the ones the simulator orders the other way."""
+    pairs = resolved_pairs(members)
+    s, wrong = 0, []
+    for fast, slow in pairs:
+        if pred[fast] != pred[slow]:
+            s += 1 if pred[fast] > pred[slow] else -1
+        if pred[fast] < pred[slow]:
+            wrong.append(f"{members[fast].plan} > {members[slow].plan}")
+    return (s / len(pairs) if pairs else None), len(pairs), wrong
+
+
 def score(gs: list[Group], cases: dict[tuple[str, str], Case]) -> dict:
     rows, errors, per_group = [], [], []
     for g in gs:
@@ -396,11 +438,15 @@ def score(gs: list[Group], cases: dict[tuple[str, str], Case]) -> dict:
             spread = (max(c.measured) - min(c.measured)) / m if len(c.measured) > 1 else 0.0
             rows.append([g.name, c.plan, f"{m:,.0f}", f"±{100 * spread:.0f}%", f"{p:,.0f}", f"{100 * (p - m) / m:+.1f}%"])
         # one rank shards nothing: its plans are one program, and their measured order is noise
-        tau = kendall_tau(meas, pred) if len(members) > 1 and g.hosts * g.ranks_per_host > 1 else None
+        ranks = len(members) > 1 and g.hosts * g.ranks_per_host > 1
+        tau = kendall_tau(meas, pred) if ranks else None
+        known_tau, known, wrong = resolved_tau(members, pred) if ranks else (None, 0, [])
         pick = max(range(len(members)), key=lambda i: pred[i])
         best_ok = meas[pick] >= 0.95 * max(meas)
         per_group.append({"group": g.name, "tau": tau, "best_within_5pct": best_ok, "sim_best": members[pick].plan,
-                          "measured_best": members[max(range(len(meas)), key=lambda i: meas[i])].plan})
+                          "measured_best": members[max(range(len(meas)), key=lambda i: meas[i])].plan,
+                          "pairs": len(members) * (len(members) - 1) // 2, "resolved_pairs": known,
+                          "resolved_tau": known_tau, "misordered_resolved": wrong})
     geo = math.exp(sum(math.log(max(e, 1e-6)) for e in errors) / len(errors)) if errors else float("nan")
     ranked = [p for p in per_group if p["tau"] is not None]
     return {"rows": rows, "configs": len(errors), "geomean_error": geo, "groups": per_group,
@@ -434,6 +480,14 @@ def report(result: dict) -> None:
               f"{g['measured_best']:15s} within 5%: {'yes' if g['best_within_5pct'] else 'NO'}")
     print(f"min tau {result['min_tau']:+.2f} (acceptance >= 0.8); best plan within 5% in "
           f"{100 * result['best_within_5pct_share']:.0f}% of groups (acceptance >= 90%)")
+    print(f"pairs the turns order (a sign test over them: a tie's chance <= {RESOLVED_P:g}), and the simulator's "
+          f"tau over those alone:")
+    for g in result["groups"]:
+        if g["tau"] is not None:
+            tau = "-" if g["resolved_tau"] is None else f"{g['resolved_tau']:+.2f}"
+            wrong = g["misordered_resolved"]
+            wrong = f"; ordered the other way: {', '.join(wrong)}" if wrong else ""
+            print(f"  {g['group']:36s} {g['resolved_pairs']:2d} of {g['pairs']:2d} pairs, tau {tau}{wrong}")
     for p in result["pipeline"]:
         print(f"pipeline on/off, {p['group']}, {p['plan']}: measured {p['measured_ratio']:.3f}x "
               f"(turns {', '.join(f'{r:.3f}' for r in p['turn_ratios'])}; spread "

@@ -188,6 +188,24 @@ def test_validation_scoring():
     assert grp["tau"] == pytest.approx(1 / 3) and grp["sim_best"] == "c" and grp["best_within_5pct"]
 
 
+def test_validation_scores_the_order_only_where_the_turns_settle_it():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import simulator_validation as sv
+
+    assert sv.sign_test_p(5, 5) == pytest.approx(2 / 32) and sv.sign_test_p(1, 5) == pytest.approx(12 / 32)
+    assert sv.sign_test_p(9, 10) == pytest.approx(22 / 1024)
+    # a ahead of b in every turn, c and b a toss-up (their medians 150 and 149), d behind all
+    members = [sv.Case("g", "a", [300, 310, 290, 305, 295]), sv.Case("g", "b", [150, 140, 160, 149, 155]),
+               sv.Case("g", "c", [140, 150, 155, 160, 149]), sv.Case("g", "d", [100, 101, 99, 100, 98])]
+    assert sorted(sv.resolved_pairs(members)) == [(0, 1), (0, 2), (0, 3), (1, 3), (2, 3)]
+    # the simulator's b > c (a toss-up) cannot count against it; its b > a does
+    tau, known, wrong = sv.resolved_tau(members, [145.0, 150.0, 140.0, 100.0])
+    assert known == 5 and tau == pytest.approx(3 / 5) and wrong == ["a > b"]
+    g = sv.Group("g", 1, 2, None, ("a", "b", "c", "d"))
+    (grp,) = sv.score([g], {("g", c.plan): c for c in members})["groups"]
+    assert grp["pairs"] == 6 and grp["resolved_pairs"] == 5
+
+
 def test_validation_runs_a_failed_run_once_more(monkeypatch):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import simulator_validation as sv
