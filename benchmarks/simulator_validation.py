@@ -28,6 +28,7 @@ all configurations alike. Emulated hosts need root; without it those groups are 
     python benchmarks/simulator_validation.py --quick --json out/simval.json
     python benchmarks/simulator_validation.py --turns 5 --json out/simval.json     # the full set
     python benchmarks/simulator_validation.py --refit out/simval.json               # re-predict only
+    python benchmarks/simulator_validation.py --turns 5 --skip "no pipeline"        # without those groups
 
 Every prediction is priced from this machine's calibrations, never from these measurements:
 ``recscale calibrate --ranks N`` for each group's N ranks per host (the full one, else the quick
@@ -511,6 +512,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="first take a quick calibration of this machine per ranks per host into DIR and price "
                          "on it (beside the measurements, under the same load), instead of the cached ones")
     ap.add_argument("--only", nargs="+", metavar="TEXT", help="only the groups whose name contains one of these")
+    ap.add_argument("--skip", nargs="+", metavar="TEXT", default=[],
+                    help="leave out the groups whose name ends with one of these")
     ap.add_argument("--refit", metavar="JSON", help="predict again for the measurements of an earlier --json")
     args = ap.parse_args(argv)
     if args.refit:
@@ -523,7 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     def steps_of(g: Group) -> int:
         return steps if g.mbit is not None else local_steps
     turns = args.turns or (1 if args.quick else 3)
-    gs = [g for g in groups(args.quick) if not args.only or any(o in g.name for o in args.only)]
+    gs = [g for g in groups(args.quick) if (not args.only or any(o in g.name for o in args.only))
+          and not any(g.name.endswith(s) for s in args.skip)]
     if os.geteuid() != 0 and not args.refit:
         print("not root: emulated hosts (recscale cluster) need it; those groups are skipped")
         gs = [g for g in gs if g.mbit is None]
