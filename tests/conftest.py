@@ -49,6 +49,26 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     print(f"native kernels: embedding {'ready' if ok[0] else 'unavailable'}, interaction "
           f"{'ready' if ok[1] else 'unavailable'}, quantizer {'ready' if ok[2] else 'unavailable'} "
           f"({time.monotonic() - t0:.0f} s)", flush=True)
+    _start_rank_server()
+
+
+# What the tests' local ranks import, loaded once in the server they fork from: the sharded
+# collection, the planner's timing worker, and torch._dynamo, which a torch.optim optimizer
+# imports on its first use (2-3 s in every rank that trains).
+RANK_PRELOAD = ("recscale.sharding.collection", "recscale.planner.measure", "dist_utils", "torch._dynamo")
+
+
+def _start_rank_server() -> None:
+    """Start the server that local ranks fork from (``recscale.comm.local_processes``) now,
+    with ``RANK_PRELOAD``: it preloads only what its first user names, and whichever test
+    forks ranks first would otherwise decide that for the whole run."""
+    from multiprocessing import forkserver
+
+    from recscale.comm.local_processes import PRELOAD, local_context, start_method
+
+    if start_method() == "forkserver":
+        local_context().set_forkserver_preload(list(dict.fromkeys([*PRELOAD, *RANK_PRELOAD])))
+        forkserver.ensure_running()
 
 
 def _build_all(*loaders) -> tuple[bool, ...]:
