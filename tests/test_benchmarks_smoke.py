@@ -94,19 +94,22 @@ def test_collectives_benchmark_quick_runs(tmp_path):
 
 def test_planner_validation_quick_runs_and_its_recording_refits_to_the_same_predictions(tmp_path):
     # --json keeps the raw calibration measurements; --refit must rebuild every probe by name
-    # and give back the run's own constants, so its predictions match exactly.
+    # and give back the run's own constants, so its predictions match exactly. A quarter of the
+    # default batch: the plans' times only need to exist.
     out, again = tmp_path / "validation.json", tmp_path / "refit.json"
     proc = proc_utils.run(
-        [sys.executable, "benchmarks/planner_validation.py", "--quick", "--json", str(out)],
+        [sys.executable, "benchmarks/planner_validation.py", "--quick", "--batch-size", "1024", "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=400,
     )
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert "predicted ms" in proc.stdout and "Kendall tau" in proc.stdout
-    proc = proc_utils.run(
-        [sys.executable, "benchmarks/planner_validation.py", "--refit", str(out), "--json", str(again)],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr + proc.stdout
+    # The refit measures nothing: here, not in an interpreter that would spend seconds importing torch.
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import planner_validation
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    assert planner_validation.main(["--refit", str(out), "--json", str(again)]) == 0
     first, second = json.loads(out.read_text()), json.loads(again.read_text())
     # 5 plans on 1 rank, 5 fixed plans on 2, and the planner's unless it chose one of those
     assert len(first["results"]) == len(second["results"]) in (10, 11)
