@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from recscale.comm.collectives import all_gather_concat, all_gather_rows, all_gather_sizes, all_to_all, all_to_all_async
+from recscale.comm.collectives import (all_gather_concat, all_gather_rows, all_gather_sizes, all_to_all, all_to_all_async,
+                                      all_to_all_unsized_async)
 from recscale.comm.errors import DistributedError
 from recscale.comm.shared_memory import SLOTS, enable_shared_memory, shared_memory_group, shared_memory_supported
 from tests.dist_utils import run_ranks
@@ -79,6 +80,27 @@ def test_shared_memory_collectives_equal_gloo(world: int) -> None:
         bad = [(kind, r) for kind, r, ok in checks if not ok]
         assert not bad, f"differs from gloo: {bad}"
         assert len(checks) > 40
+
+
+def _unsized(rank: int, world: int) -> list[bool]:
+    """Exchanges whose receive sizes no rank knows, started together: through shared memory
+    (the sizes travel with the data) and through gloo (one exchange of all their sizes first)."""
+    shm, plain = _groups(rank, world)
+    ok = []
+    for rnd in range(4):
+        payloads = [_payload(rank, 10 * rnd + i, world, big=False) for i in range(1 + rnd % 3)]
+        parts = [(x, send, f"part{i}") for i, (x, send, _) in enumerate(payloads)]
+        for a, b, (_, _, splits) in zip(all_to_all_unsized_async(parts, shm), all_to_all_unsized_async(parts, plain),
+                                        payloads):
+            want = [splits[src][rank] for src in range(world)]
+            ok.append(torch.equal(a.wait(), b.wait()) and a.rows_from() == b.rows_from() == want)
+    return ok
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_exchanges_of_unknown_size_agree_through_shared_memory_and_gloo(world: int) -> None:
+    for ok in run_ranks(_unsized, world, timeout_s=120):
+        assert len(ok) == 7 and all(ok), ok
 
 
 def _mismatch(rank: int, world: int) -> str:

@@ -145,6 +145,34 @@ def all_to_all_async(
     ``rows_from()`` of the result tells the rows received from each rank. Every rank must
     start its collectives in the same order (as for the blocking calls), and leave ``x``
     unchanged until ``wait()``."""
+    if recv_splits is None:
+        return all_to_all_unsized_async([(x, send_splits, name)], group, stats)[0]
+    return _start_all_to_all(x, send_splits, recv_splits, group, stats, name)
+
+
+def all_to_all_unsized_async(
+    parts: Sequence[tuple[torch.Tensor, Sequence[int], str]],
+    group: dist.ProcessGroup | None,
+    stats: CommStats | None = None,
+) -> list[PendingCollective]:
+    """Several ``all_to_all_async`` whose receive sizes no rank knows in advance (``(x,
+    send_splits, name)`` each), started in order. Through shared memory the sizes travel with
+    the data; through the process group's backend one blocking exchange carries all their
+    sizes first (``exchange_sizes``): one round trip, not one per exchange."""
+    shm = group is not None and bool(parts) and parts[0][0].device.type == "cpu" and shared_memory_group(group) is not None
+    if group is None or shm or not parts:
+        return [_start_all_to_all(x, splits, None, group, stats, name) for x, splits, name in parts]
+    recv = exchange_sizes([splits for _, splits, _ in parts], group, parts[0][0].device,
+                          "+".join(name for *_, name in parts) + ".sizes")
+    return [_start_all_to_all(x, splits, r, group, stats, name, counts=r) for (x, splits, name), r in zip(parts, recv)]
+
+
+def _start_all_to_all(x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int] | None,
+                      group: dist.ProcessGroup | None, stats: CommStats | None, name: str,
+                      counts: list[int] | None = None) -> PendingCollective:
+    """Count the bytes and start the exchange: through shared memory (``recv_splits`` may be
+    ``None``), else through the backend (``recv_splits`` known; ``counts``: what ``rows_from``
+    reports)."""
     if group is None:
         return PendingCollective(x.clone(), None, name, stats, [x.shape[0]])
     if stats is not None:
@@ -157,11 +185,7 @@ def all_to_all_async(
     shm = shared_memory_group(group) if x.device.type == "cpu" else None
     if shm is not None:
         return PendingCollective(None, shm.all_to_all(x, send_splits, recv_splits, name), name, stats)
-    counts = None
-    if recv_splits is None:
-        sizes = torch.tensor([int(n) for n in send_splits], dtype=torch.int64, device=x.device)
-        ones = [1] * len(send_splits)
-        counts = recv_splits = all_to_all(sizes, ones, ones, group, None, name + ".sizes").tolist()
+    assert recv_splits is not None, "through the backend the receive sizes are exchanged first"
     out = x.new_empty((int(sum(recv_splits)),) + tuple(x.shape[1:]))
     try:
         work = dist.all_to_all_single(
@@ -170,6 +194,16 @@ def all_to_all_async(
     except RuntimeError as e:
         raise _fail(name, e) from e
     return PendingCollective(out, work, name, stats, counts)
+
+
+def exchange_sizes(send_splits: Sequence[Sequence[int]], group: dist.ProcessGroup,
+                   device: torch.device, name: str = "sizes") -> list[list[int]]:
+    """What every rank sends this one in each of several all-to-alls (``send_splits[i][d]``:
+    the rows of exchange i for rank d), in one blocking all-to-all of the sizes."""
+    sizes = torch.tensor([[int(n) for n in s] for s in send_splits], dtype=torch.int64, device=device).T.contiguous()
+    ones = [1] * sizes.shape[0]
+    got = _start_all_to_all(sizes, ones, ones, group, None, name).wait()
+    return [[int(v) for v in col] for col in got.T]
 
 
 def all_gather_sizes(n: int, group: dist.ProcessGroup | None, device: torch.device, name: str = "sizes") -> list[int]:

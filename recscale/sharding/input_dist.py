@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from recscale.comm.collectives import all_to_all_async
+from recscale.comm.collectives import all_to_all_async, all_to_all_unsized_async
 from recscale.comm.errors import DistributedError
 from recscale.sharding.context import ShardingContext, StepContext
 from recscale.sharding.types import SHARDING_TYPES
@@ -102,14 +102,13 @@ class InputDist:
             lens_parts.extend(lens_out[cursor : cursor + len(served)])
             cursor += len(served)
         lens_send = torch.cat(lens_parts).to(torch.int64)
-        group = ctx.groups.embedding
-        lens_pending = all_to_all_async(lens_send, len_splits, None, group, ctx.stats, "input_lengths")
         vals_send = torch.cat(vals_out) if vals_out else torch.zeros(0, dtype=torch.int64, device=dev)
-        ids_pending = all_to_all_async(vals_send.to(self._id_wire_dtype), val_splits, None, group, ctx.stats, "input_ids")
-        wts_pending = None
+        parts = [(lens_send, len_splits, "input_lengths"), (vals_send.to(self._id_wire_dtype), val_splits, "input_ids")]
         if need_weights:
-            wts_send = torch.cat(wts_out) if wts_out else torch.zeros(0, device=dev)
-            wts_pending = all_to_all_async(wts_send, val_splits, None, group, ctx.stats, "input_weights")
+            parts.append((torch.cat(wts_out) if wts_out else torch.zeros(0, device=dev), val_splits, "input_weights"))
+        # one exchange of the sizes for all of them (over TCP a round trip each would cost as much)
+        lens_pending, ids_pending, *rest = all_to_all_unsized_async(parts, ctx.groups.embedding, ctx.stats)
+        wts_pending = rest[0] if rest else None
         k = len(ctx.served[me])
 
         def finish() -> tuple[JaggedBatch, list[int]]:
