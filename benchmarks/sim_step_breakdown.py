@@ -133,7 +133,8 @@ def measure(cfg, steps: int, warmup: int, split_backward: bool = False) -> dict[
             if i >= warmup:
                 for k, v in now.items():
                     phases[k].append(v)
-        top = [k for k in phases if not k.endswith("MLP forward") and k != "interaction forward" and k[0].islower()
+        # every phase of the step once: the backward's parts (``--split-backward``) are inside it
+        top = [k for k in phases if k[0].islower()
                and not k.startswith(("embedding backward", "dense gradient", "gradient distribution", "MLP + inter"))]
         sums = [sum(phases[k][i] for k in top) for i in range(steps)]
         if os.environ.get("SIM_BREAKDOWN_THREADS"):
