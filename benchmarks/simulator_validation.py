@@ -31,9 +31,11 @@ all configurations alike. Emulated hosts need root; without it those groups are 
     python benchmarks/simulator_validation.py --turns 5 --skip "no pipeline"        # without those groups
 
 Every prediction is priced from this machine's calibrations, never from these measurements:
-``recscale calibrate --ranks N`` for each group's N ranks per host (the full one, else the quick
-one training makes on first use, made here if missing; ``--fresh-calibration DIR``: a quick one
-taken now, beside the measurements), the simulator's dense compute, training loop and
+``recscale calibrate --ranks N`` for N of at least each group's ranks per host and this
+machine's cores (``base_ranks``: every rank here has one thread, as each of that many local
+ranks had when calibrated; the full one, else the quick one training makes on first use, made
+here if missing; ``--fresh-calibration DIR``: a quick one taken now, beside the measurements),
+the simulator's dense compute, training loop, ranks' meetings and
 cores' jitter (``recscale.sim.calibrate``, cached; ``--measure-compute`` measures them again;
 a calibration's own jitter first, which its collective figures are fitted net of) and the
 loader's cost for each data set and world size (measured here as each turn starts, a second
@@ -66,7 +68,7 @@ from _common import environment, format_table, write_json  # noqa: E402
 
 from recscale.sharding.plan import ShardingPlan  # noqa: E402
 from recscale.sim.api import simulate  # noqa: E402
-from recscale.sim.calibrate import measure_loader  # noqa: E402
+from recscale.sim.calibrate import measure_loader, one_thread_ranks  # noqa: E402
 from recscale.sim.tiers import EMULATED_FRAMING  # noqa: E402
 from recscale.sim.topology import TC_FRAME_BYTES, ClusterTopology, topology_from_dict  # noqa: E402
 from recscale.train.config import load_config  # noqa: E402
@@ -253,12 +255,20 @@ def topology(g: Group, cfg) -> ClusterTopology:
         # their collectives cost what that many local ranks' cost over TCP
         link.update(shared_machine(world))
     return topology_from_dict({
-        "base": calibration(g.ranks_per_host), "hosts": g.hosts, "ranks_per_host": g.ranks_per_host,
+        "base": calibration(base_ranks(g)), "hosts": g.hosts, "ranks_per_host": g.ranks_per_host,
         **link, "shared_cores": os.cpu_count() or 1,
         "load_s_per_sample": loader_cost(g, cfg), **_COMPUTE,
         # shaped veth links frame as tc counts them; unshaped ranks talk over loopback (MTU 64 KiB)
         **(EMULATED_FRAMING if g.mbit else {"mtu_bytes": 65536, "frame_bytes": TC_FRAME_BYTES}),
     }, "validation")
+
+
+def base_ranks(g: Group) -> int:
+    """The local ranks whose calibration prices the group's ranks' compute. Every rank here trains
+    with one thread (``train.threads=1``), and ``recscale calibrate --ranks N`` gives each rank
+    the cores / N threads: at least as many ranks as cores, whose ranks had one thread each (a
+    one-rank calibration gives its rank every core, and pays their wake-ups at every operator)."""
+    return max(g.ranks_per_host, one_thread_ranks())
 
 
 _LINK_LATENCY: dict[str, float] = {}  # emulated cluster shape -> seconds its link adds to one small gloo collective
@@ -357,9 +367,10 @@ def shared_machine(ranks: int) -> dict[str, float]:
 
 
 def fresh_calibrations(gs: list[Group], out: Path) -> None:
-    """A quick calibration for each group's ranks per host, taken now (before the measurements,
-    under the same load), kept in ``out``, used instead of the cached ones."""
-    for r in sorted({g.ranks_per_host for g in gs}):
+    """A quick calibration for each number of local ranks the groups are priced on, taken now
+    (before the measurements, under the same load), kept in ``out``, used instead of the cached
+    ones."""
+    for r in sorted({base_ranks(g) for g in gs} | {g.hosts * g.ranks_per_host for g in gs if g.mbit}):
         path = out / f"calibration-{r}.json"
         subprocess.run([sys.executable, "-m", "recscale", "calibrate", "--quick", "--ranks", str(r), "--out", str(path)],
                        cwd=ROOT, check=True, capture_output=True, text=True, timeout=900)
@@ -562,9 +573,11 @@ def main(argv: list[str] | None = None) -> int:
         save_compute(m)
     # (not its jitter: a calibrated base prices the wait at the jitter its collectives are fitted
     # net of, else at this same measurement, cached, which topology_from_dict falls back to)
-    _COMPUTE.update(flops_per_s=m.flops_per_s, value_s=m.value_s, op_overhead_s=m.op_overhead_s, loop_s=m.loop_s)
+    _COMPUTE.update(flops_per_s=m.flops_per_s, value_s=m.value_s, op_overhead_s=m.op_overhead_s, loop_s=m.loop_s,
+                    shm_loop_s=m.shm_loop_s, tcp_loop_s=m.tcp_loop_s)
     print(f"dense compute ({source}): {m.flops_per_s / 1e9:.0f} GFLOP/s, {m.value_s * 1e9:.2f} ns per value, "
           f"{m.op_overhead_s * 1e6:.1f} us per operator, training loop {m.loop_s * 1e3:.2f} ms per step, "
+          f"ranks' meetings {m.shm_loop_s * 1e3:.2f} ms (shared memory) and {m.tcp_loop_s * 1e3:.2f} ms (TCP) a step, "
           f"cores' jitter {m.sync_jitter:.2f}")
     for key, c in cases.items():
         g = next(g for g in gs if g.name == key[0])

@@ -4,6 +4,7 @@ and the bytes between ranks of one host are CPU time of those ranks, not a link 
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,7 +31,7 @@ def small(*extra: str):
 def topo(hosts: int = 1, per_host: int = 1, base: str = "local-cpu", **kw):
     return topology_from_dict({"base": base, "hosts": hosts, "ranks_per_host": per_host, "cross_host_mbit": 10_000,
                                "flops_per_s": 2e10, "op_overhead_s": 2e-5, "value_s": 1e-9, "loop_s": 0.0, "sync_jitter": 0.0,
-                               **kw}, "test")
+                               "shm_loop_s": 0.0, "tcp_loop_s": 0.0, **kw}, "test")
 
 
 def _mlp_s(res) -> float:
@@ -134,6 +135,14 @@ def test_training_loop_costs_every_rank_each_step():
     one, one_looped = simulate(cfg, topo()), simulate(cfg, topo(loop_s=1e-3))
     assert one_looped.step_time_s == pytest.approx(one.step_time_s + 1e-3, rel=1e-6)
     assert one_looped.breakdown["training loop"] == pytest.approx(1e-3, rel=1e-6)
+    # ranks that meet pay their meetings' cost on top, as measured (wall time: not stretched),
+    # through shared memory on one host and over TCP between hosts; a lone rank meets no one
+    meets = {"loop_s": 1e-3, "shm_loop_s": 2e-3, "tcp_loop_s": 5e-3}
+    for shape, extra in (((1, 2), 2e-3), ((2, 1), 5e-3), ((1, 1), 0.0)):
+        got = simulate(cfg, topo(*shape, **meets))
+        loop = [op for op in got.ops if op.name == "training loop" and op.step == 2]
+        plain = [op for op in simulate(cfg, topo(*shape, loop_s=1e-3)).ops if op.name == "training loop" and op.step == 2]
+        assert loop[0].duration_s == pytest.approx(plain[0].duration_s + extra, rel=1e-9)
 
 
 def test_loop_measurement_is_the_time_per_step_the_simulator_leaves_out(monkeypatch):
@@ -154,3 +163,37 @@ def test_loop_measurement_is_the_time_per_step_the_simulator_leaves_out(monkeypa
     # what the simulator already prices is never charged twice
     monkeypatch.setattr(cal, "_training_wall_s", lambda config, steps, sets: 2.0 + steps * priced / 2)
     assert cal.measure_loop(c) == 0.0
+
+
+@pytest.mark.parametrize("tcp", [False, True])
+def test_meetings_are_the_time_per_step_the_simulator_leaves_out_of_several_ranks(monkeypatch, tcp):
+    import recscale.sim.calibrate as cal
+    from recscale.sim.topology import DenseCompute
+
+    per_step, calls = 9e-3, []
+
+    def wall(config, steps, sets, ranks=1, tcp=False):
+        calls.append((ranks, tcp))
+        return 3.0 + steps * per_step
+
+    monkeypatch.setattr(cal, "_training_wall_s", wall)
+    monkeypatch.setattr(cal, "measure_loader", lambda cfg, batches=20, world_size=1: 1e-6)
+    c = DenseCompute(2e10, 2e-5, 0.0, 1e-9, loop_s=2e-4, shm_loop_s=1.0, tcp_loop_s=1.0)  # the old ones: not counted
+    got = cal.measure_distributed_loop(c, "local-cpu", tcp=tcp)
+    assert calls == [(2, tcp)] * 2  # two local ranks, over TCP or not, at both step counts
+    cfg = load_config(ROOT / "configs" / "synthetic.toml", [*cal.LOOP_MODEL, "data.num_samples=4096"])
+    shape = {"hosts": 2, "ranks_per_host": 1, "cross_host_mbit": cal.LOOPBACK_MBIT} if tcp else {"ranks_per_host": 2}
+    t = topology_from_dict({"base": "local-cpu", **shape, "shared_cores": os.cpu_count() or 1,
+                            "flops_per_s": 2e10, "op_overhead_s": 2e-5, "value_s": 1e-9, "load_s_per_sample": 1e-6,
+                            "loop_s": 2e-4, "shm_loop_s": 0.0, "tcp_loop_s": 0.0}, "t")
+    priced = simulate(cfg, t).step_time_s
+    assert 0 < priced < per_step
+    assert got == pytest.approx(per_step - priced, rel=1e-6)
+    # priced back into the same step, the measured step comes out
+    key = "tcp_loop_s" if tcp else "shm_loop_s"
+    back = topology_from_dict({"base": "local-cpu", **shape, "shared_cores": os.cpu_count() or 1,
+                               "flops_per_s": 2e10, "op_overhead_s": 2e-5, "value_s": 1e-9, "load_s_per_sample": 1e-6,
+                               "loop_s": 2e-4, "shm_loop_s": 0.0, "tcp_loop_s": 0.0, key: got}, "t")
+    assert simulate(cfg, back).step_time_s == pytest.approx(per_step, rel=1e-3)
+    monkeypatch.setattr(cal, "_training_wall_s", lambda config, steps, sets, ranks=1, tcp=False: steps * priced / 2)
+    assert cal.measure_distributed_loop(c, "local-cpu", tcp=tcp) == 0.0

@@ -1,6 +1,7 @@
 """This machine's dense compute rate for the simulator: DLRM MLPs and the dot interaction,
 forward and backward, timed at one thread (what a CPU rank runs), fitted as FLOPs / rate plus
-a fixed cost per operator; and the training loop's own cost per step. Cached beside
+a fixed cost per operator; the training loop's own cost per step, and what two ranks meeting at
+every collective add to a step, through shared memory and over TCP. Cached beside
 ``recscale calibrate``'s hardware description.
 
 Everything here is timed in wall time, the kind ``recscale calibrate`` times the planner's
@@ -107,10 +108,26 @@ def measure_compute(repeats: int = 15, load_s_per_sample: float = 0.0, loop: boo
         return c
     from recscale.planner.hardware import cached_calibration
 
-    # the loop is timed on one rank: price its embeddings on this machine's one-rank calibration
-    # (another machine's constants, or several ranks' contention, would leave their error in loop_s)
-    cal = next((p for p in (cached_calibration(1), cached_calibration(1, quick=True)) if p.is_file()), None)
-    return replace(c, loop_s=measure_loop(c, str(cal) if cal else "local-cpu"))
+    # the loop is timed on one rank of one thread: price its embeddings on this machine's
+    # calibration whose ranks had one thread each (as many ranks as cores; a one-rank calibration
+    # gives its rank every core, whose wake-ups at every operator a one-thread rank never pays),
+    # else the one-rank one (another machine's constants would leave their error in loop_s)
+    found = (p for n in dict.fromkeys((one_thread_ranks(), 1))
+             for p in (cached_calibration(n), cached_calibration(n, quick=True)))
+    cal = next((p for p in found if p.is_file()), None)
+    c = replace(c, loop_s=measure_loop(c, str(cal) if cal else "local-cpu"))
+    # two ranks' meetings, priced on the calibration for two local ranks (where there is one)
+    two = next((p for p in (cached_calibration(2), cached_calibration(2, True)) if p.is_file()), None)
+    if two is None or (os.cpu_count() or 1) < 2:
+        return c
+    return replace(c, shm_loop_s=measure_distributed_loop(c, str(two), tcp=False),
+                   tcp_loop_s=measure_distributed_loop(c, str(two), tcp=True))
+
+
+def one_thread_ranks() -> int:
+    """The fewest local ranks whose calibration measured a rank with one thread (``recscale
+    calibrate`` gives each of N ranks the cores / N threads): as many as this machine has cores."""
+    return os.cpu_count() or 1
 
 
 # A model so small that its step is almost all fixed cost: the loop's own work shows.
@@ -120,19 +137,28 @@ LOOP_MODEL = ["model.table_rows=[10]", "data.pooling_factors=[1]", "model.embedd
 LOOP_STEPS = (20, 520)
 
 
-def _training_wall_s(config: Path, steps: int, sets: list[str]) -> float:
-    """Wall seconds of a one-rank ``recscale train`` of ``steps`` in its training loop (the
-    trainer's own ``train_seconds``: start-up and evaluation left out)."""
+def _training_wall_s(config: Path, steps: int, sets: list[str], ranks: int = 1, tcp: bool = False) -> float:
+    """Wall seconds of a ``recscale train`` of ``steps`` in its training loop (the trainer's own
+    ``train_seconds``: start-up and evaluation left out), on one rank or ``ranks`` local ones
+    (``tcp``: meeting over gloo's TCP connections, as ranks on different hosts do)."""
+    import socket
     import subprocess
     import sys
     import tempfile
 
     args = [*sets, f"train.max_steps={steps}", f"data.num_samples={16 * (steps + 2)}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **({"RECSCALE_SHARED_MEMORY": "0"} if tcp else {})}
     with tempfile.TemporaryDirectory() as tmp:
         summary = Path(tmp) / "s.json"
         cmd = [sys.executable, "-m", "recscale", "train", "--config", str(config), "--summary-json", str(summary)]
+        if ranks > 1:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            cmd[1:3] = ["-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
+                        f"--master_port={port}", "-m", "recscale"]
         proc = subprocess.run(cmd + [a for s in args for a in ("--set", s)], capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+                              env=env)
         if proc.returncode != 0 or not summary.is_file():
             raise RuntimeError(f"measuring the training loop: recscale train failed: {proc.stderr.strip()[-400:]}")
         return float(json.loads(summary.read_text())["train_seconds"])
@@ -158,6 +184,33 @@ def measure_loop(compute: DenseCompute, base: str = "local-cpu") -> float:
                                "load_s_per_sample": measure_loader(cfg)}, "loop")
     priced = sum(simulate(cfg, topo).busy_s[0].values())
     return max(0.0, per_step - priced)
+
+
+# Ranks over TCP on one machine talk over loopback: a link this fast adds nothing to the
+# few bytes of ``LOOP_MODEL``'s step.
+LOOPBACK_MBIT = 100_000
+
+
+def measure_distributed_loop(compute: DenseCompute, base: str, tcp: bool, ranks: int = 2) -> float:
+    """What a step of ``LOOP_MODEL`` on ``ranks`` local ranks takes beyond the simulator's step
+    for it (``base``: the planner's calibration for that many ranks): the cost of ranks meeting
+    at every collective, their wake-ups and their waits for each other at a handful of meetings
+    a step, which no probe of one part sees. Through shared memory, or over TCP (``tcp``: gloo's
+    connections over loopback, priced as that many hosts of one rank on a fast link)."""
+    from recscale.sim.api import simulate
+    from recscale.sim.topology import topology_from_dict
+    from recscale.train.config import load_config
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "synthetic.toml"
+    short, long = (_training_wall_s(config, n, LOOP_MODEL, ranks, tcp) for n in LOOP_STEPS)
+    per_step = (long - short) / (LOOP_STEPS[1] - LOOP_STEPS[0])
+    cfg = load_config(config, [*LOOP_MODEL, "data.num_samples=4096"])
+    shape = {"hosts": ranks, "ranks_per_host": 1, "cross_host_mbit": LOOPBACK_MBIT} if tcp else {"ranks_per_host": ranks}
+    topo = topology_from_dict({"base": base, **shape, "shared_cores": os.cpu_count() or 1,
+                               "flops_per_s": compute.flops_per_s, "op_overhead_s": compute.op_overhead_s,
+                               "value_s": compute.value_s, "loop_s": compute.loop_s, "shm_loop_s": 0.0, "tcp_loop_s": 0.0,
+                               "load_s_per_sample": measure_loader(cfg, world_size=ranks)}, "loop")
+    return max(0.0, per_step - simulate(cfg, topo).step_time_s)
 
 
 def _nonnegative_fit(a: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -211,5 +264,6 @@ def save_compute(c: DenseCompute, path: Path | None = None) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(p, json.dumps({"flops_per_s": c.flops_per_s, "op_overhead_s": c.op_overhead_s,
                                      "load_s_per_sample": c.load_s_per_sample, "value_s": c.value_s,
-                                     "loop_s": c.loop_s, "sync_jitter": c.sync_jitter}, indent=1) + "\n")
+                                     "loop_s": c.loop_s, "sync_jitter": c.sync_jitter, "shm_loop_s": c.shm_loop_s,
+                                     "tcp_loop_s": c.tcp_loop_s}, indent=1) + "\n")
     return p

@@ -41,8 +41,9 @@ def run(args: argparse.Namespace) -> int:
         c = measure_compute()
         path = save_compute(c)
         print(f"dense compute on this machine: {c.flops_per_s / 1e9:.1f} GFLOP/s per thread, "
-              f"{c.op_overhead_s * 1e6:.0f} us per operator, training loop {c.loop_s * 1e3:.2f} ms per step "
-              f"(cached in {path})")
+              f"{c.op_overhead_s * 1e6:.0f} us per operator, training loop {c.loop_s * 1e3:.2f} ms per step, "
+              f"ranks' meetings {c.shm_loop_s * 1e3:.2f} ms per step through shared memory and "
+              f"{c.tcp_loop_s * 1e3:.2f} ms over TCP (cached in {path})")
     try:
         topo = load_topology(args.topology, args.hosts, args.ranks_per_host)
     except TopologyError as e:

@@ -216,6 +216,9 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
     cpu = c.flops_per_s < 1e12  # a CPU rank's main thread waits in a synchronous collective
     d = inp.dense
     b = int(local)
+    # the loop's own work, and where ranks meet at every collective what that costs a step
+    # beyond the parts priced (measured as wall time on the machine's shared cores: unstretched)
+    loop_s = stretch * c.loop_s + ((c.tcp_loop_s if over_tcp(topo) else c.shm_loop_s) if w > 1 else 0.0)
     # the dense calibration timed one thread: the arithmetic spreads over the rank's cores, the
     # per-operator cost does not (on a CPU; a GPU's rate is its own)
     # (below one core, ranks outnumbering cores, both stretch alike)
@@ -339,8 +342,8 @@ def simulate_step(inp: StepInputs, topo: ClusterTopology) -> StepResult:
         upd = per_rank("embedding backward + update", "embedding backward + update", k, [e * bf / (1 + bf) for e in emb],
                        lambda r: grad_dep if len(grad_dep) == 1 else [grad_dep[r]])
         opt = per_rank("dense optimizer", "dense optimizer", k, optim, lambda r: [upd[r], tail[r], *reduces, bottom_b[r]])
-        if c.loop_s:  # the training loop's own work, whatever the batch
-            opt = per_rank("training loop", "training loop", k, stretch * c.loop_s, lambda r: [opt[r]])
+        if loop_s:  # the training loop's own work, whatever the batch
+            opt = per_rank("training loop", "training loop", k, loop_s, lambda r: [opt[r]])
         if ckpt:
             opt = per_rank("checkpoint stall", "checkpoint", k, ckpt, lambda r: [opt[r]])
         step_end.append(max(sim.ops[i].end for i in opt))

@@ -112,7 +112,7 @@ class TieredCluster:
         return args
 
 
-COMPUTE_KEYS = ("flops_per_s", "op_overhead_s", "value_s", "load_s_per_sample", "loop_s")
+COMPUTE_KEYS = ("flops_per_s", "op_overhead_s", "value_s", "load_s_per_sample", "loop_s", "shm_loop_s", "tcp_loop_s")
 FRAMING_KEYS = ("mtu_bytes", "frame_bytes", "segments_per_ack", "burst_bytes")  # as in a topology file
 # A tc qdisc counts (and its token bucket shapes) each frame's Ethernet header beyond the IP
 # packet, not the preamble, gap or FCS of a physical link; ``recscale cluster``'s token buckets

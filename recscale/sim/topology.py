@@ -17,6 +17,8 @@ file (TOML or JSON)::
     op_overhead_s = 30e-6         # optional: fixed cost per dense operator (launch, autograd)
     value_s = 1e-9                # optional: per activation value written (forward; x3 with backward)
     loop_s = 0.2e-3               # optional: the training loop's own CPU time per step
+    shm_loop_s = 1e-3             # optional: a step of several ranks beyond that, through shared memory
+    tcp_loop_s = 1e-3             # optional: the same for ranks over TCP (on several hosts)
     sync_jitter = 0.2             # optional: the cores' unsteadiness (ranks wait for the slowest)
     load_s_per_sample = 1e-6      # optional: data loader time per sample
     checkpoint_gbyte_s = 1.0      # optional: checkpoint write rate per rank (stalls)
@@ -110,7 +112,10 @@ class DenseCompute:
     the operators priced (pipeline bookkeeping, the loss's record, the guards, the optimizers'
     Python), which does not shrink with a rank's share of the batch; ``sync_jitter``: how
     unsteady the cores' speed is (``recscale.planner.jitter``), which makes ranks that meet at
-    collectives wait for the slowest."""
+    collectives wait for the slowest. ``shm_loop_s`` and ``tcp_loop_s``: what a step of
+    several ranks costs beyond that (their meetings at every collective: the wake-ups and the
+    waits for each other that no probe of one part sees), for ranks that meet through shared
+    memory and over TCP."""
 
     flops_per_s: float
     op_overhead_s: float = 0.0
@@ -118,6 +123,8 @@ class DenseCompute:
     value_s: float = 0.0
     loop_s: float = 0.0
     sync_jitter: float = 0.0
+    shm_loop_s: float = 0.0
+    tcp_loop_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -259,7 +266,7 @@ _KEYS = {"base", "hosts", "ranks_per_host", "cross_host_mbit", "cross_host_laten
          "flops_per_s", "op_overhead_s", "load_s_per_sample", "tiers", "name", "checkpoint_gbyte_s",
          "shared_cores", "value_s", "send_buffer_mib", "mtu_bytes", "frame_bytes", "segments_per_ack",
          "cores_per_host", "loop_s", "burst_bytes", "contention", "sync_jitter", "tcp_latency_ms",
-         "tcp_replica_latency_ms", "tcp_replica_byte_ns", "tcp_call_ms"}
+         "tcp_replica_latency_ms", "tcp_replica_byte_ns", "tcp_call_ms", "shm_loop_s", "tcp_loop_s"}
 
 
 def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = None,
@@ -297,6 +304,8 @@ def topology_from_dict(d: dict, source: str = "topology", hosts: int | None = No
         _num(d, "value_s", source, c0.value_s),  # type: ignore[arg-type]
         _num(d, "loop_s", source, c0.loop_s),  # type: ignore[arg-type]
         _num(d, "sync_jitter", source, c0.sync_jitter),  # type: ignore[arg-type]
+        _num(d, "shm_loop_s", source, c0.shm_loop_s),  # type: ignore[arg-type]
+        _num(d, "tcp_loop_s", source, c0.tcp_loop_s),  # type: ignore[arg-type]
     )
     tiers = []
     for i, t in enumerate(d.get("tiers", [])):
