@@ -306,12 +306,14 @@ def dp_group_flags(kinds: dict[str, str], dims: dict[str, int], dense_dp: frozen
 
 
 def collectives_per_step(kinds: dict[str, str], dims: dict[str, int], weighted: bool = False, hosts: int = 1,
-                         dense_dp: frozenset[str] = frozenset()) -> int:
+                         dense_dp: frozenset[str] = frozenset(), ranks_per_host: int = 2) -> int:
     """``collective_count`` of a plan given as table -> sharding type (``dense_dp``: the
-    data-parallel tables reduced densely)."""
+    data-parallel tables reduced densely); table-row-wise tables take the two-stage path only on
+    several hosts of several ranks each."""
     distributed = not kinds or any(k != "data_parallel" for k in kinds.values())
+    hierarchical = hosts > 1 and ranks_per_host > 1 and "table_row_wise" in kinds.values()
     return collective_count(distributed, dp_group_flags(kinds, dims, dense_dp), "column_wise" in kinds.values(),
-                            hosts > 1 and "table_row_wise" in kinds.values(), weighted)
+                            hierarchical, weighted)
 
 
 def collective_s(hw: Hardware, replica: bool = False) -> float:
@@ -341,7 +343,7 @@ def source_cost(tables: list[TableSpec], hw: Hardware, wl: Workload, kinds: dict
     packing = sum(packing_s(t, hw, wl) for t in tables if kinds.get(t.name) != "data_parallel")
     dense = frozenset(t.name for t in tables if kinds.get(t.name) == "data_parallel" and dp_reduces_dense(t, hw, wl))
     dims = {t.name: t.dim for t in tables}
-    coll = collectives_per_step(kinds, dims, hosts=hw.num_hosts, dense_dp=dense)
+    coll = collectives_per_step(kinds, dims, hosts=hw.num_hosts, dense_dp=dense, ranks_per_host=hw.ranks_per_host)
     dp_groups = dp_group_flags(kinds, dims, dense)
     replica = group_collectives(dp_groups)
     return (

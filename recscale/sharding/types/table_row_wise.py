@@ -74,11 +74,13 @@ class TableRowWise(RowWise):
 
 
 def _hierarchy(context: ShardingContext) -> TableRowWiseHierarchy | None:
-    """The two-stage output path, when there are several hosts and each table-row-wise table
-    has one shard on every rank of its host (else None: the flat path)."""
+    """The two-stage output path, when there are several hosts of several ranks and each
+    table-row-wise table has one shard on every rank of its host (else None: the flat path; a
+    host of one rank has no partial sums to reduce, and its stages would be exchanges with
+    itself that still wait for every rank)."""
     topology = context.groups.topology
     plans = [table_plan for table_plan in context.plan.tables if table_plan.sharding_type == TableRowWise.name]
-    if not plans or topology.num_hosts < 2 or topology.world_size != context.world:
+    if not plans or topology.num_hosts < 2 or topology.ranks_per_host < 2 or topology.world_size != context.world:
         return None
     blocks: list[list[tuple[str, int]]] = [[] for _ in range(topology.num_hosts)]
     for table_plan in plans:
