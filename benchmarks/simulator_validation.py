@@ -41,7 +41,7 @@ a calibration's own jitter first, which its collective figures are fitted net of
 loader's cost for each data set and world size (measured here as each turn starts, a second
 each, and the median over turns kept; ``--refit`` reuses them). The full run (53
 configurations, ``--turns 5``, 60 steps on emulated hosts and 300 on this host alone: 265 runs
-of 10-30 s) takes about 85 minutes on 2 cores; ``--quick`` (9, one turn, 20 steps)
+of 5-30 s) takes 40-85 minutes on 2 cores, by the machine; ``--quick`` (9, one turn, 20 steps)
 about 4.5 minutes.
 
 Run it alone on the machine: it times things.
