@@ -178,6 +178,10 @@ def test_validation_scoring():
     import simulator_validation as sv
 
     assert sv.kendall_tau([1, 2, 3], [10, 20, 30]) == 1.0 and sv.kendall_tau([1, 2, 3], [3, 2, 1]) == -1.0
+    # predictions equal but for rounding are a tie (0), not an order; a real difference counts
+    tie = 12980.549256522901
+    assert sv.kendall_tau([2, 1, 3], [tie, tie + 4e-12, 30000]) == pytest.approx(2 / 3)
+    assert sv.kendall_tau([2, 1, 3], [tie, tie - 1e-3, 30000]) == 1.0
     g = sv.Group("g", 1, 2, None, ("a", "b", "c"))
     cases = {("g", "a"): sv.Case("g", "a", [100.0], 110.0), ("g", "b"): sv.Case("g", "b", [200.0], 180.0),
              ("g", "c"): sv.Case("g", "c", [196.0], 190.0)}
