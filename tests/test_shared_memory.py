@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from recscale.comm.collectives import (all_gather_concat, all_gather_rows, all_gather_sizes, all_to_all, all_to_all_async,
-                                      all_to_all_unsized_async)
+from recscale.comm.collectives import (all_gather_concat, all_gather_rows, all_gather_sizes, all_to_all,
+                                      all_to_all_async, all_to_all_unsized_async)
 from recscale.comm.errors import DistributedError
 from recscale.comm.shared_memory import SLOTS, enable_shared_memory, shared_memory_group, shared_memory_supported
 from tests.dist_utils import run_ranks

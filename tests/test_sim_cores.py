@@ -141,7 +141,8 @@ def test_training_loop_costs_every_rank_each_step():
     for shape, extra in (((1, 2), 2e-3), ((2, 1), 5e-3), ((1, 1), 0.0)):
         got = simulate(cfg, topo(*shape, **meets))
         loop = [op for op in got.ops if op.name == "training loop" and op.step == 2]
-        plain = [op for op in simulate(cfg, topo(*shape, loop_s=1e-3)).ops if op.name == "training loop" and op.step == 2]
+        plain = [op for op in simulate(cfg, topo(*shape, loop_s=1e-3)).ops
+                 if op.name == "training loop" and op.step == 2]
         assert loop[0].duration_s == pytest.approx(plain[0].duration_s + extra, rel=1e-9)
 
 

@@ -159,8 +159,8 @@ def all_to_all_unsized_async(
     send_splits, name)`` each), started in order. Through shared memory the sizes travel with
     the data; through the process group's backend one blocking exchange carries all their
     sizes first (``exchange_sizes``): one round trip, not one per exchange."""
-    shm = group is not None and bool(parts) and parts[0][0].device.type == "cpu" and shared_memory_group(group) is not None
-    if group is None or shm or not parts:
+    on_cpu = bool(parts) and parts[0][0].device.type == "cpu"
+    if group is None or not parts or (on_cpu and shared_memory_group(group) is not None):
         return [_start_all_to_all(x, splits, None, group, stats, name) for x, splits, name in parts]
     recv = exchange_sizes([splits for _, splits, _ in parts], group, parts[0][0].device,
                           "+".join(name for *_, name in parts) + ".sizes")

@@ -157,8 +157,8 @@ def _training_wall_s(config: Path, steps: int, sets: list[str], ranks: int = 1, 
                 port = sock.getsockname()[1]
             cmd[1:3] = ["-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
                         f"--master_port={port}", "-m", "recscale"]
-        proc = subprocess.run(cmd + [a for s in args for a in ("--set", s)], capture_output=True, text=True, timeout=600,
-                              env=env)
+        proc = subprocess.run(cmd + [a for s in args for a in ("--set", s)], capture_output=True, text=True,
+                              timeout=600, env=env)
         if proc.returncode != 0 or not summary.is_file():
             raise RuntimeError(f"measuring the training loop: recscale train failed: {proc.stderr.strip()[-400:]}")
         return float(json.loads(summary.read_text())["train_seconds"])
@@ -205,10 +205,12 @@ def measure_distributed_loop(compute: DenseCompute, base: str, tcp: bool, ranks:
     short, long = (_training_wall_s(config, n, LOOP_MODEL, ranks, tcp) for n in LOOP_STEPS)
     per_step = (long - short) / (LOOP_STEPS[1] - LOOP_STEPS[0])
     cfg = load_config(config, [*LOOP_MODEL, "data.num_samples=4096"])
-    shape = {"hosts": ranks, "ranks_per_host": 1, "cross_host_mbit": LOOPBACK_MBIT} if tcp else {"ranks_per_host": ranks}
+    shape = ({"hosts": ranks, "ranks_per_host": 1, "cross_host_mbit": LOOPBACK_MBIT} if tcp
+             else {"ranks_per_host": ranks})
     topo = topology_from_dict({"base": base, **shape, "shared_cores": os.cpu_count() or 1,
                                "flops_per_s": compute.flops_per_s, "op_overhead_s": compute.op_overhead_s,
-                               "value_s": compute.value_s, "loop_s": compute.loop_s, "shm_loop_s": 0.0, "tcp_loop_s": 0.0,
+                               "value_s": compute.value_s, "loop_s": compute.loop_s,
+                               "shm_loop_s": 0.0, "tcp_loop_s": 0.0,  # what is measured here
                                "load_s_per_sample": measure_loader(cfg, world_size=ranks)}, "loop")
     return max(0.0, per_step - simulate(cfg, topo).step_time_s)
 
