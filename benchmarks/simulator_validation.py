@@ -437,8 +437,9 @@ def resolved_tau(members: list[Case], pred: list[float]) -> tuple[float | None, 
     pairs = resolved_pairs(members)
     s, wrong = 0, []
     for fast, slow in pairs:
-        s += order(pred[fast], pred[slow])
-        if order(pred[fast], pred[slow]) < 0:
+        o = order(pred[fast], pred[slow])
+        s += o
+        if o < 0:
             wrong.append(f"{members[fast].plan} > {members[slow].plan}")
     return (s / len(pairs) if pairs else None), len(pairs), wrong
 

@@ -106,18 +106,16 @@ def measure_compute(repeats: int = 15, load_s_per_sample: float = 0.0, loop: boo
                      sync_jitter=measure_jitter(os.cpu_count() or 1))
     if not loop:
         return c
-    from recscale.planner.hardware import cached_calibration
+    from recscale.planner.hardware import machine_calibration
 
     # the loop is timed on one rank of one thread: price its embeddings on this machine's
     # calibration whose ranks had one thread each (as many ranks as cores; a one-rank calibration
     # gives its rank every core, whose wake-ups at every operator a one-thread rank never pays),
     # else the one-rank one (another machine's constants would leave their error in loop_s)
-    found = (p for n in dict.fromkeys((one_thread_ranks(), 1))
-             for p in (cached_calibration(n), cached_calibration(n, quick=True)))
-    cal = next((p for p in found if p.is_file()), None)
+    cal = machine_calibration(one_thread_ranks(), make=False)[0] or machine_calibration(1, make=False)[0]
     c = replace(c, loop_s=measure_loop(c, str(cal) if cal else "local-cpu"))
     # two ranks' meetings, priced on the calibration for two local ranks (where there is one)
-    two = next((p for p in (cached_calibration(2), cached_calibration(2, True)) if p.is_file()), None)
+    two = machine_calibration(2, make=False)[0]
     if two is None or (os.cpu_count() or 1) < 2:
         return c
     return replace(c, shm_loop_s=measure_distributed_loop(c, str(two), tcp=False),
@@ -141,10 +139,11 @@ def _training_wall_s(config: Path, steps: int, sets: list[str], ranks: int = 1, 
     """Wall seconds of a ``recscale train`` of ``steps`` in its training loop (the trainer's own
     ``train_seconds``: start-up and evaluation left out), on one rank or ``ranks`` local ones
     (``tcp``: meeting over gloo's TCP connections, as ranks on different hosts do)."""
-    import socket
     import subprocess
     import sys
     import tempfile
+
+    from recscale.comm.local_processes import free_port
 
     args = [*sets, f"train.max_steps={steps}", f"data.num_samples={16 * (steps + 2)}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **({"RECSCALE_SHARED_MEMORY": "0"} if tcp else {})}
@@ -152,11 +151,8 @@ def _training_wall_s(config: Path, steps: int, sets: list[str], ranks: int = 1, 
         summary = Path(tmp) / "s.json"
         cmd = [sys.executable, "-m", "recscale", "train", "--config", str(config), "--summary-json", str(summary)]
         if ranks > 1:
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
             cmd[1:3] = ["-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
-                        f"--master_port={port}", "-m", "recscale"]
+                        f"--master_port={free_port()}", "-m", "recscale"]
         proc = subprocess.run(cmd + [a for s in args for a in ("--set", s)], capture_output=True, text=True,
                               timeout=600, env=env)
         if proc.returncode != 0 or not summary.is_file():
